@@ -1,0 +1,168 @@
+#include "autograd/tape.h"
+#include <algorithm>
+#include "core/kernels.h"
+
+namespace lintape::autograd {
+namespace {
+
+thread_local bool t_grad_enabled = true;
+thread_local std::vector<std::weak_ptr<Node>> t_tape;
+thread_local uint64_t t_next_seq = 0;
+thread_local size_t t_compact_at = 1024;
+
+void compact_tape() {
+  t_tape.erase(std::remove_if(t_tape.begin(), t_tape.end(),
+                              [](const std::weak_ptr<Node>& w) {
+                                auto n = w.lock();
+                                return !n || n->released;
+                              }),
+               t_tape.end());
+  t_compact_at = std::max<size_t>(1024, 2 * t_tape.size());
+}
+
+// slot += g, out of place, so that a gradient tensor handed to two consumers is never written twice.
+void add_into(Tensor& slot, const Tensor& g) {
+  if (!slot.defined()) {
+    slot = g;
+    return;
+  }
+  Tensor sum = empty(slot.shape(), slot.dtype(), slot.device());
+  sum.copy_(slot);
+  accumulate_(sum, g);
+  slot = sum;
+}
+
+void accumulate_leaf(TensorImpl& leaf, const Tensor& g) {
+  if (!leaf.grad) {
+    // Take ownership when nobody else holds the gradient's storage; copy otherwise.
+    bool sole = g.impl_ptr().use_count() == 1 && g.impl()->storage.use_count() == 1 &&
+                g.device() == leaf.storage->device && g.is_contiguous() && g.dtype() == leaf.dtype;
+    Tensor own = sole ? g.detach() : empty(leaf.shape, leaf.dtype, leaf.storage->device);
+    if (!sole) own.copy_(g);
+    leaf.grad = own.impl_ptr();
+    return;
+  }
+  accumulate_(Tensor(leaf.grad), g.dtype() == leaf.dtype ? g : g.to(leaf.dtype));
+}
+
+[[noreturn]] void fail_released(const Node& n) {
+  fail(str("backward through '", n.name, "' a second time: its saved tensors were freed by the first ",
+           "backward; pass retain_graph=true to the first call to keep them"));
+}
+
+}  // namespace
+
+bool grad_enabled() { return t_grad_enabled; }
+NoGradGuard::NoGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = false; }
+NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
+
+bool needs_grad(const std::vector<Tensor>& inputs) {
+  if (!t_grad_enabled) return false;
+  for (const Tensor& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+bool needs_grad(std::initializer_list<Tensor> inputs) { return needs_grad(std::vector<Tensor>(inputs)); }
+
+void record(const char* name, const std::vector<Input>& inputs, const std::vector<Tensor>& outputs,
+            BackwardFn fn) {
+  if (!t_grad_enabled) return;
+  bool any = false;
+  for (const Input& in : inputs) any = any || (in.tensor.defined() && in.tensor.requires_grad());
+  if (!any) return;
+
+  auto node = std::make_shared<Node>();
+  node->name = name;
+  node->seq = t_next_seq++;
+  node->has_backward = static_cast<bool>(fn);
+  node->backward = std::move(fn);
+  node->grad_slots.resize(outputs.size());
+  for (const Input& in : inputs) {
+    Edge e;
+    if (in.tensor.defined() && in.tensor.requires_grad()) {
+      e.shape = in.tensor.shape();
+      e.dtype = in.tensor.dtype();
+      if (in.nondiff)
+        e.nondiff = in.nondiff;
+      else if (in.tensor.is_leaf())
+        e.leaf = in.tensor.impl_ptr();
+      else {
+        e.node = in.tensor.grad_fn();
+        e.output_index = in.tensor.impl()->output_index;
+      }
+    }
+    node->inputs.push_back(std::move(e));
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TensorImpl* out = outputs[i].impl();
+    out->requires_grad = true;
+    out->grad_fn = node;
+    out->output_index = int(i);
+  }
+  t_tape.push_back(node);
+  if (t_tape.size() >= t_compact_at) compact_tape();
+}
+
+void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) {
+  LT_CHECK(loss.defined(), "backward: the loss is an undefined tensor");
+  LT_CHECK(loss.requires_grad(), "backward: the loss does not require grad (no input of the ops that made it ",
+           "requires grad, or it was computed under NoGradGuard)");
+  Tensor seed = grad_output;
+  if (!seed.defined()) {
+    LT_CHECK(loss.numel() == 1, "backward: a loss of shape ", shape_str(loss.shape()),
+             " needs an explicit grad_output (only one-element losses default to 1)");
+    seed = ones(loss.shape(), loss.dtype(), loss.device());
+  }
+  LT_CHECK(seed.shape() == loss.shape(), "backward: grad_output has shape ", shape_str(seed.shape()),
+           " but the loss has shape ", shape_str(loss.shape()));
+  if (loss.is_leaf()) {
+    accumulate_leaf(*loss.impl(), seed);
+    return;
+  }
+  std::shared_ptr<Node> root = loss.grad_fn();
+  if (root->released) fail_released(*root);
+  add_into(root->grad_slots[size_t(loss.impl()->output_index)], seed);
+
+  NoGradGuard no_grad;
+  for (size_t i = t_tape.size(); i-- > 0;) {
+    std::shared_ptr<Node> node = t_tape[i].lock();
+    if (!node || node->seq > root->seq) continue;
+    bool has_grad = false;
+    for (const Tensor& g : node->grad_slots) has_grad = has_grad || g.defined();
+    if (!has_grad) continue;
+    if (node->released) fail_released(*node);
+    if (!node->has_backward) fail(str("[", node->name, "] has no backward: no gradient can flow through it"));
+
+    Grads gouts = std::move(node->grad_slots);
+    node->grad_slots.assign(gouts.size(), Tensor());
+    Grads gins = node->backward(gouts);
+    LT_CHECK(gins.size() == node->inputs.size(), "[", node->name, "] backward returned ", gins.size(),
+             " gradients for ", node->inputs.size(), " inputs");
+    for (size_t k = 0; k < gins.size(); ++k) {
+      const Edge& e = node->inputs[k];
+      const Tensor& g = gins[k];
+      if (!g.defined() || !e.wants_grad()) continue;
+      if (e.nondiff)
+        fail(str("[", node->name, "] has no gradient for its input '", e.nondiff,
+                 "' (not differentiable), but that input requires grad"));
+      LT_CHECK(g.shape() == e.shape, "[", node->name, "] backward returned a gradient of shape ",
+               shape_str(g.shape()), " for input ", k, " of shape ", shape_str(e.shape));
+      if (e.node)
+        add_into(e.node->grad_slots[size_t(e.output_index)], g);
+      else
+        accumulate_leaf(*e.leaf, g);
+    }
+    if (!retain_graph) {
+      node->backward = nullptr;  // frees the saved context
+      node->released = true;
+    }
+  }
+  compact_tape();
+}
+
+size_t tape_size() {
+  compact_tape();
+  return t_tape.size();
+}
+
+}  // namespace lintape::autograd

@@ -1,0 +1,3 @@
+// The lintape command-line tool.
+#include <cstdio>
+int main() { return 0; }

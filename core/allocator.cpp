@@ -1,0 +1,155 @@
+#include "core/allocator.h"
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <vector>
+#include "core/error.h"
+#if LINTAPE_WITH_CUDA
+#include "core/cuda.h"
+#endif
+
+namespace lintape {
+namespace {
+
+std::string mib(size_t bytes) { return str(double(bytes) / (1024.0 * 1024.0), " MiB"); }
+
+// One device's cache: free blocks by rounded size. A request takes the smallest cached block that is
+// at least as large and at most twice as large; otherwise it allocates. Sizes are rounded up to 512
+// bytes (2 MiB above 1 MiB requests) so that blocks of similar sizes are shared.
+class CachingAllocator {
+ public:
+  explicit CachingAllocator(Device d) : device_(d) {}
+
+  void* allocate(size_t bytes, size_t* rounded_out) {
+    size_t rounded = round_size(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    void* p = nullptr;
+    auto it = free_.lower_bound(rounded);
+    if (it != free_.end() && it->first <= 2 * rounded) {
+      rounded = it->first;
+      p = it->second;
+      free_.erase(it);
+    } else {
+      p = raw_alloc(rounded);
+      if (!p) {  // give the cache back and try once more
+        release_cached();
+        p = raw_alloc(rounded);
+      }
+      if (!p)
+        fail(str("out of memory on ", device_.name(), ": asked for ", bytes, " bytes (", mib(bytes), "); in use ",
+                 mib(stats_.in_use), ", peak ", mib(stats_.peak), ", reserved ", mib(stats_.reserved), " in ",
+                 stats_.device_allocs, " allocations"));
+      stats_.reserved += rounded;
+      stats_.device_allocs += 1;
+    }
+    stats_.in_use += rounded;
+    if (stats_.in_use > stats_.peak) stats_.peak = stats_.in_use;
+    *rounded_out = rounded;
+    return p;
+  }
+
+  void deallocate(void* p, size_t rounded) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.in_use -= rounded;
+    free_.emplace(rounded, p);
+  }
+
+  MemoryStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak = stats_.in_use;
+  }
+  void empty_cache() {
+    std::lock_guard<std::mutex> lock(mu_);
+    release_cached();
+  }
+
+ private:
+  static size_t round_size(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    size_t unit = bytes > (1u << 20) ? (2u << 20) : 512;
+    return (bytes + unit - 1) / unit * unit;
+  }
+
+  void* raw_alloc(size_t bytes) {
+    if (device_.is_cuda()) {
+#if LINTAPE_WITH_CUDA
+      int prev = cuda::current_device();
+      LT_CUDA_CHECK(cudaSetDevice(device_.index));
+      void* p = nullptr;
+      cudaError_t err = cudaMalloc(&p, bytes);
+      LT_CUDA_CHECK(cudaSetDevice(prev));
+      if (err == cudaErrorMemoryAllocation) {
+        cudaGetLastError();
+        return nullptr;
+      }
+      LT_CUDA_CHECK(err);
+      return p;
+#else
+      fail("lintape was built without CUDA");
+#endif
+    }
+    return std::aligned_alloc(64, bytes);  // rounded sizes are multiples of 64
+  }
+
+  void raw_free(void* p) {
+    if (device_.is_cuda()) {
+#if LINTAPE_WITH_CUDA
+      // Blocks may still be in use by queued work on the stream: wait for it before freeing.
+      LT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream(device_.index)));
+      LT_CUDA_CHECK(cudaFree(p));
+#endif
+    } else {
+      std::free(p);
+    }
+  }
+
+  void release_cached() {
+    for (auto& [size, p] : free_) {
+      raw_free(p);
+      stats_.reserved -= size;
+    }
+    free_.clear();
+  }
+
+  Device device_;
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+  MemoryStats stats_;
+};
+
+CachingAllocator& allocator_for(Device d) {
+  static std::mutex mu;
+  static CachingAllocator cpu(Device::cpu());
+  static std::vector<std::unique_ptr<CachingAllocator>> gpus;
+  if (!d.is_cuda()) return cpu;
+  LT_CHECK(d.index >= 0 && d.index < cuda_device_count(), "no CUDA device ", d.name(),
+           cuda_device_count() == 0 ? " (no CUDA device is available on this machine or lintape was built without CUDA)"
+                                    : str(" (this machine has ", cuda_device_count(), ")"));
+  std::lock_guard<std::mutex> lock(mu);
+  if (gpus.empty()) gpus.resize(size_t(cuda_device_count()));
+  auto& a = gpus[size_t(d.index)];
+  if (!a) a = std::make_unique<CachingAllocator>(d);
+  return *a;
+}
+
+}  // namespace
+
+Storage::Storage(size_t n, Device d) : bytes(n), device(d) {
+  size_t rounded = 0;
+  data = allocator_for(d).allocate(n, &rounded);
+  reserved_ = rounded;
+}
+
+Storage::~Storage() {
+  if (data) allocator_for(device).deallocate(data, reserved_);
+}
+
+MemoryStats memory_stats(Device d) { return allocator_for(d).stats(); }
+void reset_peak_memory(Device d) { allocator_for(d).reset_peak(); }
+void empty_cache(Device d) { allocator_for(d).empty_cache(); }
+
+}  // namespace lintape

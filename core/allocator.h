@@ -1,0 +1,38 @@
+// Caching allocator, one per device. Freed blocks go back to a per-size cache and are handed out
+// again without a device allocation; all device work runs on one stream per device, so reuse in
+// stream order is safe. Every tensor's storage comes from here, so current and peak bytes are exact.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include "core/device.h"
+
+namespace lintape {
+
+struct MemoryStats {
+  size_t in_use = 0;          // bytes held by live storages (rounded block sizes)
+  size_t peak = 0;            // most bytes in use since the last reset_peak_memory()
+  size_t reserved = 0;        // bytes obtained from the system/driver, in use or cached
+  size_t device_allocs = 0;   // number of system/driver allocations made so far
+};
+
+MemoryStats memory_stats(Device d);
+void reset_peak_memory(Device d);
+void empty_cache(Device d);  // returns cached, unused blocks to the system/driver
+
+// A block of raw memory on one device; returns itself to the cache when the last owner lets go.
+struct Storage {
+  void* data = nullptr;
+  size_t bytes = 0;  // requested size
+  Device device;
+  uint64_t version = 0;  // bumped by in-place writes; caches keyed on a tensor's contents check it
+  Storage(size_t bytes, Device device);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+ private:
+  size_t reserved_ = 0;  // the rounded block size taken from the cache
+};
+
+}  // namespace lintape

@@ -1,0 +1,100 @@
+#include "core/cuda.h"
+#include "core/error.h"
+#include "core/device.h"
+#include <mutex>
+#include <vector>
+
+namespace lintape {
+
+Device parse_device(const std::string& s) {
+  if (s == "cpu") return Device::cpu();
+  if (s == "cuda") return Device::cuda(0);
+  if (s.rfind("cuda:", 0) == 0) {
+    try {
+      return Device::cuda(std::stoi(s.substr(5)));
+    } catch (const std::exception&) {
+    }
+  }
+  fail(str("unknown device '", s, "'; expected cpu, cuda or cuda:N"));
+}
+
+#if LINTAPE_WITH_CUDA
+int cuda_device_count() {
+  static int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky "no device" error
+      return 0;
+    }
+    return n;
+  }();
+  return count;
+}
+#else
+int cuda_device_count() { return 0; }
+#endif
+bool cuda_available() { return cuda_device_count() > 0; }
+
+}  // namespace lintape
+
+#if LINTAPE_WITH_CUDA
+namespace lintape::cuda {
+
+void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
+  throw Error(str("CUDA error: ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ") in ", call, " at ",
+                  file, ":", line));
+}
+
+void throw_cublas_error(cublasStatus_t st, const char* call, const char* file, int line) {
+  throw Error(str("cuBLAS error: status ", int(st), " in ", call, " at ", file, ":", line));
+}
+
+namespace {
+struct PerDevice {
+  cudaStream_t stream = nullptr;
+  cublasLtHandle_t lt = nullptr;
+};
+std::mutex mu;
+std::vector<PerDevice>& devices() {
+  static std::vector<PerDevice> d(size_t(std::max(cuda_device_count(), 1)));
+  return d;
+}
+}  // namespace
+
+int current_device() {
+  int d = 0;
+  LT_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
+void set_device(int device) {
+  LT_CHECK(device >= 0 && device < cuda_device_count(), "cuda:", device, " does not exist; this machine has ",
+           cuda_device_count(), " CUDA device(s)");
+  LT_CUDA_CHECK(cudaSetDevice(device));
+}
+
+cudaStream_t stream(int device) {
+  if (device < 0) device = current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  PerDevice& pd = devices().at(size_t(device));
+  if (!pd.stream) {
+    int prev = current_device();
+    LT_CUDA_CHECK(cudaSetDevice(device));
+    LT_CUDA_CHECK(cudaStreamCreateWithFlags(&pd.stream, cudaStreamNonBlocking));
+    LT_CUDA_CHECK(cudaSetDevice(prev));
+  }
+  return pd.stream;
+}
+
+cublasLtHandle_t cublaslt_handle() {
+  int device = current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  PerDevice& pd = devices().at(size_t(device));
+  if (!pd.lt) LT_CUBLAS_CHECK(cublasLtCreate(&pd.lt));
+  return pd.lt;
+}
+
+void synchronize(int device) { LT_CUDA_CHECK(cudaStreamSynchronize(stream(device))); }
+
+}  // namespace lintape::cuda
+#endif

@@ -1,0 +1,192 @@
+#include "ops/shape.h"
+#include <numeric>
+#include "autograd/tape.h"
+
+namespace lintape {
+using autograd::Grads;
+using autograd::record;
+
+int64_t wrap_dim(int64_t dim, int64_t rank, const char* op) {
+  LT_CHECK(dim >= -rank && dim < rank, "[", op, "] dim ", dim, " is out of range for a tensor with ", rank,
+           " dims");
+  return dim < 0 ? dim + rank : dim;
+}
+
+namespace {
+Tensor alias(const Tensor& t, const Shape& shape, const Shape& strides, int64_t offset) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = t.impl()->storage;
+  impl->shape = shape;
+  impl->strides = strides;
+  impl->offset = offset;
+  impl->dtype = t.dtype();
+  return Tensor(impl);
+}
+
+Shape infer_shape(const Shape& shape, int64_t numel, const char* op) {
+  Shape out = shape;
+  int64_t known = 1, infer = -1;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i] == -1) {
+      LT_CHECK(infer < 0, "[", op, "] only one dim may be -1; got ", shape_str(shape));
+      infer = int64_t(i);
+    } else {
+      LT_CHECK(out[i] >= 0, "[", op, "] invalid size in ", shape_str(shape));
+      known *= out[i];
+    }
+  }
+  if (infer >= 0) {
+    LT_CHECK(known > 0 && numel % known == 0, "[", op, "] cannot infer -1 in ", shape_str(shape), " for ", numel,
+             " elements");
+    out[size_t(infer)] = numel / known;
+  }
+  LT_CHECK(shape_numel(out) == numel, "[", op, "] shape ", shape_str(shape), " has ", shape_numel(out),
+           " elements; the tensor has ", numel);
+  return out;
+}
+
+// A view needs a contiguous tensor; anything else goes through reshape(), which copies.
+bool view_strides(const Tensor& t, const Shape& shape, Shape& strides) {
+  if (!t.is_contiguous()) return false;
+  strides = contiguous_strides(shape);
+  return true;
+}
+
+Tensor copy_to(const Tensor& t, DType dtype, Device device) {
+  Tensor out = empty(t.shape(), dtype, device);
+  out.copy_(t);
+  return out;
+}
+}  // namespace
+
+Tensor Tensor::view(const Shape& shape_in) const {
+  Shape shape = infer_shape(shape_in, numel(), "view");
+  Shape st;
+  LT_CHECK(view_strides(*this, shape, st), "[view] a tensor of shape ", shape_str(this->shape()),
+           " with strides ", shape_str(strides()), " is not contiguous and cannot be viewed as ",
+           shape_str(shape), "; call reshape() (which copies) or contiguous() first");
+  Tensor out = alias(*this, shape, st, offset());
+  Shape in_shape = this->shape();
+  record("view", {*this}, {out}, [in_shape](const Grads& g) -> Grads { return {g[0].reshape(in_shape)}; });
+  return out;
+}
+
+Tensor Tensor::reshape(const Shape& shape_in) const {
+  Shape shape = infer_shape(shape_in, numel(), "reshape");
+  Shape st;
+  if (view_strides(*this, shape, st)) return view(shape);
+  return contiguous().view(shape);
+}
+
+Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
+  int64_t n = dim();
+  LT_CHECK(int64_t(dims.size()) == n, "[permute] expected ", n, " dims; got ", dims.size());
+  std::vector<bool> seen(size_t(n), false);
+  Shape shape(static_cast<size_t>(n)), st(static_cast<size_t>(n));
+  std::vector<int64_t> inverse(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t d = wrap_dim(dims[size_t(i)], n, "permute");
+    LT_CHECK(!seen[size_t(d)], "[permute] dim ", d, " appears twice");
+    seen[size_t(d)] = true;
+    shape[size_t(i)] = this->shape()[size_t(d)];
+    st[size_t(i)] = strides()[size_t(d)];
+    inverse[size_t(d)] = i;
+  }
+  Tensor out = alias(*this, shape, st, offset());
+  record("permute", {*this}, {out}, [inverse](const Grads& g) -> Grads { return {g[0].permute(inverse)}; });
+  return out;
+}
+
+Tensor Tensor::transpose(int64_t a, int64_t b) const {
+  std::vector<int64_t> dims(static_cast<size_t>(dim()));
+  std::iota(dims.begin(), dims.end(), 0);
+  std::swap(dims[size_t(wrap_dim(a, dim(), "transpose"))], dims[size_t(wrap_dim(b, dim(), "transpose"))]);
+  return permute(dims);
+}
+
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  d = wrap_dim(d, dim(), "narrow");
+  int64_t n = shape()[size_t(d)];
+  LT_CHECK(start >= 0 && length >= 0 && start + length <= n, "[narrow] range [", start, ", ", start + length,
+           ") is outside dim ", d, " of size ", n);
+  Shape shape = this->shape();
+  shape[size_t(d)] = length;
+  Tensor out = alias(*this, shape, strides(), offset() + start * strides()[size_t(d)]);
+  Tensor like = detach();
+  record("narrow", {*this}, {out}, [like, d, start, length](const Grads& g) -> Grads {
+    Tensor full = zeros(like.shape(), g[0].dtype(), g[0].device());
+    full.detach().narrow(d, start, length).copy_(g[0]);
+    return {full};
+  });
+  return out;
+}
+
+Tensor Tensor::contiguous() const {
+  if (is_contiguous()) return *this;
+  Tensor out = copy_to(*this, dtype(), device());
+  record("contiguous", {*this}, {out}, [](const Grads& g) -> Grads { return {g[0]}; });
+  return out;
+}
+
+Tensor Tensor::to(Device d) const {
+  if (d == device()) return *this;
+  Tensor out = copy_to(*this, dtype(), d);
+  Device from = device();
+  record("to_device", {*this}, {out}, [from](const Grads& g) -> Grads { return {g[0].to(from)}; });
+  return out;
+}
+
+Tensor Tensor::to(DType t) const {
+  if (t == dtype()) return *this;
+  Tensor out = copy_to(*this, t, device());
+  DType from = dtype();
+  record("to_dtype", {*this}, {out}, [from](const Grads& g) -> Grads { return {g[0].to(from)}; });
+  return out;
+}
+
+Tensor Tensor::clone() const {
+  Tensor out = copy_to(*this, dtype(), device());
+  record("clone", {*this}, {out}, [](const Grads& g) -> Grads { return {g[0]}; });
+  return out;
+}
+
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
+  LT_CHECK(!tensors.empty(), "[cat] expected at least one tensor");
+  const Tensor& first = tensors[0];
+  int64_t d = wrap_dim(dim, first.dim(), "cat");
+  Shape shape = first.shape();
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    LT_CHECK(t.dim() == first.dim() && t.dtype() == first.dtype() && t.device() == first.device(),
+             "[cat] tensor ", i, " is ", shape_str(t.shape()), " ", dtype_name(t.dtype()), " on ", t.device().name(),
+             "; expected rank ", first.dim(), " ", dtype_name(first.dtype()), " on ", first.device().name());
+    for (int64_t k = 0; k < first.dim(); ++k)
+      LT_CHECK(k == d || t.shape()[size_t(k)] == shape[size_t(k)], "[cat] tensor ", i, " has shape ",
+               shape_str(t.shape()), "; all dims but ", d, " must match ", shape_str(shape));
+    total += t.shape()[size_t(d)];
+  }
+  shape[size_t(d)] = total;
+  Tensor out = empty(shape, first.dtype(), first.device());
+  std::vector<int64_t> sizes;
+  int64_t at = 0;
+  for (const Tensor& t : tensors) {
+    int64_t len = t.shape()[size_t(d)];
+    out.detach().narrow(d, at, len).copy_(t);
+    sizes.push_back(len);
+    at += len;
+  }
+  std::vector<autograd::Input> inputs(tensors.begin(), tensors.end());
+  record("cat", inputs, {out}, [d, sizes](const Grads& g) -> Grads {
+    Grads out;
+    int64_t at = 0;
+    for (int64_t len : sizes) {
+      out.push_back(g[0].narrow(d, at, len));
+      at += len;
+    }
+    return out;
+  });
+  return out;
+}
+
+}  // namespace lintape
