@@ -1,0 +1,12 @@
+// Matrix products. CPU: Eigen (f32/f64; bf16/f16 through f32). CUDA: cuBLASLt with f32 accumulation,
+// transposes folded into the call, a cached workspace.
+#pragma once
+#include "core/tensor.h"
+
+namespace lintape {
+
+// a (..., M, K) @ b (..., K, N) -> (..., M, N); with transpose_a, a is (..., K, M); with transpose_b,
+// b is (..., N, K). Batch dims must be equal, or b may be 2-D (one matrix shared by every batch).
+Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false);
+
+}  // namespace lintape
