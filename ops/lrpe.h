@@ -1,0 +1,39 @@
+// The LRPE family: lrpe_cosine, lrpe_rotate (1-D positions) and md_lrpe_cosine (2-D/3-D/4-D token
+// grids with extra unencoded tokens in front). Math, shapes and backward: see docs/ARCHITECTURE.md and
+// the op comments below. x is (B, N, H, D) contiguous. theta is a fixed buffer: no gradient flows to it.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "core/tensor.h"
+#include "ops/activation.h"
+#include "ops/impl.h"
+
+namespace lintape {
+
+struct LrpeOptions {
+  int64_t offset = 0;  // token s sits at position offset + s (decoding a new chunk)
+  Act act = Act::None;
+  ActDim dim = ActDim::None;
+};
+
+// out (B, N, H, 2D) = [act(x) * cos(angle), act(x) * sin(angle)], angle[s, h, k] = (offset + s) * theta[h, k],
+// theta (H, E), (1, E) or (H, 1) with E <= D; features k >= E have angle 0.
+Tensor lrpe_cosine(const Tensor& x, const Tensor& theta, const LrpeOptions& options = {}, Impl impl = Impl::Auto);
+
+// Rotary, half-split: out (B, N, H, D) = [x1 cos - x2 sin, x1 sin + x2 cos] with [x1, x2] = act(x) split
+// in halves of D/2; theta (H, E), (1, E) or (H, 1) with E <= D/2. D must be even.
+Tensor lrpe_rotate(const Tensor& x, const Tensor& theta, const LrpeOptions& options = {}, Impl impl = Impl::Auto);
+
+struct MdLrpeOptions {
+  std::vector<int64_t> shape;  // the token grid (n_1, ..., n_k), 1 <= k <= 4, row-major
+  int64_t extra_tokens = 0;    // L tokens in front with angle 0
+  Act act = Act::None;
+  ActDim dim = ActDim::None;
+  bool cache_angles = false;   // reuse the cos/sin table across calls with the same (shape, L, theta)
+};
+
+// x (B, L + P, H, D) with P = prod(shape); theta (H, E) or (1, E) with k * E >= D. Token t >= L has grid
+// coordinates c = unflatten(t - L); its angle vector is the first D entries of [c_1 theta[h], ..., c_k theta[h]].
+Tensor md_lrpe_cosine(const Tensor& x, const Tensor& theta, const MdLrpeOptions& options, Impl impl = Impl::Auto);
+
+}  // namespace lintape
