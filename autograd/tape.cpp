@@ -46,7 +46,7 @@ void accumulate_leaf(TensorImpl& leaf, const Tensor& g) {
 }
 
 [[noreturn]] void fail_released(const Node& n) {
-  fail(str("backward through '", n.name, "' a second time: its saved tensors were freed by the first ",
+  fail(str("[backward] through '", n.name, "' a second time: its saved tensors were freed by the first ",
            "backward; pass retain_graph=true to the first call to keep them"));
 }
 
@@ -104,17 +104,19 @@ void record(const char* name, const std::vector<Input>& inputs, const std::vecto
 }
 
 void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) {
-  LT_CHECK(loss.defined(), "backward: the loss is an undefined tensor");
-  LT_CHECK(loss.requires_grad(), "backward: the loss does not require grad (no input of the ops that made it ",
-           "requires grad, or it was computed under NoGradGuard)");
+  LT_CHECK(loss.defined(), "[backward] the loss is an undefined tensor");
+  LT_CHECK(loss.requires_grad(), "[backward] expected a loss that requires grad; this one does not (no input of ",
+           "the ops that made it requires grad, or it was computed under NoGradGuard)");
   Tensor seed = grad_output;
   if (!seed.defined()) {
-    LT_CHECK(loss.numel() == 1, "backward: a loss of shape ", shape_str(loss.shape()),
+    LT_CHECK(loss.numel() == 1, "[backward] a loss of shape ", shape_str(loss.shape()),
              " needs an explicit grad_output (only one-element losses default to 1)");
     seed = ones(loss.shape(), loss.dtype(), loss.device());
   }
-  LT_CHECK(seed.shape() == loss.shape(), "backward: grad_output has shape ", shape_str(seed.shape()),
-           " but the loss has shape ", shape_str(loss.shape()));
+  LT_CHECK(seed.shape() == loss.shape() && seed.dtype() == loss.dtype() && seed.device() == loss.device(),
+           "[backward] expected grad_output like the loss: ", shape_str(loss.shape()), " ", dtype_name(loss.dtype()),
+           " on ", loss.device().name(), "; got ", shape_str(seed.shape()), " ", dtype_name(seed.dtype()), " on ",
+           seed.device().name());
   if (loss.is_leaf()) {
     accumulate_leaf(*loss.impl(), seed);
     return;
@@ -132,6 +134,10 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
     if (!has_grad) continue;
     if (node->released) fail_released(*node);
     if (!node->has_backward) fail(str("[", node->name, "] has no backward: no gradient can flow through it"));
+    for (const Edge& e : node->inputs)
+      if (e.nondiff)
+        fail(str("[", node->name, "] has no gradient for its input '", e.nondiff,
+                 "' (not differentiable), but that input requires grad; detach() it or pass one that does not"));
 
     Grads gouts = std::move(node->grad_slots);
     node->grad_slots.assign(gouts.size(), Tensor());
@@ -142,14 +148,13 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
       const Edge& e = node->inputs[k];
       const Tensor& g = gins[k];
       if (!g.defined() || !e.wants_grad()) continue;
-      if (e.nondiff)
-        fail(str("[", node->name, "] has no gradient for its input '", e.nondiff,
-                 "' (not differentiable), but that input requires grad"));
       LT_CHECK(g.shape() == e.shape, "[", node->name, "] backward returned a gradient of shape ",
                shape_str(g.shape()), " for input ", k, " of shape ", shape_str(e.shape));
-      if (e.node)
+      if (e.node) {
+        // A released node is off the tape already: fail here rather than drop the gradient.
+        if (e.node->released) fail_released(*e.node);
         add_into(e.node->grad_slots[size_t(e.output_index)], g);
-      else
+      } else
         accumulate_leaf(*e.leaf, g);
     }
     if (!retain_graph) {

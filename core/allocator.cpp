@@ -1,4 +1,5 @@
 #include "core/allocator.h"
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -36,21 +37,23 @@ class CachingAllocator {
         p = raw_alloc(rounded);
       }
       if (!p)
-        fail(str("out of memory on ", device_.name(), ": asked for ", bytes, " bytes (", mib(bytes), "); in use ",
+        fail(str("[allocator] out of memory on ", device_.name(), ": asked for ", bytes, " bytes (", mib(bytes), "); in use ",
                  mib(stats_.in_use), ", peak ", mib(stats_.peak), ", reserved ", mib(stats_.reserved), " in ",
                  stats_.device_allocs, " allocations"));
       stats_.reserved += rounded;
       stats_.device_allocs += 1;
     }
-    stats_.in_use += rounded;
+    // In-use bytes count what was asked for (to 512 bytes), not the cached block that served it, so
+    // the figures compare with other frameworks' "allocated" counters.
+    stats_.in_use += counted_size(bytes);
     if (stats_.in_use > stats_.peak) stats_.peak = stats_.in_use;
     *rounded_out = rounded;
     return p;
   }
 
-  void deallocate(void* p, size_t rounded) {
+  void deallocate(void* p, size_t rounded, size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.in_use -= rounded;
+    stats_.in_use -= counted_size(bytes);
     free_.emplace(rounded, p);
   }
 
@@ -68,6 +71,7 @@ class CachingAllocator {
   }
 
  private:
+  static size_t counted_size(size_t bytes) { return (std::max<size_t>(bytes, 1) + 511) / 512 * 512; }
   static size_t round_size(size_t bytes) {
     if (bytes == 0) bytes = 1;
     size_t unit = bytes > (1u << 20) ? (2u << 20) : 512;
@@ -89,7 +93,7 @@ class CachingAllocator {
       LT_CUDA_CHECK(err);
       return p;
 #else
-      fail("lintape was built without CUDA");
+      fail("[allocator] lintape was built without CUDA");
 #endif
     }
     return std::aligned_alloc(64, bytes);  // rounded sizes are multiples of 64
@@ -121,18 +125,20 @@ class CachingAllocator {
   MemoryStats stats_;
 };
 
+// The allocators are never destroyed: storages may be freed during static destruction, and the cached
+// blocks stay reachable (not leaks) until the process ends.
 CachingAllocator& allocator_for(Device d) {
-  static std::mutex mu;
-  static CachingAllocator cpu(Device::cpu());
-  static std::vector<std::unique_ptr<CachingAllocator>> gpus;
+  static std::mutex& mu = *new std::mutex;
+  static CachingAllocator& cpu = *new CachingAllocator(Device::cpu());
+  static std::vector<CachingAllocator*>& gpus = *new std::vector<CachingAllocator*>;
   if (!d.is_cuda()) return cpu;
-  LT_CHECK(d.index >= 0 && d.index < cuda_device_count(), "no CUDA device ", d.name(),
-           cuda_device_count() == 0 ? " (no CUDA device is available on this machine or lintape was built without CUDA)"
-                                    : str(" (this machine has ", cuda_device_count(), ")"));
+  LT_CHECK(d.index >= 0 && d.index < cuda_device_count(), "[device] ", d.name(), " does not exist: ",
+           cuda_device_count() == 0 ? std::string("no CUDA device is available (or lintape was built without CUDA)")
+                                    : str("expected cuda:0 to cuda:", cuda_device_count() - 1));
   std::lock_guard<std::mutex> lock(mu);
   if (gpus.empty()) gpus.resize(size_t(cuda_device_count()));
-  auto& a = gpus[size_t(d.index)];
-  if (!a) a = std::make_unique<CachingAllocator>(d);
+  CachingAllocator*& a = gpus[size_t(d.index)];
+  if (!a) a = new CachingAllocator(d);
   return *a;
 }
 
@@ -145,7 +151,7 @@ Storage::Storage(size_t n, Device d) : bytes(n), device(d) {
 }
 
 Storage::~Storage() {
-  if (data) allocator_for(device).deallocate(data, reserved_);
+  if (data) allocator_for(device).deallocate(data, reserved_, bytes);
 }
 
 MemoryStats memory_stats(Device d) { return allocator_for(d).stats(); }

@@ -10,7 +10,7 @@
 namespace lintape {
 
 struct MemoryStats {
-  size_t in_use = 0;          // bytes held by live storages (rounded block sizes)
+  size_t in_use = 0;          // bytes held by live storages (requested sizes rounded up to 512)
   size_t peak = 0;            // most bytes in use since the last reset_peak_memory()
   size_t reserved = 0;        // bytes obtained from the system/driver, in use or cached
   size_t device_allocs = 0;   // number of system/driver allocations made so far

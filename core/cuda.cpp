@@ -9,13 +9,10 @@ namespace lintape {
 Device parse_device(const std::string& s) {
   if (s == "cpu") return Device::cpu();
   if (s == "cuda") return Device::cuda(0);
-  if (s.rfind("cuda:", 0) == 0) {
-    try {
-      return Device::cuda(std::stoi(s.substr(5)));
-    } catch (const std::exception&) {
-    }
-  }
-  fail(str("unknown device '", s, "'; expected cpu, cuda or cuda:N"));
+  std::string index = s.rfind("cuda:", 0) == 0 ? s.substr(5) : "";
+  if (!index.empty() && index.size() <= 4 && index.find_first_not_of("0123456789") == std::string::npos)
+    return Device::cuda(std::stoi(index));
+  fail(str("[device] unknown device '", s, "'; expected cpu, cuda or cuda:N"));
 }
 
 #if LINTAPE_WITH_CUDA
@@ -68,7 +65,7 @@ int current_device() {
 }
 
 void set_device(int device) {
-  LT_CHECK(device >= 0 && device < cuda_device_count(), "cuda:", device, " does not exist; this machine has ",
+  LT_CHECK(device >= 0 && device < cuda_device_count(), "[device] cuda:", device, " does not exist; this machine has ",
            cuda_device_count(), " CUDA device(s)");
   LT_CUDA_CHECK(cudaSetDevice(device));
 }

@@ -6,7 +6,7 @@ namespace lintape {
 DType dtype_from_name(const std::string& name) {
   for (DType t : {DType::F32, DType::BF16, DType::F16, DType::F64, DType::I32, DType::I64})
     if (name == dtype_name(t)) return t;
-  fail(str("unknown dtype '", name, "'; expected one of f32, bf16, f16, f64, i32, i64"));
+  fail(str("[dtype] unknown dtype '", name, "'; expected one of f32, bf16, f16, f64, i32, i64"));
 }
 
 f16::f16(float f) {

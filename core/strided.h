@@ -23,7 +23,7 @@ struct StridedIndex {
   explicit StridedIndex(const Tensor& t) : StridedIndex(t, t.shape()) {}
   StridedIndex(const Tensor& t, const Shape& out_shape) {
     ndim = int(out_shape.size());
-    LT_CHECK(ndim <= kMaxDims, "tensors have at most ", kMaxDims, " dims; got ", ndim);
+    LT_CHECK(ndim <= kMaxDims, "[strided] tensors have at most ", kMaxDims, " dims; got ", ndim);
     int lead = ndim - int(t.dim());
     for (int d = 0; d < ndim; ++d) {
       shape[d] = out_shape[size_t(d)];
@@ -60,7 +60,7 @@ LT_HD double counter_uniform(uint64_t seed, uint64_t index, uint64_t lane) {
 // A standard normal number by Box-Muller, computed in double so CPU and CUDA agree.
 LT_HD double counter_normal(uint64_t seed, uint64_t index) {
   double u1 = counter_uniform(seed, index, 0), u2 = counter_uniform(seed, index, 1);
-  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+  return ::sqrt(-2.0 * ::log(u1)) * ::cos(6.283185307179586 * u2);  // global: lintape:: has Tensor overloads
 }
 
 }  // namespace lintape

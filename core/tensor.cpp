@@ -38,7 +38,7 @@ Shape contiguous_strides(const Shape& s) {
 
 int64_t Tensor::size(int64_t d) const {
   int64_t n = dim();
-  LT_CHECK(d >= -n && d < n, "size: dim ", d, " out of range for a tensor of shape ", shape_str(shape()));
+  LT_CHECK(d >= -n && d < n, "[size] dim ", d, " is out of range for a tensor of shape ", shape_str(shape()));
   return shape()[size_t(d < 0 ? d + n : d)];
 }
 
@@ -68,9 +68,9 @@ Tensor Tensor::detach() const {
 }
 
 Tensor& Tensor::requires_grad_(bool on) {
-  LT_CHECK(!on || is_floating(dtype()), "requires_grad_: only float tensors can require grad; got ",
+  LT_CHECK(!on || is_floating(dtype()), "[requires_grad_] only float tensors can require grad; got a tensor of ",
            dtype_name(dtype()));
-  LT_CHECK(is_leaf() || on, "requires_grad_(false) on a non-leaf tensor; use detach()");
+  LT_CHECK(is_leaf() || on, "[requires_grad_] requires_grad_(false) on a non-leaf tensor; use detach()");
   checked().requires_grad = on;
   return *this;
 }
@@ -88,7 +88,7 @@ Tensor contiguous_raw(const Tensor& t) {
 #endif
 
 Tensor& Tensor::copy_(const Tensor& src) {
-  LT_CHECK(shape() == src.shape(), "copy_: shapes differ: destination ", shape_str(shape()), ", source ",
+  LT_CHECK(shape() == src.shape(), "[copy_] expected a source of the destination's shape ", shape_str(shape()), "; got ",
            shape_str(src.shape()));
   storage().version++;
   if (numel() == 0) return *this;
@@ -108,18 +108,20 @@ Tensor& Tensor::copy_(const Tensor& src) {
   Tensor staged = (dtype() == s.dtype() && is_contiguous()) ? *this : empty(shape(), s.dtype(), device());
   cudaMemcpyKind kind = s.is_cuda() ? (is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
                                     : cudaMemcpyHostToDevice;
-  int dev = s.is_cuda() ? s.device().index : device().index;
-  if (s.is_cuda() && is_cuda()) {
-    LT_CUDA_CHECK(cudaMemcpyPeer(staged.data(), device().index, s.data(), s.device().index, s.nbytes()));
-  } else {
-    cuda::synchronize(dev);  // the source may still be written by queued work
+  // The copy runs on the destination's stream (the source's for a copy to the host), after the source's
+  // queued work, and is waited for: the temporaries above may be reused as soon as this returns.
+  if (s.is_cuda()) cuda::synchronize(s.device().index);
+  int dev = is_cuda() ? device().index : s.device().index;
+  if (s.is_cuda() && is_cuda())
+    LT_CUDA_CHECK(cudaMemcpyPeerAsync(staged.data(), device().index, s.data(), s.device().index, s.nbytes(),
+                                      cuda::stream(dev)));
+  else
     LT_CUDA_CHECK(cudaMemcpyAsync(staged.data(), s.data(), s.nbytes(), kind, cuda::stream(dev)));
-    cuda::synchronize(dev);
-  }
+  cuda::synchronize(dev);
   if (staged.impl() != impl()) copy_(staged);
   return *this;
 #else
-  fail(str("copy_: lintape was built without CUDA; cannot copy from ", src.device().name(), " to ",
+  fail(str("[copy_] lintape was built without CUDA; cannot copy from ", src.device().name(), " to ",
            device().name()));
 #endif
 }
@@ -149,7 +151,7 @@ template std::vector<int64_t> Tensor::to_vector<int64_t>() const;
 template std::vector<int32_t> Tensor::to_vector<int32_t>() const;
 
 double Tensor::item() const {
-  LT_CHECK(numel() == 1, "item: expected a tensor with one element; got shape ", shape_str(shape()));
+  LT_CHECK(numel() == 1, "[item] expected a tensor with one element; got shape ", shape_str(shape()));
   return to_vector<double>()[0];
 }
 
@@ -188,11 +190,16 @@ std::string Tensor::to_string(int64_t max_per_dim) const {
 std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.to_string(); }
 
 Tensor empty(const Shape& shape, DType dtype, Device device) {
-  LT_CHECK(shape.size() <= size_t(kMaxDims), "tensors have at most ", kMaxDims, " dims; got shape ",
+  LT_CHECK(shape.size() <= size_t(kMaxDims), "[empty] tensors have at most ", kMaxDims, " dims; got shape ",
            shape_str(shape));
-  for (int64_t s : shape) LT_CHECK(s >= 0, "negative size in shape ", shape_str(shape));
+  int64_t numel = 1;
+  for (int64_t s : shape) {
+    LT_CHECK(s >= 0, "[empty] sizes must be >= 0; got shape ", shape_str(shape));
+    LT_CHECK(!__builtin_mul_overflow(numel, s, &numel) && numel <= INT64_MAX / 8, "[empty] shape ", shape_str(shape),
+             " has too many elements");
+  }
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(size_t(shape_numel(shape)) * dtype_size(dtype), device);
+  impl->storage = std::make_shared<Storage>(size_t(numel) * dtype_size(dtype), device);
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
@@ -210,7 +217,7 @@ Tensor empty_like(const Tensor& like) { return empty(like.shape(), like.dtype(),
 Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), like.dtype(), like.device()); }
 
 Tensor arange(int64_t start, int64_t end, DType dtype, Device device) {
-  LT_CHECK(end >= start, "arange: end ", end, " < start ", start);
+  LT_CHECK(end >= start, "[arange] expected end >= start; got start ", start, ", end ", end);
   Tensor t = empty({end - start}, dtype, device);
 #if LINTAPE_WITH_CUDA
   if (device.is_cuda()) {
@@ -224,7 +231,7 @@ Tensor arange(int64_t start, int64_t end, DType dtype, Device device) {
 
 namespace {
 Tensor random_tensor(const Shape& shape, DType dtype, Device device, uint64_t seed, bool normal) {
-  LT_CHECK(is_floating(dtype), normal ? "randn" : "rand", ": expected a float dtype; got ", dtype_name(dtype));
+  LT_CHECK(is_floating(dtype), "[", normal ? "randn" : "rand", "] expected a float dtype; got ", dtype_name(dtype));
   Tensor t = empty(shape, dtype, device);
 #if LINTAPE_WITH_CUDA
   if (device.is_cuda()) {
@@ -245,8 +252,8 @@ Tensor rand(const Shape& shape, DType dtype, Device device, uint64_t seed) {
 }
 
 Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType dtype, Device device) {
-  LT_CHECK(int64_t(values.size()) == shape_numel(shape), "from_vector: ", values.size(),
-           " values for shape ", shape_str(shape), " (", shape_numel(shape), " elements)");
+  LT_CHECK(int64_t(values.size()) == shape_numel(shape), "[from_vector] expected ", shape_numel(shape), " values for shape ",
+           shape_str(shape), "; got ", values.size());
   Tensor host = empty(shape, DType::F64, Device::cpu());
   std::memcpy(host.data(), values.data(), values.size() * sizeof(double));
   if (dtype == DType::F64 && !device.is_cuda()) return host;
@@ -256,8 +263,8 @@ Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType 
 }
 
 Tensor from_vector_i64(const std::vector<int64_t>& values, const Shape& shape, Device device) {
-  LT_CHECK(int64_t(values.size()) == shape_numel(shape), "from_vector_i64: ", values.size(),
-           " values for shape ", shape_str(shape));
+  LT_CHECK(int64_t(values.size()) == shape_numel(shape), "[from_vector_i64] expected ", shape_numel(shape),
+           " values for shape ", shape_str(shape), "; got ", values.size());
   Tensor host = empty(shape, DType::I64, Device::cpu());
   std::memcpy(host.data(), values.data(), values.size() * sizeof(int64_t));
   if (!device.is_cuda()) return host;

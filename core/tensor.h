@@ -61,7 +61,7 @@ class Tensor {
 
   void* data() const;  // address of the first element
   template <class T> T* data_ptr() const {
-    LT_CHECK(dtype_of<T>::value == dtype(), "data_ptr: tensor is ", dtype_name(dtype()), ", asked for ",
+    LT_CHECK(dtype_of<T>::value == dtype(), "[data_ptr] the tensor is ", dtype_name(dtype()), "; asked for ",
              dtype_name(dtype_of<T>::value));
     return static_cast<T*>(data());
   }
@@ -98,7 +98,7 @@ class Tensor {
 
  private:
   TensorImpl& checked() const {
-    LT_CHECK(impl_ != nullptr, "use of an undefined tensor");
+    LT_CHECK(impl_ != nullptr, "[tensor] use of an undefined tensor");
     return *impl_;
   }
   std::shared_ptr<TensorImpl> impl_;

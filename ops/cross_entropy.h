@@ -4,9 +4,14 @@
 
 namespace lintape {
 
-// Mean over tokens of -log softmax(logits)[target]; logits (T, V), targets (T) of i64 or i32.
-// Tokens whose target == ignore_index are left out of the sum and the count. Fused softmax + NLL:
-// forward saves per-row log-sum-exp (f32); backward writes only the logits' gradient.
+// Mean over tokens of -log softmax(logits)[target]; logits (T, V), targets (T) of i64 or i32. The result
+// has shape () and the logits' dtype; it is accumulated in f32 (f64 for f64).
+// Tokens whose target == ignore_index are left out of the sum and the count; when every token is
+// ignored the loss is 0 and the gradient is 0 (not NaN), so such a batch leaves the weights alone.
+// A target outside [0, V) that is not ignore_index is an error (on CUDA found through a device flag
+// read back after the forward kernels, which waits for the stream once per call).
+// Fused softmax + NLL: forward saves the per-row log-sum-exp (f32; f64 for f64); backward writes
+// dlogits = (softmax - onehot) * dloss / count in one pass and allocates nothing else of logits' size.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
 
 }  // namespace lintape

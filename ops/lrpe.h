@@ -1,6 +1,11 @@
 // The LRPE family: lrpe_cosine, lrpe_rotate (1-D positions) and md_lrpe_cosine (2-D/3-D/4-D token
 // grids with extra unencoded tokens in front). Math, shapes and backward: see docs/ARCHITECTURE.md and
 // the op comments below. x is (B, N, H, D) contiguous. theta is a fixed buffer: no gradient flows to it.
+//
+// A theta of one column ((H, 1) or (1, 1)) gives each head one rate for all features in the 1-D ops.
+// theta may have any float dtype; the fused kernels use an f32 copy and angles exact to f32 (the product
+// and its reduction are done in double). Impl::Auto runs Fused for f32/bf16/f16 CUDA tensors, Composed
+// for f64 CUDA tensors and Reference on the CPU.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -29,7 +34,10 @@ struct MdLrpeOptions {
   int64_t extra_tokens = 0;    // L tokens in front with angle 0
   Act act = Act::None;
   ActDim dim = ActDim::None;
-  bool cache_angles = false;   // reuse the cos/sin table across calls with the same (shape, L, theta)
+  // Fused only: keep the (2, P, H, D) f32 cos/sin table in a process-wide cache and reuse it across
+  // calls with the same (shape, L, H, D, theta storage, offset and version, device); the table stays
+  // allocated while cached (8 entries at most).
+  bool cache_angles = false;
 };
 
 // x (B, L + P, H, D) with P = prod(shape); theta (H, E) or (1, E) with k * E >= D. Token t >= L has grid

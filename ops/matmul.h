@@ -7,6 +7,9 @@ namespace lintape {
 
 // a (..., M, K) @ b (..., K, N) -> (..., M, N); with transpose_a, a is (..., K, M); with transpose_b,
 // b is (..., N, K). Batch dims must be equal, or b may be 2-D (one matrix shared by every batch).
+// An input that is a transposed view of its last two dims is read in place; other non-contiguous
+// inputs are copied first. Backward: da = dc b^T, db = a^T dc (for a shared b, one GEMM over the
+// flattened batch).
 Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false);
 
 }  // namespace lintape

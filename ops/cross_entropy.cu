@@ -1,0 +1,253 @@
+// cross_entropy kernels. Forward: one block per row reads the row once with an online max / sum-exp
+// (one exp per element), then a single block sums the row losses and counts the rows not ignored.
+// Backward: one block per row writes (exp(x - lse) - onehot) * dloss / count. Rows are read in 16-byte
+// packs from their first 16-byte boundary on, so an odd V (50257) keeps vector loads.
+#include <cstdint>
+#include "core/cuda_types.cuh"
+#include "ops/cross_entropy_cuda.h"
+
+namespace lintape::cuda_ops {
+using namespace lintape::cuda;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kReduceThreads = 1024;
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// The running maximum starts at the lowest finite value rather than -inf, so that rows of -inf never
+// evaluate exp(-inf - -inf).
+template <class A> __device__ __forceinline__ A lowest();
+template <> __device__ __forceinline__ float lowest<float>() { return -3.402823466e38f; }
+template <> __device__ __forceinline__ double lowest<double>() { return -1.7976931348623157e308; }
+
+// exp of a non-positive argument: the hardware approximation in f32 (its error is far below an f32
+// loss's tolerance), the exact one in f64.
+__device__ __forceinline__ float exp_nonpos(float v) { return __expf(v); }
+__device__ __forceinline__ double exp_nonpos(double v) { return exp(v); }
+
+// (m, s) holds sum exp(x - m) over the values seen.
+template <class A> __device__ __forceinline__ void add_value(A& m, A& s, A v) {
+  if (v > m) {
+    s = s * exp_nonpos(m - v) + A(1);
+    m = v;
+  } else {
+    s += exp_nonpos(v - m);
+  }
+}
+template <class A> __device__ __forceinline__ void merge(A& m, A& s, A m2, A s2) {
+  A mx = m > m2 ? m : m2;
+  s = s * exp_nonpos(m - mx) + s2 * exp_nonpos(m2 - mx);
+  m = mx;
+}
+
+// Elements before the first 16-byte boundary of a row (rows of odd length start anywhere).
+template <class T> __device__ __forceinline__ int64_t head_of(const T* p, int64_t n) {
+  int64_t h = int64_t((16 - reinterpret_cast<uintptr_t>(p) % 16) % 16) / int64_t(sizeof(T));
+  return h < n ? h : n;
+}
+
+template <class T> constexpr int kVec = 16 / sizeof(T);
+
+// A row: a scalar head up to a 16-byte boundary, 16-byte packs (one rescale per pack), a scalar tail.
+template <class T, class I>
+__global__ void forward_rows_kernel(const T* __restrict__ logits, const I* __restrict__ targets, int64_t classes,
+                                    int64_t ignore_index, acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ row_loss,
+                                    long long* bad) {
+  using A = acc_t<T>;
+  constexpr int V = kVec<T>;
+  using P = Pack<T, V>;
+  __shared__ A sm[32], ss[32];
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * classes;
+  const int64_t head = head_of(x, classes), packs = (classes - head) / V;
+  const P* xp = reinterpret_cast<const P*>(x + head);
+  A m = lowest<A>(), s = 0;
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) add_value(m, s, to_acc(x[i]));
+#pragma unroll 2
+  for (int64_t j = threadIdx.x; j < packs; j += blockDim.x) {
+    P p = xp[j];
+    A v[V], pm = lowest<A>();
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      v[k] = to_acc(p.v[k]);
+      pm = v[k] > pm ? v[k] : pm;
+    }
+    if (pm > m) {
+      s *= exp_nonpos(m - pm);
+      m = pm;
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) s += exp_nonpos(v[k] - m);
+  }
+  for (int64_t i = head + packs * V + threadIdx.x; i < classes; i += blockDim.x) add_value(m, s, to_acc(x[i]));
+  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int warps = blockDim.x / 32;
+  m = lane < warps ? sm[lane] : lowest<A>();
+  s = lane < warps ? ss[lane] : A(0);
+  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  if (lane != 0) return;
+  const A l = m + log(s);
+  lse[row] = l;
+  const int64_t t = int64_t(targets[row]);
+  A loss = 0;
+  if (t != ignore_index) {
+    if (t < 0 || t >= classes) {
+      if (atomicCAS(reinterpret_cast<unsigned long long*>(bad), 0ull, (unsigned long long)(row + 1)) == 0ull)
+        bad[1] = t;
+    } else {
+      loss = l - to_acc(x[t]);
+    }
+  }
+  row_loss[row] = loss;
+}
+
+// One block: loss = sum of row losses / count (0 when count is 0).
+template <class T, class I>
+__global__ void forward_reduce_kernel(const acc_t<T>* __restrict__ row_loss, const I* __restrict__ targets,
+                                      int64_t rows, int64_t ignore_index, T* __restrict__ loss,
+                                      long long* __restrict__ count) {
+  using A = acc_t<T>;
+  __shared__ A s_sum[32];
+  __shared__ long long s_cnt[32];
+  A sum = 0;
+  long long cnt = 0;
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    if (int64_t(targets[i]) == ignore_index) continue;
+    sum += row_loss[i];
+    ++cnt;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    s_sum[warp] = sum;
+    s_cnt[warp] = cnt;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int warps = blockDim.x / 32;
+  sum = lane < warps ? s_sum[lane] : A(0);
+  cnt = lane < warps ? s_cnt[lane] : 0;
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
+  if (lane == 0) {
+    *count = cnt;
+    *loss = from_acc<T>(cnt > 0 ? sum / A(cnt) : A(0));
+  }
+}
+
+// V = 1: all scalar (dlogits and logits differ in alignment); else head, packs and tail as forward.
+template <class T, int V, class I>
+__global__ void backward_kernel(const T* __restrict__ dloss, const T* __restrict__ logits,
+                                const I* __restrict__ targets, int64_t classes, int64_t ignore_index,
+                                const acc_t<T>* __restrict__ lse, const long long* __restrict__ count,
+                                T* __restrict__ dlogits) {
+  using A = acc_t<T>;
+  using P = Pack<T, V>;
+  const int64_t row = blockIdx.x;
+  const int64_t t = int64_t(targets[row]);
+  const long long cnt = *count;
+  const bool ignored = t == ignore_index || cnt == 0;
+  const A scale = ignored ? A(0) : to_acc(*dloss) / A(cnt), l = lse[row];
+  const T* x = logits + row * classes;
+  T* d = dlogits + row * classes;
+  auto grad = [&](A v, int64_t i) {
+    return from_acc<T>(ignored ? A(0) : (exp_nonpos(v - l) - (i == t ? A(1) : A(0))) * scale);
+  };
+  const int64_t head = V == 1 ? classes : head_of(x, classes), packs = (classes - head) / V;
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) d[i] = grad(to_acc(x[i]), i);
+  const P* xp = reinterpret_cast<const P*>(x + head);
+  P* dp = reinterpret_cast<P*>(d + head);
+#pragma unroll 2
+  for (int64_t j = threadIdx.x; j < packs; j += blockDim.x) {
+    P p = xp[j], o;
+#pragma unroll
+    for (int k = 0; k < V; ++k) o.v[k] = grad(to_acc(p.v[k]), head + j * V + k);
+    dp[j] = o;
+  }
+  for (int64_t i = head + packs * V + threadIdx.x; i < classes; i += blockDim.x) d[i] = grad(to_acc(x[i]), i);
+}
+
+template <class T, class I>
+void forward(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss, const Tensor& lse,
+             const Tensor& count, const Tensor& bad) {
+  using A = acc_t<T>;
+  int64_t rows = logits.size(0), classes = logits.size(1);
+  cudaStream_t s = stream(logits.device().index);
+  const T* x = static_cast<const T*>(logits.data());
+  const I* tg = static_cast<const I*>(targets.data());
+  Tensor row_loss = empty({rows}, lse.dtype(), logits.device());
+  if (rows > 0) {
+    auto* lp = static_cast<A*>(lse.data());
+    auto* rp = static_cast<A*>(row_loss.data());
+    auto* bp = static_cast<long long*>(bad.data());
+    forward_rows_kernel<T, I><<<unsigned(rows), kThreads, 0, s>>>(x, tg, classes, ignore_index, lp, rp, bp);
+    LT_CUDA_CHECK_LAUNCH();
+  }
+  forward_reduce_kernel<T, I><<<1, kReduceThreads, 0, s>>>(static_cast<const A*>(row_loss.data()), tg, rows,
+                                                           ignore_index, static_cast<T*>(loss.data()),
+                                                           static_cast<long long*>(count.data()));
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, class I>
+void backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
+              const Tensor& count, const Tensor& dlogits) {
+  using A = acc_t<T>;
+  int64_t rows = logits.size(0), classes = logits.size(1);
+  if (rows == 0) return;
+  cudaStream_t s = stream(logits.device().index);
+  auto launch = [&](auto kernel) {
+    kernel<<<unsigned(rows), kThreads, 0, s>>>(static_cast<const T*>(dloss.data()), static_cast<const T*>(logits.data()),
+                                               static_cast<const I*>(targets.data()), classes, ignore_index,
+                                               static_cast<const A*>(lse.data()),
+                                               static_cast<const long long*>(count.data()),
+                                               static_cast<T*>(dlogits.data()));
+  };
+  uintptr_t skew = reinterpret_cast<uintptr_t>(dlogits.data()) - reinterpret_cast<uintptr_t>(logits.data());
+  if (skew % 16 == 0)
+    launch(backward_kernel<T, kVec<T>, I>);
+  else
+    launch(backward_kernel<T, 1, I>);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void cross_entropy_forward_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
+                                const Tensor& lse, const Tensor& count, const Tensor& bad) {
+  LT_DISPATCH_FLOAT_CUDA(logits.dtype(), "cross_entropy", T, {
+    if (targets.dtype() == DType::I64)
+      forward<T, int64_t>(logits, targets, ignore_index, loss, lse, count, bad);
+    else
+      forward<T, int32_t>(logits, targets, ignore_index, loss, lse, count, bad);
+  });
+}
+
+void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, const Tensor& targets,
+                                 int64_t ignore_index, const Tensor& lse, const Tensor& count, const Tensor& dlogits) {
+  LT_DISPATCH_FLOAT_CUDA(logits.dtype(), "cross_entropy", T, {
+    if (targets.dtype() == DType::I64)
+      backward<T, int64_t>(dloss, logits, targets, ignore_index, lse, count, dlogits);
+    else
+      backward<T, int32_t>(dloss, logits, targets, ignore_index, lse, count, dlogits);
+  });
+}
+
+}  // namespace lintape::cuda_ops

@@ -1,0 +1,213 @@
+// Elementwise ops: input checks, the CPU loops, CUDA dispatch and the backward rules. The math of each
+// op is in ops/elementwise_cuda.h, shared with the CUDA kernels.
+#include "ops/elementwise.h"
+#include <algorithm>
+#include <type_traits>
+#include "autograd/tape.h"
+#include "core/strided.h"
+#include "ops/elementwise_cuda.h"
+#include "ops/reduce.h"
+
+namespace lintape {
+using autograd::Grads;
+using autograd::record;
+using elementwise::BinaryOp;
+using elementwise::UnaryOp;
+
+namespace {
+
+template <class T> using cpu_compute_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+void check_float(const Tensor& x, const char* op) {
+  LT_CHECK(is_floating(x.dtype()), "[", op, "] expected a float dtype (f32, f64, bf16, f16); got ",
+           dtype_name(x.dtype()));
+}
+
+Shape broadcast_shape(const Shape& a, const Shape& b, const char* op) {
+  size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (size_t k = 0; k < n; ++k) {  // k-th dim from the right
+    int64_t da = k < a.size() ? a[a.size() - 1 - k] : 1, db = k < b.size() ? b[b.size() - 1 - k] : 1;
+    LT_CHECK(da == db || da == 1 || db == 1, "[", op, "] shapes ", shape_str(a), " and ", shape_str(b),
+             " do not broadcast: expected equal sizes or 1 in dim ", -int64_t(k) - 1, "; got ", da, " and ", db);
+    out[n - 1 - k] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+template <class T>
+void binary_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  using C = cpu_compute_t<T>;
+  const T* pa = static_cast<const T*>(a.data());
+  const T* pb = static_cast<const T*>(b.data());
+  T* po = static_cast<T*>(out.data());
+  int64_t n = out.numel();
+  bool flat = a.shape() == out.shape() && b.shape() == out.shape() && a.is_contiguous() && b.is_contiguous();
+  StridedIndex ai(a, out.shape()), bi(b, out.shape());
+  elementwise::visit(op, [&](auto f) {
+    for (int64_t i = 0; i < n; ++i) {
+      C x = C(flat ? pa[i] : pa[ai.offset(i)]), y = C(flat ? pb[i] : pb[bi.offset(i)]);
+      po[i] = T(f(x, y));
+    }
+  });
+}
+
+template <class T>
+void unary_cpu(UnaryOp op, double scalar, const Tensor& out, const Tensor& x) {
+  using C = cpu_compute_t<T>;
+  const T* px = static_cast<const T*>(x.data());
+  T* po = static_cast<T*>(out.data());
+  int64_t n = out.numel();
+  bool flat = x.is_contiguous();
+  StridedIndex xi(x);
+  elementwise::visit<C>(op, scalar, [&](auto f) {
+    for (int64_t i = 0; i < n; ++i) po[i] = T(f(C(flat ? px[i] : px[xi.offset(i)])));
+  });
+}
+
+// a (op) b, broadcast, into a new contiguous tensor; not recorded.
+Tensor binary_raw(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+  LT_CHECK(a.dtype() == b.dtype(), "[", name, "] expected operands of one dtype; got ", dtype_name(a.dtype()),
+           " and ", dtype_name(b.dtype()));
+  LT_CHECK(a.device() == b.device(), "[", name, "] expected operands on one device; got ", a.device().name(),
+           " and ", b.device().name());
+  check_float(a, name);
+  Tensor out = empty(broadcast_shape(a.shape(), b.shape(), name), a.dtype(), a.device());
+  if (out.numel() == 0) return out;
+#if LINTAPE_WITH_CUDA
+  if (out.is_cuda()) {
+    elementwise::binary_cuda(op, out, a, b);
+    return out;
+  }
+#endif
+  LT_DISPATCH_FLOAT(a.dtype(), name, T, { binary_cpu<T>(op, out, a, b); });
+  return out;
+}
+
+// op(x) into a new contiguous tensor; not recorded.
+Tensor unary_raw(UnaryOp op, const char* name, const Tensor& x, double scalar = 0.0) {
+  check_float(x, name);
+  Tensor out = empty(x.shape(), x.dtype(), x.device());
+  if (out.numel() == 0) return out;
+#if LINTAPE_WITH_CUDA
+  if (out.is_cuda()) {
+    elementwise::unary_cuda(op, scalar, out, x);
+    return out;
+  }
+#endif
+  LT_DISPATCH_FLOAT(x.dtype(), name, T, { unary_cpu<T>(op, scalar, out, x); });
+  return out;
+}
+
+// An activation whose backward is one pass of `backward_op` over (saved, dy); saved is the output
+// when the derivative is cheaper from it (exp, sqrt, rsqrt, tanh, sigmoid), else the input.
+Tensor activation(UnaryOp op, BinaryOp backward_op, bool save_output, const char* name, const Tensor& x) {
+  Tensor y = unary_raw(op, name, x);
+  if (autograd::needs_grad({x})) {
+    Tensor saved = (save_output ? y : x).detach();
+    record(name, {x}, {y}, [saved, backward_op, name](const Grads& g) -> Grads {
+      return {binary_raw(backward_op, name, saved, g[0])};
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw(BinaryOp::Add, "add", a, b);
+  bool ga = a.requires_grad(), gb = b.requires_grad();
+  Shape sa = a.shape(), sb = b.shape();
+  record("add", {a, b}, {out}, [=](const Grads& g) -> Grads {
+    return {ga ? sum_to_shape(g[0], sa) : Tensor(), gb ? sum_to_shape(g[0], sb) : Tensor()};
+  });
+  return out;
+}
+
+Tensor sub(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw(BinaryOp::Sub, "sub", a, b);
+  bool ga = a.requires_grad(), gb = b.requires_grad();
+  Shape sa = a.shape(), sb = b.shape();
+  record("sub", {a, b}, {out}, [=](const Grads& g) -> Grads {
+    return {ga ? sum_to_shape(g[0], sa) : Tensor(), gb ? neg(sum_to_shape(g[0], sb)) : Tensor()};
+  });
+  return out;
+}
+
+Tensor mul(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw(BinaryOp::Mul, "mul", a, b);
+  if (autograd::needs_grad({a, b})) {
+    bool ga = a.requires_grad(), gb = b.requires_grad();
+    Tensor ad = gb ? a.detach() : Tensor(), bd = ga ? b.detach() : Tensor();
+    Shape sa = a.shape(), sb = b.shape();
+    record("mul", {a, b}, {out}, [=](const Grads& g) -> Grads {
+      return {ga ? sum_to_shape(mul(g[0], bd), sa) : Tensor(), gb ? sum_to_shape(mul(g[0], ad), sb) : Tensor()};
+    });
+  }
+  return out;
+}
+
+// d(a/b)/db = -a/b^2 = -out/b: saves the output rather than a.
+Tensor div(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw(BinaryOp::Div, "div", a, b);
+  if (autograd::needs_grad({a, b})) {
+    bool ga = a.requires_grad(), gb = b.requires_grad();
+    Tensor bd = b.detach(), od = gb ? out.detach() : Tensor();
+    Shape sa = a.shape(), sb = b.shape();
+    record("div", {a, b}, {out}, [=](const Grads& g) -> Grads {
+      return {ga ? sum_to_shape(div(g[0], bd), sa) : Tensor(),
+              gb ? neg(sum_to_shape(div(mul(g[0], od), bd), sb)) : Tensor()};
+    });
+  }
+  return out;
+}
+
+Tensor add(const Tensor& a, double s) {
+  Tensor out = unary_raw(UnaryOp::AddScalar, "add", a, s);
+  record("add", {a}, {out}, [](const Grads& g) -> Grads { return {g[0]}; });
+  return out;
+}
+
+Tensor mul(const Tensor& a, double s) {
+  Tensor out = unary_raw(UnaryOp::MulScalar, "mul", a, s);
+  record("mul", {a}, {out}, [s](const Grads& g) -> Grads { return {mul(g[0], s)}; });
+  return out;
+}
+
+Tensor neg(const Tensor& x) {
+  Tensor out = unary_raw(UnaryOp::Neg, "neg", x);
+  record("neg", {x}, {out}, [](const Grads& g) -> Grads { return {neg(g[0])}; });
+  return out;
+}
+
+Tensor exp(const Tensor& x) { return activation(UnaryOp::Exp, BinaryOp::ExpBackward, true, "exp", x); }
+Tensor log(const Tensor& x) { return activation(UnaryOp::Log, BinaryOp::LogBackward, false, "log", x); }
+Tensor sqrt(const Tensor& x) { return activation(UnaryOp::Sqrt, BinaryOp::SqrtBackward, true, "sqrt", x); }
+Tensor rsqrt(const Tensor& x) { return activation(UnaryOp::Rsqrt, BinaryOp::RsqrtBackward, true, "rsqrt", x); }
+Tensor tanh(const Tensor& x) { return activation(UnaryOp::Tanh, BinaryOp::TanhBackward, true, "tanh", x); }
+Tensor cos(const Tensor& x) { return activation(UnaryOp::Cos, BinaryOp::CosBackward, false, "cos", x); }
+Tensor sin(const Tensor& x) { return activation(UnaryOp::Sin, BinaryOp::SinBackward, false, "sin", x); }
+Tensor relu(const Tensor& x) { return activation(UnaryOp::Relu, BinaryOp::ReluBackward, false, "relu", x); }
+Tensor sigmoid(const Tensor& x) {
+  return activation(UnaryOp::Sigmoid, BinaryOp::SigmoidBackward, true, "sigmoid", x);
+}
+Tensor silu(const Tensor& x) { return activation(UnaryOp::Silu, BinaryOp::SiluBackward, false, "silu", x); }
+Tensor gelu(const Tensor& x) { return activation(UnaryOp::Gelu, BinaryOp::GeluBackward, false, "gelu", x); }
+
+Tensor sum_to_shape(const Tensor& grad, const Shape& shape) {
+  if (grad.shape() == shape) return grad;
+  int64_t lead = grad.dim() - int64_t(shape.size());
+  LT_CHECK(lead >= 0, "[sum_to_shape] expected a shape that broadcasts to ", shape_str(grad.shape()), "; got ",
+           shape_str(shape));
+  std::vector<int64_t> dims;  // the leading dims, and those where shape has 1 and grad more
+  for (int64_t d = 0; d < grad.dim(); ++d) {
+    int64_t want = d < lead ? 1 : shape[size_t(d - lead)], have = grad.shape()[size_t(d)];
+    LT_CHECK(want == have || want == 1, "[sum_to_shape] expected a shape that broadcasts to ",
+             shape_str(grad.shape()), "; got ", shape_str(shape));
+    if (d < lead || want != have) dims.push_back(d);
+  }
+  Tensor s = sum(grad, dims, /*keepdim=*/true);
+  return lead > 0 ? s.reshape(shape) : s;
+}
+
+}  // namespace lintape

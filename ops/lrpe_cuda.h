@@ -1,0 +1,46 @@
+// Internal to the LRPE family: the description of one call that the CPU reference and the fused CUDA
+// kernels share, and the kernels' launchers (defined in ops/lrpe.cu). ops/lrpe.cpp checks the inputs,
+// records autograd and calls them; tests call the launchers directly on poisoned outputs.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "core/tensor.h"
+#include "ops/activation.h"
+
+namespace lintape {
+
+// Everything about one LRPE call except x (B, N, H, D), already checked.
+struct LrpeSpec {
+  enum Kind { Cosine, Rotate, MdCosine } kind = Cosine;
+  Tensor theta;               // (H or 1, E); for the kernels f32, contiguous, on x's device
+  int64_t offset = 0;         // 1d: token s sits at position offset + s
+  std::vector<int64_t> grid;  // md: the token grid (1 to 4 dims)
+  int64_t extra_tokens = 0;   // md: L tokens in front with angle 0
+  Act act = Act::None;
+  ActDim dim = ActDim::None;
+  Tensor table;               // md with cached angles: (2, P, H, D) f32, cos then sin; else undefined
+
+  bool rotate() const { return kind == Rotate; }
+  // A theta of one column in 1d gives each head one rate for all features.
+  bool rate_per_head() const { return kind != MdCosine && theta.size(1) == 1; }
+  bool seq_softmax() const { return act == Act::Softmax && dim == ActDim::Sequence; }
+};
+
+#if LINTAPE_WITH_CUDA
+namespace lrpe_cuda {
+
+// x (B, N, H, D) contiguous f32/bf16/f16 -> out (B, N, H, 2D) for the cosine kinds, (B, N, H, D) for
+// rotate, same dtype, contiguous. For softmax over the sequence it also writes stats (B, H, D) f32: the
+// log-sum-exp of x over N per (b, h, d), which backward needs; otherwise pass an undefined stats.
+void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Tensor& stats);
+
+// dx (B, N, H, D) from dout (the shape of out) and x; stats as forward wrote them.
+void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const Tensor& stats, const Tensor& dx);
+
+// md cached mode: fills table (2, P, H, D) f32 with cos and sin of the grid tokens' angles.
+void build_table(const LrpeSpec& spec, int64_t H, int64_t D, const Tensor& table);
+
+}  // namespace lrpe_cuda
+#endif
+
+}  // namespace lintape

@@ -1,0 +1,25 @@
+// Internal: the cuBLASLt side of matmul, and the hooks the benchmark uses to time each algorithm.
+#pragma once
+#if LINTAPE_WITH_CUDA
+#include "core/tensor.h"
+
+namespace lintape {
+
+// How many algorithms cuBLASLt's heuristic offers for matmul(a, b, ta, tb) (at most 16).
+int matmul_heuristic_count(const Tensor& a, const Tensor& b, bool ta, bool tb);
+// c = matmul(a, b, ta, tb) written into c (contiguous, of the product's shape, dtype and device) with
+// the heuristic's algorithm number `heuristic_rank` (0: the one matmul() uses). Not recorded by autograd.
+void matmul_into(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int heuristic_rank);
+
+namespace cuda_ops {
+// The GEMM itself. a and b are contiguous stacks of `batch` matrices, or one matrix (2-D) shared by
+// every batch; c is contiguous (batch, M, N). Shapes were checked by the caller.
+void gemm_cuda(const Tensor& a, const Tensor& b, const Tensor& c, int64_t batch, int64_t m, int64_t n, int64_t k,
+               bool ta, bool tb, int heuristic_rank);
+// The number of algorithms offered for such a product into a freshly allocated (256-byte aligned) c.
+int gemm_cuda_heuristic_count(const Tensor& a, const Tensor& b, int64_t batch, int64_t m, int64_t n, int64_t k,
+                              bool ta, bool tb);
+}  // namespace cuda_ops
+
+}  // namespace lintape
+#endif

@@ -1,0 +1,319 @@
+// rms_norm kernels. A row belongs to a group of W warps (W = 1, 2, 4 or 8, the fewest whose lanes hold
+// the row in H 16-byte packs each; a block of 8 warps serves 8 / W rows), so the row is read from
+// memory once and kept in registers between its reduction and its output. Rows longer than 8 warps
+// can hold are streamed in chunks and read twice. Scalar loads (packs of one) when C or an address
+// rules out 16-byte packs.
+// Backward: each block owns a set of rows (grid-stride) and writes dx. dweight = sum dy * x * r: a
+// lane always sees the same columns of a held row, so it sums them over its rows in registers and adds
+// them into the block's shared f32 partial (f64 for f64) once at the end (streamed rows add each
+// element there); a second kernel adds the per-block partials into dweight.
+#include <cstdint>
+#include "core/cuda_types.cuh"
+#include "ops/rms_norm_cuda.h"
+
+namespace lintape::cuda_ops {
+using namespace lintape::cuda;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Packs per lane held in registers: 4 in the forward; in the backward (two arrays plus the dweight
+// sums) 16 elements' worth, at most 4 packs.
+constexpr int kHeldForward = 4;
+template <int V> constexpr int kHeldBackward = V == 1 ? 4 : (16 / V < 4 ? 16 / V : 4);
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <class A> __device__ __forceinline__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The sum of v over the W warps of this thread's row group; every thread of the block must call it.
+template <int W, class A> __device__ __forceinline__ A group_sum(A v, A* red) {
+  v = warp_sum(v);
+  if constexpr (W == 1) {
+    return v;
+  } else {
+    const int warp = threadIdx.x / 32, first = warp / W * W;
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    A s = 0;
+#pragma unroll
+    for (int i = 0; i < W; ++i) s += red[first + i];
+    __syncthreads();  // red is reused for the next row
+    return s;
+  }
+}
+
+// Pack index h of chunk c0 for this thread: lanes of the group take consecutive packs.
+template <int W> __device__ __forceinline__ int64_t pack_index(int64_t c0, int h) {
+  return c0 + int64_t(h) * 32 * W + (threadIdx.x % (32 * W));
+}
+
+template <class T, int V, int W>
+__global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                               acc_t<T>* __restrict__ rstd, int64_t rows, int64_t cols, acc_t<T> eps) {
+  using A = acc_t<T>;
+  using P = Pack<T, V>;
+  constexpr int kHeld = kHeldForward;
+  constexpr int64_t kChunk = 32 * W * kHeld;
+  __shared__ A red[kWarps];
+  const int64_t row = blockIdx.x * int64_t(kWarps / W) + threadIdx.x / (32 * W);
+  const bool active = row < rows;
+  const int64_t packs = cols / V;
+  const bool held = packs <= kChunk;
+  const P* xr = reinterpret_cast<const P*>(x + row * cols);
+  const P* wr = reinterpret_cast<const P*>(w);
+  P* yr = reinterpret_cast<P*>(y + row * cols);
+  P p[kHeld];
+  A ss = 0;
+  for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
+#pragma unroll
+    for (int h = 0; h < kHeld; ++h) {
+      const int64_t j = pack_index<W>(c0, h);
+      if (active && j < packs) p[h] = xr[j];
+    }
+#pragma unroll
+    for (int h = 0; h < kHeld; ++h)
+      if (active && pack_index<W>(c0, h) < packs)
+#pragma unroll
+        for (int k = 0; k < V; ++k) ss += to_acc(p[h].v[k]) * to_acc(p[h].v[k]);
+  }
+  const A r = A(1) / sqrt(group_sum<W>(ss, red) / A(cols) + eps);
+  if (!active) return;
+  if (threadIdx.x % (32 * W) == 0) rstd[row] = r;
+  for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
+#pragma unroll
+    for (int h = 0; h < kHeld; ++h) {
+      const int64_t j = pack_index<W>(c0, h);
+      if (j >= packs) continue;
+      if (!held) p[h] = xr[j];
+      P q = wr[j], o;
+#pragma unroll
+      for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(to_acc(p[h].v[k]) * r * to_acc(q.v[k]));
+      yr[j] = o;
+    }
+  }
+}
+
+// dx may be null (not wanted); dw_part (gridDim.x, C) is null when dweight is not wanted. Shared memory
+// holds the block's dweight partial, element (j, k) of pack j at k * packs + j so that the lanes of a
+// warp add into consecutive banks.
+template <class T, int V, int W>
+__global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                                const acc_t<T>* __restrict__ rstd, T* __restrict__ dx, acc_t<T>* __restrict__ dw_part,
+                                int64_t rows, int64_t cols) {
+  using A = acc_t<T>;
+  using P = Pack<T, V>;
+  constexpr int kHeld = kHeldBackward<V>;
+  constexpr int64_t kChunk = 32 * W * kHeld;
+  constexpr int kGroups = kWarps / W;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ A red[kWarps];
+  A* sdw = reinterpret_cast<A*>(smem_raw);
+  const int64_t packs = cols / V;
+  const bool held = packs <= kChunk;
+  if (dw_part) {
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sdw[c] = 0;
+    __syncthreads();
+  }
+  A dw_held[kHeld][V] = {};  // held rows: this lane's columns, summed over its rows
+  const P* wr = reinterpret_cast<const P*>(w);
+  // The loop bound is uniform over the block: every thread reaches each group_sum.
+  for (int64_t row0 = blockIdx.x * int64_t(kGroups); row0 < rows; row0 += int64_t(gridDim.x) * kGroups) {
+    const int64_t row = row0 + threadIdx.x / (32 * W);
+    const bool active = row < rows;
+    const P* gr = reinterpret_cast<const P*>(dy + row * cols);
+    const P* xr = reinterpret_cast<const P*>(x + row * cols);
+    const A r = active ? rstd[row] : A(0);
+    P g[kHeld], xv[kHeld];
+    A s = 0;
+    for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
+#pragma unroll
+      for (int h = 0; h < kHeld; ++h) {
+        const int64_t j = pack_index<W>(c0, h);
+        if (active && j < packs) {
+          g[h] = gr[j];
+          xv[h] = xr[j];
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kHeld; ++h) {
+        const int64_t j = pack_index<W>(c0, h);
+        if (!active || j >= packs) continue;
+        P wv = wr[j];
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += to_acc(g[h].v[k]) * to_acc(wv.v[k]) * to_acc(xv[h].v[k]);
+      }
+    }
+    const A coef = r * r * r * group_sum<W>(s, red) / A(cols);
+    if (!active) continue;
+    for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
+#pragma unroll
+      for (int h = 0; h < kHeld; ++h) {
+        const int64_t j = pack_index<W>(c0, h);
+        if (j >= packs) continue;
+        if (!held) {
+          g[h] = gr[j];
+          xv[h] = xr[j];
+        }
+        P wv = wr[j], o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const A gk = to_acc(g[h].v[k]), xk = to_acc(xv[h].v[k]);
+          o.v[k] = from_acc<T>(r * to_acc(wv.v[k]) * gk - coef * xk);
+          if (dw_part && held)
+            dw_held[h][k] += gk * xk * r;
+          else if (dw_part)
+            atomicAdd(&sdw[k * packs + j], gk * xk * r);
+        }
+        if (dx) reinterpret_cast<P*>(dx + row * cols)[j] = o;
+      }
+    }
+  }
+  if (dw_part) {
+    if (held) {
+#pragma unroll
+      for (int h = 0; h < kHeld; ++h) {
+        const int64_t j = pack_index<W>(0, h);
+        if (j < packs)
+#pragma unroll
+          for (int k = 0; k < V; ++k) atomicAdd(&sdw[k * packs + j], dw_held[h][k]);
+      }
+    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dw_part[blockIdx.x * cols + c] = sdw[(c % V) * packs + c / V];
+  }
+}
+
+template <class T>
+__global__ void reduce_partials_kernel(const acc_t<T>* __restrict__ part, T* __restrict__ dw, int64_t parts,
+                                       int64_t cols) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x) {
+    acc_t<T> s = 0;
+    for (int64_t b = 0; b < parts; ++b) s += part[b * cols + c];
+    dw[c] = from_acc<T>(s);
+  }
+}
+
+// 16-byte packs when the row length and every base address allow it.
+template <class T> bool packable(int64_t cols, std::initializer_list<const Tensor*> ts) {
+  if (cols % int64_t(16 / sizeof(T)) != 0) return false;
+  for (const Tensor* t : ts)
+    if (t->defined() && reinterpret_cast<uintptr_t>(t->data()) % 16 != 0) return false;
+  return true;
+}
+
+int sm_count(int device) {
+  int n = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
+// The fewest warps per row (1, 2, 4, 8) whose lanes hold the row in `held` packs; 8 streams longer rows.
+int warps_per_row(int64_t packs, int held) {
+  for (int w = 1; w < 8; w *= 2)
+    if (packs <= int64_t(32) * w * held) return w;
+  return 8;
+}
+
+template <class T, int V, int W>
+void launch_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& y, const Tensor& rstd, int64_t rows,
+                    int64_t cols) {
+  using A = acc_t<T>;
+  forward_kernel<T, V, W><<<grid_for(rows, kWarps / W), kThreads, 0, stream(x.device().index)>>>(
+      static_cast<const T*>(x.data()), static_cast<const T*>(w.data()), static_cast<T*>(y.data()),
+      static_cast<A*>(rstd.data()), rows, cols, A(eps));
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int V>
+void forward_for(const Tensor& x, const Tensor& w, double eps, const Tensor& y, const Tensor& rstd, int64_t rows,
+                 int64_t cols) {
+  switch (warps_per_row(cols / V, kHeldForward)) {
+    case 1: return launch_forward<T, V, 1>(x, w, eps, y, rstd, rows, cols);
+    case 2: return launch_forward<T, V, 2>(x, w, eps, y, rstd, rows, cols);
+    case 4: return launch_forward<T, V, 4>(x, w, eps, y, rstd, rows, cols);
+    default: return launch_forward<T, V, 8>(x, w, eps, y, rstd, rows, cols);
+  }
+}
+
+template <class T, int V, int W>
+void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
+                     const Tensor& dweight, int64_t rows, int64_t cols) {
+  using A = acc_t<T>;
+  int dev = x.device().index;
+  cudaStream_t s = stream(dev);
+  int64_t blocks = grid_for(rows, kWarps / W), cap = 4 * int64_t(sm_count(dev));
+  unsigned grid = unsigned(blocks < cap ? blocks : cap);
+  size_t smem = 0;
+  Tensor part;
+  if (dweight.defined()) {
+    smem = size_t(cols) * sizeof(A);
+    int max_smem = 0;
+    LT_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    LT_CHECK(smem + kWarps * sizeof(A) <= size_t(max_smem), "[rms_norm] C = ", cols,
+             " is too large for the weight gradient's per-block sum (", smem,
+             " bytes of shared memory; this device has ", max_smem, ")");
+    if (smem > 40 * 1024)
+      LT_CUDA_CHECK(
+          cudaFuncSetAttribute(backward_kernel<T, V, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    part = empty({int64_t(grid), cols}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
+  }
+  backward_kernel<T, V, W><<<grid, kThreads, smem, s>>>(
+      static_cast<const T*>(dy.data()), static_cast<const T*>(x.data()), static_cast<const T*>(w.data()),
+      static_cast<const A*>(rstd.data()), dx.defined() ? static_cast<T*>(dx.data()) : nullptr,
+      part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols);
+  LT_CUDA_CHECK_LAUNCH();
+  if (!dweight.defined()) return;
+  reduce_partials_kernel<T><<<grid_for(cols, kThreads), kThreads, 0, s>>>(static_cast<const A*>(part.data()),
+                                                                           static_cast<T*>(dweight.data()), grid, cols);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int V>
+void backward_for(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
+                  const Tensor& dweight, int64_t rows, int64_t cols) {
+  switch (warps_per_row(cols / V, kHeldBackward<V>)) {
+    case 1: return launch_backward<T, V, 1>(dy, x, w, rstd, dx, dweight, rows, cols);
+    case 2: return launch_backward<T, V, 2>(dy, x, w, rstd, dx, dweight, rows, cols);
+    case 4: return launch_backward<T, V, 4>(dy, x, w, rstd, dx, dweight, rows, cols);
+    default: return launch_backward<T, V, 8>(dy, x, w, rstd, dx, dweight, rows, cols);
+  }
+}
+
+}  // namespace
+
+void rms_norm_forward_cuda(const Tensor& x, const Tensor& weight, double eps, const Tensor& y, const Tensor& rstd) {
+  int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  if (rows == 0) return;
+  LT_DISPATCH_FLOAT_CUDA(x.dtype(), "rms_norm", T, {
+    if (packable<T>(cols, {&x, &weight, &y}))
+      forward_for<T, 16 / sizeof(T)>(x, weight, eps, y, rstd, rows, cols);
+    else
+      forward_for<T, 1>(x, weight, eps, y, rstd, rows, cols);
+  });
+}
+
+void rms_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                            const Tensor& dx, const Tensor& dweight) {
+  int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  if (cols == 0) return;
+  if (rows == 0) {
+    if (dweight.defined()) Tensor(dweight).zero_();
+    return;
+  }
+  LT_DISPATCH_FLOAT_CUDA(x.dtype(), "rms_norm", T, {
+    if (packable<T>(cols, {&dy, &x, &weight, &dx}))
+      backward_for<T, 16 / sizeof(T)>(dy, x, weight, rstd, dx, dweight, rows, cols);
+    else
+      backward_for<T, 1>(dy, x, weight, rstd, dx, dweight, rows, cols);
+  });
+}
+
+}  // namespace lintape::cuda_ops

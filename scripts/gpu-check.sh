@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, on the GPU machine: configure for Hopper (sm_90a) with Ninja, build,
+# run every test (CUDA included), run compute-sanitizer memcheck and racecheck over the CUDA test cases,
+# then `lintape info` and the quick benchmarks. Every step runs even when an earlier one failed; the
+# exit status is nonzero if any failed.
+#
+#   scripts/gpu-check.sh OUTDIR [OP ...] [BENCH FLAGS ...]
+#     OP ...        benchmarks to run (default: all), e.g.  scripts/gpu-check.sh out matmul copy
+#     BENCH FLAGS   passed on to every `lintape bench`, e.g. --n 1024,4096 --dtype f32
+#
+# OUTDIR receives 7 files: summary.txt (device, test counts, sanitizer verdicts, copy bandwidth, matmul
+# TFLOP/s), build.log, tests.log, sanitizer.log, bench.txt, bench.json and svg.tar.gz (every SVG plot).
+# The build folder is build-gpu/ in the repository (LINTAPE_GPU_BUILD overrides it); a second run
+# rebuilds only what changed.
+set -uo pipefail
+
+if [ $# -lt 1 ] || [[ $1 == -* ]]; then
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$1" && out=$(cd "$1" && pwd)
+shift
+ops=()
+while [ $# -gt 0 ] && [[ $1 != -* ]]; do
+  ops+=("$1")
+  shift
+done
+[ ${#ops[@]} -gt 0 ] || ops=(all)
+bench_flags=("$@")
+
+build=${LINTAPE_GPU_BUILD:-$root/build-gpu}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rm -f "$out"/{summary.txt,build.log,tests.log,sanitizer.log,bench.txt,bench.json,svg.tar.gz}
+failed=()
+
+note() { echo "$*" | tee -a "$out/summary.txt"; }
+# step NAME LOG COMMAND...: runs COMMAND with its output appended to LOG, and records the verdict.
+step() {
+  local name=$1 log=$2 rc
+  shift 2
+  echo "== $name: $*" >>"$log"
+  "$@" >>"$log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    note "$name: ok"
+  else
+    note "$name: FAILED (exit $rc; see $(basename "$log"))"
+    failed+=("$name")
+  fi
+  return $rc
+}
+
+commit=unknown
+if rev=$(git -C "$root" rev-parse --short HEAD 2>/dev/null); then
+  commit=$rev
+  git -C "$root" diff --quiet HEAD 2>/dev/null || commit+=" with local changes"
+fi
+note "lintape GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $commit"
+note "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | paste -sd ';' || echo 'nvidia-smi failed')"
+nvidia-smi
+
+# -- build
+step configure "$out/build.log" cmake -S "$root" -B "$build" -G Ninja -DLINTAPE_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release
+step build "$out/build.log" cmake --build "$build" -j16
+tests=$build/tests/lintape_tests
+cli=$build/lintape
+
+# -- tests
+nvidia-smi >>"$out/tests.log" 2>&1
+step tests "$out/tests.log" ctest --test-dir "$build" -j8 --timeout 900 --output-on-failure
+note "  $(grep -E 'tests passed, .* tests failed out of' "$out/tests.log" | tail -n1 || echo 'no ctest summary')"
+note "  skipped: $(grep -c '(Skipped)' "$out/tests.log"), CUDA test cases: $("$tests" -ltc -tc='*cuda*' 2>/dev/null | grep -oE '[0-9]+$' | tail -n1)"
+
+# -- compute-sanitizer over the CUDA test cases
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck; do
+  step "compute-sanitizer $tool" "$out/sanitizer.log" \
+    "$sanitizer" --tool "$tool" --error-exitcode 99 "$tests" -tc='*cuda*'
+  case $? in
+    0) ;;
+    99) note "  the sanitizer found errors" ;;
+    *) note "  a test failed or crashed under the sanitizer" ;;
+  esac
+  note "  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1 | sed 's/^=* *//' || true)"
+done
+
+# -- info and the quick benchmarks
+step info "$out/bench.txt" "$cli" info
+for op in "${ops[@]}"; do
+  step "bench $op" "$out/bench.txt" "$cli" bench "$op" --quick --json "$work/bench-$op.json" "${bench_flags[@]}"
+done
+jsons=("$work"/bench-*.json)
+if [ -e "${jsons[0]}" ]; then
+  if [ ${#jsons[@]} -eq 1 ]; then
+    cp "${jsons[0]}" "$out/bench.json"
+  else  # one document: the first run's fields, every run's rows
+    python3 -c 'import json, sys
+docs = [json.load(open(p)) for p in sys.argv[1:]]
+docs[0]["rows"] = [r for d in docs for r in d["rows"]]
+json.dump(docs[0], sys.stdout, indent=1)' "${jsons[@]}" >"$out/bench.json" || failed+=("merge bench json")
+  fi
+fi
+svgs=$(cd "$work" && ls -- *.svg 2>/dev/null)
+if [ -n "$svgs" ]; then
+  (cd "$work" && tar -czf "$out/svg.tar.gz" -- *.svg)
+fi
+note "svg plots: $(echo "$svgs" | grep -c . || true)"
+
+copy=$(grep -m1 -oE 'copy bandwidth: [0-9.]+ GB/s' "$out/bench.txt" | grep -oE '[0-9.]+' | head -n1)
+if [ -n "$copy" ]; then
+  note "copy: $(awk -v g="$copy" 'BEGIN { printf "%.2f", g / 1000 }') TB/s (device-to-device, bytes read + written)"
+else
+  note "copy: not measured"
+fi
+matmul=$(awk '/^matmul-speed/ { p = 1 } p { print } /^$/ { p = 0 }' "$out/bench.txt")
+[ -z "$matmul" ] || note "$matmul"
+
+if [ ${#failed[@]} -eq 0 ]; then
+  note "verdict: PASSED"
+else
+  note "verdict: FAILED: ${failed[*]}"
+  exit 1
+fi

@@ -1,0 +1,239 @@
+#include <cmath>
+#include "helpers.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/rms_norm.h"
+
+using namespace lintape;
+using namespace lintape::test;
+
+namespace {
+
+// Ids in [0, rows) that repeat, on the given device; i32 when asked.
+Tensor make_ids(const Shape& shape, int64_t rows, DType dtype, Device device) {
+  std::vector<int64_t> v(static_cast<size_t>(shape_numel(shape)));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = int64_t((i * 7919 + 13) % size_t(rows)) / (i % 3 == 0 ? 2 : 1);
+  Tensor t = from_vector_i64(v, shape, device);
+  return dtype == DType::I64 ? t : t.to(dtype);
+}
+
+// Targets in [0, classes) with every fifth row ignored (-100).
+Tensor make_targets(int64_t rows, int64_t classes, DType dtype, Device device) {
+  std::vector<int64_t> v(static_cast<size_t>(rows));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = i % 5 == 1 ? -100 : int64_t((i * 7919 + 5) % size_t(classes));
+  Tensor t = from_vector_i64(v, {rows}, device);
+  return dtype == DType::I64 ? t : t.to(dtype);
+}
+
+Tensor cpu64(const Tensor& t) { return t.detach().to(Device::cpu()).to(DType::F64); }
+
+}  // namespace
+
+// ---- embedding ----
+
+TEST_CASE("embedding gathers rows") {
+  Tensor w = randn({5, 3}, DType::F32, Device::cpu(), 1);
+  std::vector<double> wv = w.to_vector<double>();
+  for (DType idt : {DType::I64, DType::I32}) {
+    Tensor ids = from_vector_i64({4, 0, 4, 2}, {2, 2}).to(idt);
+    Tensor out = embedding(w, ids);
+    REQUIRE(out.shape() == Shape{2, 2, 3});
+    std::vector<double> ov = out.to_vector<double>();
+    int64_t rows[] = {4, 0, 4, 2};
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < 3; ++c) CHECK(ov[size_t(i * 3 + c)] == wv[size_t(rows[i] * 3 + c)]);
+  }
+}
+
+TEST_CASE("gradcheck embedding") {
+  Tensor w = leaf({6, 3}, 2);
+  Tensor ids = from_vector_i64({4, 1, 4, 0, 5, 4}, {2, 3});  // id 4 three times: the gradient adds up
+  CHECK_GRADCHECK([ids](const std::vector<Tensor>& in) { return embedding(in[0], ids); }, (std::vector<Tensor>{w}));
+}
+
+TEST_CASE("bad input embedding id out of range") {
+  Tensor w = randn({5, 3});
+  check_throws_containing([&] { embedding(w, from_vector_i64({1, 7, 2}, {3})); },
+                          {"[embedding]", "[0, 5)", "got 7", "position 1"});
+  check_throws_containing([&] { embedding(w, from_vector_i64({-1}, {1})); }, {"[embedding]", "got -1"});
+}
+
+TEST_CASE("bad input embedding weight and ids") {
+  check_throws_containing([] { embedding(randn({5}), from_vector_i64({1}, {1})); }, {"[embedding]", "weight", "(5)"});
+  check_throws_containing([] { embedding(randn({5, 3}), randn({2})); }, {"[embedding]", "ids", "i64 or i32", "f32"});
+}
+
+TEST_CASE("cuda embedding matches cpu") {
+  LT_REQUIRE_CUDA();
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t cols : {129, 128})  // scalar and 16-byte paths
+      for (DType idt : {DType::I64, DType::I32}) {
+        INFO(dtype_name(dt) << " C = " << cols << " ids " << dtype_name(idt));
+        Tensor w = randn({1001, cols}, dt, gpu(), 3).requires_grad_();
+        Tensor ids = make_ids({7, 13}, 1001, idt, gpu());
+        Tensor w64 = cpu64(w).requires_grad_();
+        Tensor out = embedding(w, ids), ref = embedding(w64, ids.to(Device::cpu()));
+        CHECK_CLOSE_TENSOR(out, ref, dt);
+        Tensor dout = randn(out.shape(), dt, gpu(), 4);
+        backward(out, dout);
+        backward(ref, cpu64(dout));
+        CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), dt);
+      }
+}
+
+TEST_CASE("bad input cuda embedding id out of range") {
+  LT_REQUIRE_CUDA();
+  Tensor w = randn({1001, 64}, DType::BF16, gpu(), 5);
+  check_throws_containing([&] { embedding(w, from_vector_i64({3, 1001, 2}, {3}, gpu())); },
+                          {"[embedding]", "[0, 1001)", "got 1001", "position 1"});
+}
+
+// ---- rms_norm ----
+
+TEST_CASE("rms_norm matches the formula") {
+  for (DType dt : {DType::F64, DType::F32, DType::BF16}) {
+    Tensor x = randn({3, 7}, dt, Device::cpu(), 6), w = randn({7}, dt, Device::cpu(), 7);
+    std::vector<double> xv = x.to_vector<double>(), wv = w.to_vector<double>(), ref(21);
+    for (int i = 0; i < 3; ++i) {
+      double ss = 0;
+      for (int c = 0; c < 7; ++c) ss += xv[size_t(i * 7 + c)] * xv[size_t(i * 7 + c)];
+      double r = 1 / std::sqrt(ss / 7 + 1e-5);
+      for (int c = 0; c < 7; ++c) ref[size_t(i * 7 + c)] = xv[size_t(i * 7 + c)] * r * wv[size_t(c)];
+    }
+    CHECK_CLOSE_TENSOR(rms_norm(x, w, 1e-5), from_vector(ref, {3, 7}, DType::F64), dt);
+  }
+}
+
+TEST_CASE("gradcheck rms_norm x and weight") {
+  Tensor x = leaf({2, 3, 5}, 8), w = leaf({5}, 9, 0.5);
+  auto f = [](const std::vector<Tensor>& in) { return rms_norm(in[0], in[1], 1e-5); };
+  CHECK_GRADCHECK(f, (std::vector<Tensor>{x, w}));
+  Tensor w_fixed = randn({5}, DType::F64, Device::cpu(), 10);  // only x needs a gradient
+  CHECK_GRADCHECK(f, (std::vector<Tensor>{x, w_fixed}));
+}
+
+TEST_CASE("bad input rms_norm weight") {
+  check_throws_containing([] { rms_norm(randn({2, 5}), randn({4})); }, {"[rms_norm]", "(C) with C = 5", "got (4)"});
+  check_throws_containing([] { rms_norm(randn({2, 5}), randn({5}, DType::BF16)); }, {"[rms_norm]", "f32", "bf16"});
+}
+
+TEST_CASE("cuda rms_norm matches cpu") {
+  LT_REQUIRE_CUDA();
+  // C = 129: scalar loads; 768: 16-byte packs; 1031 (scalar) and 8200 (bf16 packs): rows too long to
+  // be held in registers, streamed twice.
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t cols : {129, 768, 1031, 8200}) {
+      INFO(dtype_name(dt) << " C = " << cols);
+      Tensor x = randn({3, cols > 1000 ? 5 : 37, cols}, dt, gpu(), 11).requires_grad_();
+      Tensor w = randn({cols}, dt, gpu(), 12).requires_grad_();
+      Tensor x64 = cpu64(x).requires_grad_(), w64 = cpu64(w).requires_grad_();
+      Tensor y = rms_norm(x, w), ref = rms_norm(x64, w64);
+      CHECK_CLOSE_TENSOR(y, ref, dt);
+      Tensor dy = randn(y.shape(), dt, gpu(), 13);
+      backward(y, dy);
+      backward(ref, cpu64(dy));
+      CHECK_CLOSE_TENSOR(x.grad(), x64.grad(), dt);
+      CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), dt);
+    }
+}
+
+TEST_CASE("cuda rms_norm of a transposed view") {
+  LT_REQUIRE_CUDA();
+  Tensor x = randn({65, 37}, DType::F32, gpu(), 14).transpose(0, 1);  // (37, 65), not contiguous
+  Tensor w = randn({65}, DType::F32, gpu(), 15);
+  CHECK_CLOSE_TENSOR(rms_norm(x, w), rms_norm(cpu64(x), cpu64(w)), DType::F32);
+}
+
+// ---- cross_entropy ----
+
+TEST_CASE("cross_entropy matches log-softmax by hand") {
+  Tensor logits = randn({4, 6}, DType::F64, Device::cpu(), 16);
+  Tensor targets = from_vector_i64({2, -100, 5, 0}, {4});
+  std::vector<double> x = logits.to_vector<double>();
+  double total = 0;
+  int64_t t[] = {2, -1, 5, 0};
+  for (int i = 0; i < 4; ++i) {
+    if (t[i] < 0) continue;
+    double s = 0;
+    for (int v = 0; v < 6; ++v) s += std::exp(x[size_t(i * 6 + v)]);
+    total += std::log(s) - x[size_t(i * 6 + t[i])];
+  }
+  Tensor loss = cross_entropy(logits, targets);
+  CHECK(loss.shape() == Shape{});
+  CHECK(loss.item() == doctest::Approx(total / 3).epsilon(1e-12));
+}
+
+TEST_CASE("gradcheck cross_entropy with an ignored token") {
+  Tensor logits = leaf({4, 5}, 17);
+  Tensor targets = from_vector_i64({1, -100, 4, 0}, {4});
+  CHECK_GRADCHECK([targets](const std::vector<Tensor>& in) { return cross_entropy(in[0], targets); },
+                  (std::vector<Tensor>{logits}));
+}
+
+TEST_CASE("cross_entropy with every token ignored is 0 with a zero gradient") {
+  Tensor logits = randn({3, 4}, DType::F64, Device::cpu(), 18).requires_grad_();
+  Tensor loss = cross_entropy(logits, from_vector_i64({7, 7, 7}, {3}), 7);
+  CHECK(loss.item() == 0.0);
+  backward(loss);
+  for (double g : logits.grad().to_vector<double>()) CHECK(g == 0.0);
+}
+
+TEST_CASE("bad input cross_entropy target out of range") {
+  check_throws_containing([] { cross_entropy(randn({3, 5}), from_vector_i64({1, 5, 2}, {3})); },
+                          {"[cross_entropy]", "[0, V = 5)", "got 5", "row 1", "ignore_index = -100"});
+}
+
+TEST_CASE("bad input cross_entropy shapes") {
+  check_throws_containing([] { cross_entropy(randn({4, 5}), from_vector_i64({1, 2, 3}, {3})); },
+                          {"[cross_entropy]", "(T) with T = 4", "(3)"});
+  check_throws_containing([] { cross_entropy(randn({5}), from_vector_i64({1}, {1})); },
+                          {"[cross_entropy]", "(T, V)", "(5)"});
+  check_throws_containing([] { cross_entropy(randn({2, 5}), randn({2})); }, {"[cross_entropy]", "i64 or i32", "f32"});
+}
+
+TEST_CASE("cuda cross_entropy matches cpu") {
+  LT_REQUIRE_CUDA();
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t classes : {1001, 1024})  // scalar and 16-byte paths
+      for (DType idt : {DType::I64, DType::I32}) {
+        INFO(dtype_name(dt) << " V = " << classes << " targets " << dtype_name(idt));
+        Tensor logits = randn({37, classes}, dt, gpu(), 19).requires_grad_();
+        Tensor targets = make_targets(37, classes, idt, gpu());
+        Tensor l64 = cpu64(logits).requires_grad_();
+        Tensor loss = cross_entropy(logits, targets), ref = cross_entropy(l64, targets.to(Device::cpu()));
+        CHECK(loss.dtype() == dt);
+        CHECK_CLOSE_TENSOR(loss, ref, dt);
+        backward(loss, full({}, 0.7, dt, gpu()));
+        backward(ref, full({}, 0.7, DType::F64));
+        CHECK_CLOSE_TENSOR(logits.grad(), l64.grad(), dt);
+      }
+}
+
+TEST_CASE("cuda cross_entropy of a view whose rows start off 16-byte boundaries") {
+  LT_REQUIRE_CUDA();
+  // Rows 1..37 of a (38, 1001) bf16 tensor: contiguous, 2002 bytes past the allocation's start.
+  Tensor logits = randn({38, 1001}, DType::BF16, gpu(), 22).narrow(0, 1, 37).detach().requires_grad_();
+  Tensor targets = make_targets(37, 1001, DType::I64, gpu());
+  Tensor l64 = cpu64(logits).requires_grad_();
+  Tensor loss = cross_entropy(logits, targets), ref = cross_entropy(l64, targets.to(Device::cpu()));
+  CHECK_CLOSE_TENSOR(loss, ref, DType::BF16);
+  backward(loss);
+  backward(ref);
+  CHECK_CLOSE_TENSOR(logits.grad(), l64.grad(), DType::BF16);
+}
+
+TEST_CASE("cuda cross_entropy with every token ignored is 0 with a zero gradient") {
+  LT_REQUIRE_CUDA();
+  Tensor logits = randn({5, 33}, DType::BF16, gpu(), 20).requires_grad_();
+  Tensor loss = cross_entropy(logits, from_vector_i64({-100, -100, -100, -100, -100}, {5}, gpu()));
+  CHECK(loss.item() == 0.0);
+  backward(loss);
+  for (double g : logits.grad().to_vector<double>()) CHECK(g == 0.0);
+}
+
+TEST_CASE("bad input cuda cross_entropy target out of range") {
+  LT_REQUIRE_CUDA();
+  Tensor logits = randn({4, 1001}, DType::F32, gpu(), 21);
+  check_throws_containing([&] { cross_entropy(logits, from_vector_i64({1, 2, -3, 0}, {4}, gpu())); },
+                          {"[cross_entropy]", "[0, V = 1001)", "got -3", "row 2"});
+}
