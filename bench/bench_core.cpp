@@ -57,7 +57,7 @@ Call matmul_call(const Case& k, int64_t m, int64_t kdim, int64_t n) {
     const int count = matmul_heuristic_count(a, b, false, false);
     for (int rank = 0; rank < count; ++rank) {
       try {
-        double ms = median_ms({[=]() mutable { matmul_into(a, b, c, false, false, rank); }}, k.device, 5, 5);
+        double ms = median_ms({[=]() mutable { matmul_into(a, b, c, false, false, rank); }}, k.device, 20, 20);
         if (ms < best_ms) best = rank, best_ms = ms;
       } catch (const Error&) {  // an algorithm that cannot run this shape is skipped
       }

@@ -10,13 +10,8 @@ void dispatch_pair(DType a, DType b, Fn&& fn) {
   LT_DISPATCH_ALL(a, "copy", A, { LT_DISPATCH_ALL(b, "copy", B, { fn(A{}, B{}); }); });
 }
 
-// Integers convert through double, floats through double: exact for every pair we support.
+// Every supported pair converts exactly through double (bf16/f16 convert through float).
 template <class T> double to_double(T v) { return double(v); }
-template <> double to_double(bf16 v) { return double(float(v)); }
-template <> double to_double(f16 v) { return double(float(v)); }
-template <class T> T from_double(double v) { return T(v); }
-template <> bf16 from_double(double v) { return bf16(float(v)); }
-template <> f16 from_double(double v) { return f16(float(v)); }
 }  // namespace
 
 void copy_cpu(const Tensor& dst, const Tensor& src) {
@@ -32,7 +27,7 @@ void copy_cpu(const Tensor& dst, const Tensor& src) {
     bool flat = dst.is_contiguous() && src.is_contiguous();
     for (int64_t i = 0; i < n; ++i) {
       const S v = flat ? s[i] : s[si.offset(i)];
-      (flat ? d[i] : d[di.offset(i)]) = from_double<D>(to_double(v));
+      (flat ? d[i] : d[di.offset(i)]) = D(to_double(v));
     }
   });
 }
@@ -41,7 +36,7 @@ void fill_cpu(const Tensor& dst, double value) {
   int64_t n = dst.numel();
   StridedIndex di(dst);
   LT_DISPATCH_ALL(dst.dtype(), "fill", T, {
-    T v = from_double<T>(value);
+    T v = T(value);
     T* d = static_cast<T*>(dst.data());
     for (int64_t i = 0; i < n; ++i) d[di.offset(i)] = v;
   });
@@ -52,7 +47,7 @@ void random_cpu(const Tensor& dst, uint64_t seed, bool normal) {
   LT_DISPATCH_FLOAT(dst.dtype(), "randn", T, {
     T* d = static_cast<T*>(dst.data());
     for (int64_t i = 0; i < n; ++i)
-      d[i] = from_double<T>(normal ? counter_normal(seed, uint64_t(i)) : counter_uniform(seed, uint64_t(i), 0));
+      d[i] = T(normal ? counter_normal(seed, uint64_t(i)) : counter_uniform(seed, uint64_t(i), 0));
   });
 }
 
@@ -60,7 +55,7 @@ void arange_cpu(const Tensor& dst, int64_t start) {
   int64_t n = dst.numel();
   LT_DISPATCH_ALL(dst.dtype(), "arange", T, {
     T* d = static_cast<T*>(dst.data());
-    for (int64_t i = 0; i < n; ++i) d[i] = from_double<T>(double(start + i));
+    for (int64_t i = 0; i < n; ++i) d[i] = T(double(start + i));
   });
 }
 
@@ -72,7 +67,7 @@ void accumulate_cpu(const Tensor& dst, const Tensor& src) {
     const T* s = static_cast<const T*>(src.data());
     for (int64_t i = 0; i < n; ++i) {
       T& out = d[di.offset(i)];
-      out = from_double<T>(to_double(out) + to_double(s[si.offset(i)]));
+      out = T(to_double(out) + to_double(s[si.offset(i)]));
     }
   });
 }

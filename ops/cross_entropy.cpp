@@ -10,20 +10,6 @@ using autograd::Grads;
 
 namespace {
 
-Tensor raw_contiguous(const Tensor& x) {
-  if (x.is_contiguous()) return x.detach();
-  Tensor out = empty(x.shape(), x.dtype(), x.device());
-  out.copy_(x);
-  return out;
-}
-
-template <class T> T from_double(double v) {
-  if constexpr (std::is_same_v<T, double>)
-    return v;
-  else
-    return T(float(v));
-}
-
 // The saved log-sum-exp: f64 for f64 logits, else f32.
 template <class T> using lse_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
@@ -64,7 +50,7 @@ void backward_cpu(double dloss, const T* logits, const std::vector<int64_t>& tar
     bool ignored = targets[i] == ignore_index;
     for (int64_t v = 0; v < classes; ++v) {
       double p = std::exp(double(x[v]) - double(lse[i]));
-      d[v] = from_double<T>(ignored ? 0.0 : (p - (v == targets[i] ? 1.0 : 0.0)) * scale);
+      d[v] = T(ignored ? 0.0 : (p - (v == targets[i] ? 1.0 : 0.0)) * scale);
     }
   }
 }
@@ -82,7 +68,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   LT_CHECK(targets.device() == logits.device(), "[cross_entropy] targets must be on the logits' device ",
            logits.device().name(), "; got ", targets.device().name());
   int64_t rows = logits.size(0), classes = logits.size(1);
-  Tensor lg = raw_contiguous(logits), tg = raw_contiguous(targets);
+  Tensor lg = logits.detach().contiguous(), tg = targets.detach().contiguous();
   DType ldt = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
   Tensor lse = empty({rows}, ldt, logits.device());
   Tensor loss;

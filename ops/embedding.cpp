@@ -8,13 +8,6 @@ using autograd::Grads;
 
 namespace {
 
-Tensor raw_contiguous(const Tensor& x) {
-  if (x.is_contiguous()) return x.detach();
-  Tensor out = empty(x.shape(), x.dtype(), x.device());
-  out.copy_(x);
-  return out;
-}
-
 [[noreturn]] void fail_bad_id(int64_t position, int64_t id, int64_t rows) {
   fail(str("[embedding] ids must be in [0, ", rows, ") (the rows of weight); got ", id, " at position ", position));
 }
@@ -51,7 +44,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   LT_CHECK(weight.device() == ids.device(), "[embedding] weight and ids must be on the same device; got weight on ",
            weight.device().name(), " and ids on ", ids.device().name());
   int64_t rows = weight.size(0), cols = weight.size(1);
-  Tensor w = raw_contiguous(weight), id = raw_contiguous(ids);
+  Tensor w = weight.detach().contiguous(), id = ids.detach().contiguous();
   Shape out_shape = ids.shape();
   out_shape.push_back(cols);
   Tensor out = empty(out_shape, weight.dtype(), weight.device());
@@ -72,7 +65,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   if (!autograd::needs_grad({weight})) return out;
   autograd::record("embedding", {weight, autograd::nondiff(ids, "ids")}, {out},
                    [id, host_ids = std::move(host_ids), rows, cols](const Grads& g) -> Grads {
-                     Tensor dout = raw_contiguous(g[0]);
+                     Tensor dout = g[0].detach().contiguous();
 #if LINTAPE_WITH_CUDA
                      if (dout.is_cuda()) {
                        // 16-bit gradients are summed in an f32 buffer, then converted.

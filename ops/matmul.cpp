@@ -21,19 +21,12 @@ struct Dims {
   Shape out;
 };
 
-Tensor raw_contiguous(const Tensor& x) {
-  if (x.is_contiguous()) return x.detach();
-  Tensor out = empty(x.shape(), x.dtype(), x.device());
-  out.copy_(x);
-  return out;
-}
-
 // A plain transpose of the last two dims is folded into the flag; any other layout is copied.
 Operand operand(const Tensor& x, bool trans) {
   if (x.is_contiguous()) return {x.detach(), trans};
   Tensor xt = x.detach().transpose(-2, -1);
   if (xt.is_contiguous()) return {xt, !trans};
-  return {raw_contiguous(x), trans};
+  return {x.detach().contiguous(), trans};
 }
 
 std::string desc(const char* name, const Tensor& x) { return str(name, " ", shape_str(x.shape())); }
@@ -124,9 +117,9 @@ Tensor product(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 // db for a b shared by every batch: sum_i op(a_i)^T dc_i (or its transpose) as one GEMM over the rows
 // of all batches. A transposed a is copied to (..., M, K) first so that the batches stack.
 Tensor shared_b_grad(const Tensor& a, const Tensor& dc, bool ta, bool tb) {
-  Tensor at = raw_contiguous(ta ? a.transpose(-2, -1) : a);
+  Tensor at = (ta ? a.transpose(-2, -1) : a).detach().contiguous();
   Tensor af = at.view({-1, at.size(-1)});
-  Tensor dcf = raw_contiguous(dc).view({-1, dc.size(-1)});
+  Tensor dcf = dc.detach().contiguous().view({-1, dc.size(-1)});
   return tb ? product(dcf, af, true, false) : product(af, dcf, true, false);
 }
 

@@ -11,20 +11,6 @@ using autograd::Grads;
 
 namespace {
 
-Tensor raw_contiguous(const Tensor& x) {
-  if (x.is_contiguous()) return x.detach();
-  Tensor out = empty(x.shape(), x.dtype(), x.device());
-  out.copy_(x);
-  return out;
-}
-
-template <class T> T from_double(double v) {
-  if constexpr (std::is_same_v<T, double>)
-    return v;
-  else
-    return T(float(v));
-}
-
 // The saved reciprocal rms: f64 for f64 inputs, else f32.
 template <class T> using rstd_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
@@ -36,7 +22,7 @@ void forward_cpu(const T* x, const T* w, T* y, rstd_t<T>* rstd, int64_t rows, in
     for (int64_t c = 0; c < cols; ++c) ss += double(xr[c]) * double(xr[c]);
     double r = 1.0 / std::sqrt(ss / double(cols) + eps);
     rstd[i] = rstd_t<T>(r);
-    for (int64_t c = 0; c < cols; ++c) y[i * cols + c] = from_double<T>(double(xr[c]) * r * double(w[c]));
+    for (int64_t c = 0; c < cols; ++c) y[i * cols + c] = T(double(xr[c]) * r * double(w[c]));
   }
 }
 
@@ -50,12 +36,12 @@ void backward_cpu(const T* dy, const T* x, const T* w, const rstd_t<T>* rstd, T*
     for (int64_t c = 0; c < cols; ++c) s += double(g[c]) * double(w[c]) * double(xr[c]);
     double coef = r * r * r * s / double(cols);
     for (int64_t c = 0; c < cols; ++c) {
-      if (dx) dx[i * cols + c] = from_double<T>(r * double(w[c]) * double(g[c]) - coef * double(xr[c]));
+      if (dx) dx[i * cols + c] = T(r * double(w[c]) * double(g[c]) - coef * double(xr[c]));
       dw_acc[size_t(c)] += double(g[c]) * double(xr[c]) * r;
     }
   }
   if (dw)
-    for (int64_t c = 0; c < cols; ++c) dw[c] = from_double<T>(dw_acc[size_t(c)]);
+    for (int64_t c = 0; c < cols; ++c) dw[c] = T(dw_acc[size_t(c)]);
 }
 
 template <class T> T* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
@@ -73,7 +59,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   LT_CHECK(weight.device() == x.device(), "[rms_norm] weight must be on x's device ", x.device().name(), "; got ",
            weight.device().name());
   LT_CHECK(eps >= 0, "[rms_norm] eps must be >= 0; got ", eps);
-  Tensor xc = raw_contiguous(x), wc = raw_contiguous(weight);
+  Tensor xc = x.detach().contiguous(), wc = weight.detach().contiguous();
   int64_t rows = shape_numel(Shape(x.shape().begin(), x.shape().end() - 1));
   DType rdt = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   Tensor y = empty(x.shape(), x.dtype(), x.device()), rstd = empty({rows}, rdt, x.device());
@@ -89,7 +75,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   if (!autograd::needs_grad({x, weight})) return y;
   bool need_x = x.requires_grad(), need_w = weight.requires_grad();
   autograd::record("rms_norm", {x, weight}, {y}, [xc, wc, rstd, rows, cols, need_x, need_w](const Grads& g) -> Grads {
-    Tensor dy = raw_contiguous(g[0]);
+    Tensor dy = g[0].detach().contiguous();
     Tensor dx = need_x ? empty(xc.shape(), xc.dtype(), xc.device()) : Tensor();
     Tensor dw = need_w ? empty(wc.shape(), wc.dtype(), wc.device()) : Tensor();
 #if LINTAPE_WITH_CUDA

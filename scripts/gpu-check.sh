@@ -52,7 +52,7 @@ step() {
   return $rc
 }
 
-commit=unknown
+commit=${LINTAPE_COMMIT:-unknown}  # the device copy of the tree has no .git: the caller may pass it
 if rev=$(git -C "$root" rev-parse --short HEAD 2>/dev/null); then
   commit=$rev
   git -C "$root" diff --quiet HEAD 2>/dev/null || commit+=" with local changes"
@@ -71,7 +71,7 @@ cli=$build/lintape
 # -- tests
 nvidia-smi >>"$out/tests.log" 2>&1
 step tests "$out/tests.log" ctest --test-dir "$build" -j8 --timeout 900 --output-on-failure
-note "  $(grep -E 'tests passed, .* tests failed out of' "$out/tests.log" | tail -n1 || echo 'no ctest summary')"
+note "  $(grep -E 'tests passed(,| out of)' "$out/tests.log" | tail -n1 || echo 'no ctest summary')"
 note "  skipped: $(grep -c '(Skipped)' "$out/tests.log"), CUDA test cases: $("$tests" -ltc -tc='*cuda*' 2>/dev/null | grep -oE '[0-9]+$' | tail -n1)"
 
 # -- compute-sanitizer over the CUDA test cases
