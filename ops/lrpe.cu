@@ -2,14 +2,18 @@
 //
 // Layout: x is (B, N, H, D) contiguous, seen as rows of D features, one row per (b, t, h). A group of
 // `lpr` lanes (a power of two <= 32) handles one (t, h) with vectors of VEC elements (16 bytes when D
-// allows) and loops over the batch: the angles depend on (t, h, feature) only, so each lane computes its
-// cos/sin once and reuses them for every b. A lane's "unit" is VEC consecutive angle indices j: for the
-// cosine kinds x[j] -> out[j], out[D + j]; for rotate the pair x[j], x[D/2 + j] -> out[j], out[D/2 + j].
+// allows) for a group of g.bchunk batch rows: the angles depend on (t, h, feature) only, so each lane
+// computes its cos/sin once and reuses them for every b of its group. A lane's "unit" is VEC
+// consecutive angle indices j: for the cosine kinds x[j] -> out[j], out[D + j]; for rotate the pair
+// x[j], x[D/2 + j] -> out[j], out[D/2 + j]. The kernels are memory-bound; the row kernels are kept within
+// 64 to 80 registers, so that 24 to 32 warps per SM keep enough loads in flight.
 //
 // Softmax over the feature dim reduces across a row's lanes with shuffles. Softmax over the sequence is
 // two-pass: a statistics kernel (online max / sum-exp per (b, N-chunk, h, d)) and a finalize kernel
 // give the per-(b, h, d) log-sum-exp, which the apply kernel and the backward use. Its backward first
 // sums y * dy over N the same way. Everything is computed in f32 but the angle reduction (double).
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_types.cuh"
@@ -20,12 +24,24 @@ using namespace lintape::cuda;
 
 namespace {
 
-constexpr int kThreads = 256;  // threads per block of the row kernels
-constexpr int kStatRows = 8;   // token lanes per block (blockDim.y) in the sequence-statistics kernels
-constexpr int kBatchTile = 2;  // batch elements per thread in the backward statistics kernel
+constexpr int kThreads = 128;      // threads per block of the row kernels
+constexpr int kStatRows = 8;       // token lanes per block (blockDim.y) in the sequence-statistics kernels
 constexpr int kMaxUnitsPerLane = 4;
+constexpr int64_t kRowWaves = 3;   // waves of resident blocks the row kernels aim for
+constexpr int64_t kGroupRows = 4;  // batch rows per group of the row kernels, at least (where B allows)
+constexpr int64_t kStatWaves = 4;  // waves of resident blocks in the statistics kernels
+
+// Batch rows per thread in the backward statistics kernel: at most 4, and at most 8 sums per thread.
+template <int VEC, bool ROT>
+constexpr int stat_batch_tile() {
+  return std::min(4, std::max(1, 8 / ((ROT ? 2 : 1) * VEC)));
+}
 
 enum ActCode : int { kNone, kRelu, kSigmoid, kSilu, kSoftmaxFeature, kSoftmaxSequence };
+// What a row kernel is compiled for: no act, the elementwise acts, softmax over the feature dim, softmax
+// over the sequence, or every act chosen at run time (the shapes of several units per lane or of narrow
+// vectors, which are rare). A body compiled for one class keeps only the registers it needs.
+enum ActClass : int { kNoAct, kElementwise, kFeature, kSequence, kAnyAct };
 
 // The layout and the angle rule, passed by value to every kernel.
 struct Geo {
@@ -46,9 +62,23 @@ struct Geo {
   int64_t P;
   int act;
   int lpr;               // lanes per row
+  int64_t bchunk;        // batch rows per blockIdx.y of the row kernels
   const float* lse;      // (B, H, D) log-sum-exp over N (softmax over the sequence)
   const float* q;        // (B, H, D) sum over N of y * dy (its backward)
 };
+
+template <int CLS>
+__device__ __forceinline__ bool has_act(int act) {
+  return CLS == kAnyAct ? act != kNone : CLS != kNoAct;
+}
+template <int CLS>
+__device__ __forceinline__ bool feature_softmax(int act) {
+  return CLS == kAnyAct ? act == kSoftmaxFeature : CLS == kFeature;
+}
+template <int CLS>
+__device__ __forceinline__ bool sequence_softmax(int act) {
+  return CLS == kAnyAct ? act == kSoftmaxSequence : CLS == kSequence;
+}
 
 template <class T, int VEC>
 struct alignas(sizeof(T) * VEC) Vec {
@@ -56,8 +86,12 @@ struct alignas(sizeof(T) * VEC) Vec {
 };
 
 template <int VEC, class T>
-__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
-  Vec<T, VEC> r = *reinterpret_cast<const Vec<T, VEC>*>(p);
+__device__ __forceinline__ Vec<T, VEC> load_raw(const T* p) {
+  return *reinterpret_cast<const Vec<T, VEC>*>(p);
+}
+
+template <int VEC, class T>
+__device__ __forceinline__ void to_float(const Vec<T, VEC>& r, float (&out)[VEC]) {
 #pragma unroll
   for (int e = 0; e < VEC; ++e) out[e] = to_acc(r.v[e]);
 }
@@ -84,11 +118,18 @@ __device__ __forceinline__ void load_f32(const float* p, float (&out)[VEC]) {
 
 // cos and sin of pos * rate. The product is exact in double (pos an integer below 2^29); reduced there
 // to a fraction of a half turn, it keeps f32 accuracy at angles of tens of thousands of radians, and
-// sincospif needs no slow path (sincosf's large-argument reduction lives in local memory).
+// sincospif needs no slow path (sincosf's large-argument reduction lives in local memory). Whole turns
+// are rounded off by adding and subtracting 1.5 * 2^52 (two adds on the double pipe, cheaper than rint).
 __device__ __forceinline__ void angle_sincos(double pos, float rate, float& c, float& s) {
+  constexpr double kRound = 0x1.8p52;
   double turns = pos * double(rate) * 0.31830988618379067;  // angle / pi
-  turns -= 2.0 * rint(0.5 * turns);
+  turns -= 2.0 * ((0.5 * turns + kRound) - kRound);
   sincospif(float(turns), &s, &c);
+}
+
+// 1d: the rate of angle index j (th: the head's row of theta).
+__device__ __forceinline__ float rate_1d(const Geo& g, const float* th, int64_t j) {
+  return g.rate_per_head ? th[0] : (j < g.E ? th[j] : 0.f);
 }
 
 // cos/sin of angle indices j0 .. j0 + VEC - 1 of token t, head h.
@@ -108,13 +149,8 @@ __device__ __forceinline__ void unit_sincos(const Geo& g, int64_t t, int64_t h, 
   }
   const float* th = g.theta + h * g.theta_stride;
   if (g.md_k == 0) {
-    const double pos = double(g.offset + t);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      int64_t j = j0 + e;
-      float rate = g.rate_per_head ? th[0] : (j < g.E ? th[j] : 0.f);
-      angle_sincos(pos, rate, c[e], s[e]);
-    }
+    for (int e = 0; e < VEC; ++e) angle_sincos(double(g.offset + t), rate_1d(g, th, j0 + e), c[e], s[e]);
     return;
   }
   // Grid coordinates of token t - L, row-major (the last axis varies fastest).
@@ -233,85 +269,107 @@ __device__ __forceinline__ void softmax_sequence(const Geo& g, int64_t b, int64_
   }
 }
 
-// Launch bounds: one unit per lane fits in 64 registers, so four blocks share an SM; more units, or the
-// rotate backward, need more registers and get fewer blocks.
-template <class T, int VEC, int NV, bool ROT>
-__global__ void __launch_bounds__(kThreads, NV == 1 ? 4 : 1)
+// The row kernels: one (t, h) row per lane group, the batch rows b0 .. b1 - 1 of blockIdx.y. The rows
+// are grid-strided; the loops over rows and batch rows are uniform across a block, so that the softmax
+// shuffles always see the whole warp. The forward with one unit per lane loads batch rows in tiles of
+// two 16-byte vectors per lane, in flight together; it fits in 64 registers (32 warps per SM), rotate
+// with a softmax in 80.
+template <class T, int VEC, int NV, bool ROT, int CLS>
+__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature || CLS == kSequence) ? 6 : 8)
     forward_kernel(const T* __restrict__ x, T* __restrict__ out, Geo g) {
-  constexpr int P = ROT ? 2 : 1;
+  constexpr int P = ROT ? 2 : 1, BT = NV == 1 ? 2 / P : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
   const int64_t rows = g.N * g.H, units = g.A / VEC;
+  const int64_t b0 = int64_t(blockIdx.y) * g.bchunk, b1 = min(g.B, b0 + g.bchunk);
   for (int64_t base = int64_t(blockIdx.x) * rpb; base < rows; base += int64_t(gridDim.x) * rpb) {
     const int64_t row = base + threadIdx.x / lpr, t = row / g.H, h = row - t * g.H;
     bool ok[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) ok[i] = row < rows && lane + i * lpr < units;
     float c[NV][VEC], s[NV][VEC];
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      ok[i] = row < rows && lane + i * lpr < units;
+    for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
-    }
-    for (int64_t b = blockIdx.y; b < g.B; b += gridDim.y) {
-      const int64_t r = (b * g.N + t) * g.H + h;
-      float v[NV][P][VEC];
+    for (int64_t b = b0; b < b1; b += BT) {
+      // x of batch rows b .. b + BT - 1 (those below b1), every unit.
+      Vec<T, VEC> raw[BT][NV][P];
 #pragma unroll
-      for (int i = 0; i < NV; ++i)
-#pragma unroll
-        for (int p = 0; p < P; ++p)
-          if (ok[i]) load<VEC>(x + r * g.D + p * g.half + (lane + i * lpr) * VEC, v[i][p]);
-      if (g.act == kSoftmaxFeature) {
-        softmax_feature<NV, P, VEC>(v, ok, lpr);
-      } else if (g.act == kSoftmaxSequence) {
+      for (int k = 0; k < BT; ++k)
 #pragma unroll
         for (int i = 0; i < NV; ++i)
-          if (ok[i]) softmax_sequence<P, VEC>(g, b, h, int64_t(lane + i * lpr) * VEC, v[i]);
-      } else {
-        with_elementwise_act(g.act, [&](auto A) {
+#pragma unroll
+          for (int p = 0; p < P; ++p)
+            if (ok[i] && b + k < b1)
+              raw[k][i][p] = load_raw<VEC>(x + (((b + k) * g.N + t) * g.H + h) * g.D + p * g.half +
+                                           (lane + i * lpr) * VEC);
+#pragma unroll
+      for (int k = 0; k < BT; ++k) {
+        if (b + k >= b1) break;
+        float v[NV][P][VEC];
+#pragma unroll
+        for (int i = 0; i < NV; ++i)
+#pragma unroll
+          for (int p = 0; p < P; ++p) to_float(raw[k][i][p], v[i][p]);
+        if (feature_softmax<CLS>(g.act)) {
+          softmax_feature<NV, P, VEC>(v, ok, lpr);
+        } else if (sequence_softmax<CLS>(g.act)) {
 #pragma unroll
           for (int i = 0; i < NV; ++i)
+            if (ok[i]) softmax_sequence<P, VEC>(g, b + k, h, int64_t(lane + i * lpr) * VEC, v[i]);
+        } else if (has_act<CLS>(g.act)) {
+          with_elementwise_act(g.act, [&](auto A) {
 #pragma unroll
-            for (int p = 0; p < P; ++p)
+            for (int i = 0; i < NV; ++i)
 #pragma unroll
-              for (int e = 0; e < VEC; ++e) v[i][p][e] = act_forward<A.value>(v[i][p][e]);
-        });
-      }
+              for (int p = 0; p < P; ++p)
 #pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        if (!ok[i]) continue;
-        float o0[VEC], o1[VEC];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          if constexpr (ROT) {
-            o0[e] = v[i][0][e] * c[i][e] - v[i][1][e] * s[i][e];
-            o1[e] = v[i][0][e] * s[i][e] + v[i][1][e] * c[i][e];
-          } else {
-            o0[e] = v[i][0][e] * c[i][e];
-            o1[e] = v[i][0][e] * s[i][e];
-          }
+                for (int e = 0; e < VEC; ++e) v[i][p][e] = act_forward<A.value>(v[i][p][e]);
+          });
         }
-        T* o = out + r * g.out_row + (lane + i * lpr) * VEC;
-        store<VEC>(o, o0);
-        store<VEC>(o + g.out_half, o1);
+        T* orow = out + (((b + k) * g.N + t) * g.H + h) * g.out_row;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          if (!ok[i]) continue;
+          float o0[VEC], o1[VEC];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            if constexpr (ROT) {
+              o0[e] = v[i][0][e] * c[i][e] - v[i][1][e] * s[i][e];
+              o1[e] = v[i][0][e] * s[i][e] + v[i][1][e] * c[i][e];
+            } else {
+              o0[e] = v[i][0][e] * c[i][e];
+              o1[e] = v[i][0][e] * s[i][e];
+            }
+          }
+          T* o = orow + (lane + i * lpr) * VEC;
+          store<VEC>(o, o0);
+          store<VEC>(o + g.out_half, o1);
+        }
       }
     }
   }
 }
 
-template <class T, int VEC, int NV, bool ROT>
-__global__ void __launch_bounds__(kThreads, NV == 1 ? (ROT ? 2 : 4) : 1)
+// Backward: per batch row, dout's two halves and (behind an act) x, all in flight together. Behind an
+// act the cosine kind needs up to 72 registers and rotate 80 (28 and 24 warps per SM); no act fits in 64.
+template <class T, int VEC, int NV, bool ROT, int CLS>
+__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT ? 6 : 7)
     backward_kernel(const T* __restrict__ x, const T* __restrict__ dout, T* __restrict__ dx, Geo g) {
   constexpr int P = ROT ? 2 : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
   const int64_t rows = g.N * g.H, units = g.A / VEC;
+  const int64_t b0 = int64_t(blockIdx.y) * g.bchunk, b1 = min(g.B, b0 + g.bchunk);
+  const bool need_x = has_act<CLS>(g.act);
   for (int64_t base = int64_t(blockIdx.x) * rpb; base < rows; base += int64_t(gridDim.x) * rpb) {
     const int64_t row = base + threadIdx.x / lpr, t = row / g.H, h = row - t * g.H;
     bool ok[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) ok[i] = row < rows && lane + i * lpr < units;
     float c[NV][VEC], s[NV][VEC];
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      ok[i] = row < rows && lane + i * lpr < units;
+    for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
-    }
-    for (int64_t b = blockIdx.y; b < g.B; b += gridDim.y) {
+    for (int64_t b = b0; b < b1; ++b) {
       const int64_t r = (b * g.N + t) * g.H + h;
       // gr: the gradient of act(x) (the inverse rotation of dout); v: x, then y for softmax.
       float gr[NV][P][VEC], v[NV][P][VEC];
@@ -319,19 +377,25 @@ __global__ void __launch_bounds__(kThreads, NV == 1 ? (ROT ? 2 : 4) : 1)
       for (int i = 0; i < NV; ++i) {
         if (!ok[i]) continue;
         const int64_t j0 = int64_t(lane + i * lpr) * VEC;
+        const Vec<T, VEC> r0 = load_raw<VEC>(dout + r * g.out_row + j0);
+        const Vec<T, VEC> r1 = load_raw<VEC>(dout + r * g.out_row + g.out_half + j0);
+        Vec<T, VEC> rx[P];
+        if (need_x)
+#pragma unroll
+          for (int p = 0; p < P; ++p) rx[p] = load_raw<VEC>(x + r * g.D + p * g.half + j0);
         float d0[VEC], d1[VEC];
-        load<VEC>(dout + r * g.out_row + j0, d0);
-        load<VEC>(dout + r * g.out_row + g.out_half + j0, d1);
+        to_float(r0, d0);
+        to_float(r1, d1);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           gr[i][0][e] = d0[e] * c[i][e] + d1[e] * s[i][e];
           if constexpr (ROT) gr[i][P - 1][e] = d1[e] * c[i][e] - d0[e] * s[i][e];
         }
-        if (g.act != kNone)
+        if (need_x)
 #pragma unroll
-          for (int p = 0; p < P; ++p) load<VEC>(x + r * g.D + p * g.half + j0, v[i][p]);
+          for (int p = 0; p < P; ++p) to_float(rx[p], v[i][p]);
       }
-      if (g.act == kSoftmaxFeature) {
+      if (feature_softmax<CLS>(g.act)) {
         softmax_feature<NV, P, VEC>(v, ok, lpr);
         float dot = 0.f;
 #pragma unroll
@@ -348,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, NV == 1 ? (ROT ? 2 : 4) : 1)
           for (int p = 0; p < P; ++p)
 #pragma unroll
             for (int e = 0; e < VEC; ++e) gr[i][p][e] = v[i][p][e] * (gr[i][p][e] - dot);
-      } else if (g.act == kSoftmaxSequence) {
+      } else if (sequence_softmax<CLS>(g.act)) {
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           if (!ok[i]) continue;
@@ -362,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, NV == 1 ? (ROT ? 2 : 4) : 1)
             for (int e = 0; e < VEC; ++e) gr[i][p][e] = v[i][p][e] * (gr[i][p][e] - q[e]);
           }
         }
-      } else {
+      } else if (need_x) {
         with_elementwise_act(g.act, [&](auto A) {
 #pragma unroll
           for (int i = 0; i < NV; ++i)
@@ -372,23 +436,25 @@ __global__ void __launch_bounds__(kThreads, NV == 1 ? (ROT ? 2 : 4) : 1)
               for (int e = 0; e < VEC; ++e) gr[i][p][e] = act_backward<A.value>(v[i][p][e], gr[i][p][e]);
         });
       }
+      T* drow = dx + r * g.D;
 #pragma unroll
       for (int i = 0; i < NV; ++i)
 #pragma unroll
         for (int p = 0; p < P; ++p)
-          if (ok[i]) store<VEC>(dx + r * g.D + p * g.half + (lane + i * lpr) * VEC, gr[i][p]);
+          if (ok[i]) store<VEC>(drow + p * g.half + (lane + i * lpr) * VEC, gr[i][p]);
     }
   }
 }
 
 // Softmax over the sequence, pass 1: per (column vector of the H*D plane, N-chunk, b) the max and
 // sum-exp of x over the chunk's tokens; part is (2, B, C, H*D): max, then sum. Tokens come in steps of
-// kStep per token lane, so that the running sum is rescaled once per step rather than once per value.
+// kStep per token lane, loaded together, so that the running sum is rescaled once per step rather than
+// once per value.
 template <class T, int VEC>
 __global__ void __launch_bounds__(32 * kStatRows, 3)
     seq_stats_forward_kernel(const T* __restrict__ x, float* __restrict__ part, int64_t N, int64_t HD, int64_t chunk) {
   constexpr int kStep = 4;
-  __shared__ float sm[kStatRows][32][2 * VEC];
+  __shared__ float sm[2 * VEC][kStatRows][32];  // [value][token lane][column]: no bank conflicts
   const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x, b = blockIdx.z, B = gridDim.z, C = gridDim.y;
   const int64_t t0 = blockIdx.y * chunk, t1 = min(N, t0 + chunk);
   const bool ok = col < HD / VEC;
@@ -397,12 +463,15 @@ __global__ void __launch_bounds__(32 * kStatRows, 3)
   for (int e = 0; e < VEC; ++e) m[e] = -INFINITY, s[e] = 0.f;
   if (ok) {
     for (int64_t t = t0 + threadIdx.y; t < t1; t += kStep * kStatRows) {
+      Vec<T, VEC> raw[kStep];
+#pragma unroll
+      for (int i = 0; i < kStep; ++i)
+        if (t + i * kStatRows < t1) raw[i] = load_raw<VEC>(x + (b * N + t + i * kStatRows) * HD + col * VEC);
       float v[kStep][VEC];
 #pragma unroll
       for (int i = 0; i < kStep; ++i) {
-        const int64_t ti = t + i * kStatRows;
-        if (ti < t1)
-          load<VEC>(x + (b * N + ti) * HD + col * VEC, v[i]);
+        if (t + i * kStatRows < t1)
+          to_float(raw[i], v[i]);
         else
 #pragma unroll
           for (int e = 0; e < VEC; ++e) v[i][e] = -INFINITY;
@@ -422,8 +491,8 @@ __global__ void __launch_bounds__(32 * kStatRows, 3)
   }
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
-    sm[threadIdx.y][threadIdx.x][e] = m[e];
-    sm[threadIdx.y][threadIdx.x][VEC + e] = s[e];
+    sm[e][threadIdx.y][threadIdx.x] = m[e];
+    sm[VEC + e][threadIdx.y][threadIdx.x] = s[e];
   }
   __syncthreads();
   if (!ok) return;
@@ -431,57 +500,108 @@ __global__ void __launch_bounds__(32 * kStatRows, 3)
   // max is finite; a lane that saw none adds 0 * exp(-inf)).
   for (int e = threadIdx.y; e < VEC; e += kStatRows) {
     float mm = -INFINITY, ss = 0.f;
-    for (int y = 0; y < kStatRows; ++y) mm = fmaxf(mm, sm[y][threadIdx.x][e]);
-    for (int y = 0; y < kStatRows; ++y) ss += sm[y][threadIdx.x][VEC + e] * __expf(sm[y][threadIdx.x][e] - mm);
+    for (int y = 0; y < kStatRows; ++y) mm = fmaxf(mm, sm[e][y][threadIdx.x]);
+    for (int y = 0; y < kStatRows; ++y) ss += sm[VEC + e][y][threadIdx.x] * __expf(sm[e][y][threadIdx.x] - mm);
     const int64_t at = (b * C + blockIdx.y) * HD + col * VEC + e;
     part[at] = mm;
     part[B * C * HD + at] = ss;
   }
 }
 
+// The finalize kernels: per (column of the H*D plane, b), block (32, kStatRows) with the token lanes
+// taking every kStatRows-th chunk partial, then merging through shared memory.
 // lse (B, H*D) = log-sum-exp over the C chunk partials (every chunk saw tokens: its max is finite).
-__global__ void seq_stats_forward_finalize(const float* __restrict__ part, float* __restrict__ lse, int64_t B,
-                                           int64_t C, int64_t HD) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < B * HD; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = i / HD, k = i - b * HD;
-    const float* pm = part + b * C * HD + k;
-    const float* ps = pm + B * C * HD;
-    float m = -INFINITY, s = 0.f;
-#pragma unroll 4
-    for (int64_t c = 0; c < C; ++c) m = fmaxf(m, pm[c * HD]);
-#pragma unroll 4
-    for (int64_t c = 0; c < C; ++c) s += ps[c * HD] * __expf(pm[c * HD] - m);
-    lse[i] = m + logf(s);
-  }
+__global__ void __launch_bounds__(32 * kStatRows)
+    seq_stats_forward_finalize(const float* __restrict__ part, float* __restrict__ lse, int64_t C, int64_t HD) {
+  __shared__ float sm[2][kStatRows][32];
+  const int64_t k = int64_t(blockIdx.x) * 32 + threadIdx.x, b = blockIdx.y, B = gridDim.y;
+  float m = -INFINITY, s = 0.f;
+  if (k < HD)
+    for (int64_t c = threadIdx.y; c < C; c += kStatRows) {
+      const float pm = part[(b * C + c) * HD + k], ps = part[((B + b) * C + c) * HD + k];
+      const float mx = fmaxf(m, pm);
+      s = s * __expf(m - mx) + ps * __expf(pm - mx);
+      m = mx;
+    }
+  sm[0][threadIdx.y][threadIdx.x] = m;
+  sm[1][threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || k >= HD) return;
+  float mm = -INFINITY, ss = 0.f;
+  for (int y = 0; y < kStatRows; ++y) mm = fmaxf(mm, sm[0][y][threadIdx.x]);
+  for (int y = 0; y < kStatRows; ++y) ss += sm[1][y][threadIdx.x] * __expf(sm[0][y][threadIdx.x] - mm);
+  lse[b * HD + k] = mm + logf(ss);
 }
 
-// Softmax over the sequence, backward pass 1: per (unit, N-chunk, tile of kBatchTile batch elements)
-// the sum over the chunk's tokens of y * gr, gr the gradient of act(x); part is (B, C, H, D).
+// q (B, H*D) = the sum of the C chunk partials.
+__global__ void __launch_bounds__(32 * kStatRows)
+    seq_stats_backward_finalize(const float* __restrict__ part, float* __restrict__ q, int64_t C, int64_t HD) {
+  __shared__ float sm[kStatRows][32];
+  const int64_t k = int64_t(blockIdx.x) * 32 + threadIdx.x, b = blockIdx.y;
+  float sum = 0.f;
+  if (k < HD)
+    for (int64_t c = threadIdx.y; c < C; c += kStatRows) sum += part[(b * C + c) * HD + k];
+  sm[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || k >= HD) return;
+  for (int y = 1; y < kStatRows; ++y) sum += sm[y][threadIdx.x];
+  q[b * HD + k] = sum;
+}
+
+// Softmax over the sequence, backward pass 1: per (unit, N-chunk, tile of BT batch rows) the sum over
+// the chunk's tokens of y * gr, gr the gradient of act(x); part is (B, C, H, D). A token's loads for the
+// batch tile go out first, and its angles serve every row of the tile. In 1d a token lane's angles
+// advance from token to token by a rotation of kStatRows positions (four multiply-adds instead of a
+// sincos), recomputed exactly every kReseed tokens so that the rounding cannot build up.
 template <class T, int VEC, bool ROT>
-__global__ void __launch_bounds__(32 * kStatRows, 3)
+__global__ void __launch_bounds__(32 * kStatRows, 2)
     seq_stats_backward_kernel(const T* __restrict__ x, const T* __restrict__ dout, float* __restrict__ part, Geo g,
                               int64_t chunk) {
-  constexpr int P = ROT ? 2 : 1, K = kBatchTile * P * VEC;
-  __shared__ float sm[kStatRows][32][K];
+  constexpr int P = ROT ? 2 : 1, BT = stat_batch_tile<VEC, ROT>(), K = BT * P * VEC, kReseed = 8;
+  __shared__ float sm[K][kStatRows][32];  // [value][token lane][unit]: no bank conflicts
   const int64_t per_head = g.A / VEC, unit = int64_t(blockIdx.x) * 32 + threadIdx.x;
   const int64_t h = unit / per_head, j0 = (unit - h * per_head) * VEC, C = gridDim.y;
-  const int64_t t0 = blockIdx.y * chunk, t1 = min(g.N, t0 + chunk), b0 = int64_t(blockIdx.z) * kBatchTile;
+  const int64_t t0 = blockIdx.y * chunk, t1 = min(g.N, t0 + chunk), b0 = int64_t(blockIdx.z) * BT;
   const bool ok = unit < g.H * per_head;
-  float acc[kBatchTile][P][VEC] = {};
+  float acc[BT][P][VEC] = {};
   if (ok) {
-    for (int64_t t = t0 + threadIdx.y; t < t1; t += kStatRows) {
-      float c[VEC], s[VEC];
-      unit_sincos<VEC>(g, t, h, j0, c, s);
+    const bool stepped = g.md_k == 0;
+    float c[VEC], s[VEC], rc[VEC], rs[VEC];  // cos/sin of the token's angles; of the step between tokens
+    if (stepped)
 #pragma unroll
-      for (int bb = 0; bb < kBatchTile; ++bb) {
+      for (int e = 0; e < VEC; ++e)
+        angle_sincos(double(kStatRows), rate_1d(g, g.theta + h * g.theta_stride, j0 + e), rc[e], rs[e]);
+    int step = 0;
+    for (int64_t t = t0 + threadIdx.y; t < t1; t += kStatRows, ++step) {
+      Vec<T, VEC> raw[BT][2 + P];  // dout's two halves, then x
+#pragma unroll
+      for (int bb = 0; bb < BT; ++bb) {
+        if (b0 + bb >= g.B) break;
+        const int64_t r = ((b0 + bb) * g.N + t) * g.H + h;
+        raw[bb][0] = load_raw<VEC>(dout + r * g.out_row + j0);
+        raw[bb][1] = load_raw<VEC>(dout + r * g.out_row + g.out_half + j0);
+#pragma unroll
+        for (int p = 0; p < P; ++p) raw[bb][2 + p] = load_raw<VEC>(x + r * g.D + p * g.half + j0);
+      }
+      if (!stepped || step % kReseed == 0) {
+        unit_sincos<VEC>(g, t, h, j0, c, s);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float cn = c[e] * rc[e] - s[e] * rs[e];
+          s[e] = s[e] * rc[e] + c[e] * rs[e];
+          c[e] = cn;
+        }
+      }
+#pragma unroll
+      for (int bb = 0; bb < BT; ++bb) {
         const int64_t b = b0 + bb;
         if (b >= g.B) break;
-        const int64_t r = (b * g.N + t) * g.H + h;
         float d0[VEC], d1[VEC], v[P][VEC];
-        load<VEC>(dout + r * g.out_row + j0, d0);
-        load<VEC>(dout + r * g.out_row + g.out_half + j0, d1);
+        to_float(raw[bb][0], d0);
+        to_float(raw[bb][1], d1);
 #pragma unroll
-        for (int p = 0; p < P; ++p) load<VEC>(x + r * g.D + p * g.half + j0, v[p]);
+        for (int p = 0; p < P; ++p) to_float(raw[bb][2 + p], v[p]);
         softmax_sequence<P, VEC>(g, b, h, j0, v);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
@@ -491,13 +611,12 @@ __global__ void __launch_bounds__(32 * kStatRows, 3)
       }
     }
   }
-  float* mine = &sm[threadIdx.y][threadIdx.x][0];
 #pragma unroll
-  for (int bb = 0; bb < kBatchTile; ++bb)
+  for (int bb = 0; bb < BT; ++bb)
 #pragma unroll
     for (int p = 0; p < P; ++p)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) mine[(bb * P + p) * VEC + e] = acc[bb][p][e];
+      for (int e = 0; e < VEC; ++e) sm[(bb * P + p) * VEC + e][threadIdx.y][threadIdx.x] = acc[bb][p][e];
   __syncthreads();
   if (!ok) return;
   // Each token lane now sums some of the K values over all token lanes.
@@ -506,20 +625,8 @@ __global__ void __launch_bounds__(32 * kStatRows, 3)
     const int64_t b = b0 + bb;
     if (b >= g.B) continue;
     float sum = 0.f;
-    for (int y = 0; y < kStatRows; ++y) sum += sm[y][threadIdx.x][k];
+    for (int y = 0; y < kStatRows; ++y) sum += sm[k][y][threadIdx.x];
     part[((b * C + blockIdx.y) * g.H + h) * g.D + p * g.half + j0 + e] = sum;
-  }
-}
-
-// q (B, H*D) = the sum of the C chunk partials.
-__global__ void seq_stats_backward_finalize(const float* __restrict__ part, float* __restrict__ q, int64_t B,
-                                            int64_t C, int64_t HD) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < B * HD; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = i / HD, k = i - b * HD;
-    float sum = 0.f;
-#pragma unroll 4
-    for (int64_t c = 0; c < C; ++c) sum += part[(b * C + c) * HD + k];
-    q[i] = sum;
   }
 }
 
@@ -616,20 +723,24 @@ int pick_vec(int64_t width, std::initializer_list<const void*> ptrs) {
   return 1;
 }
 
-// Calls fn(IC<VEC>, IC<NV>) for the instantiated shapes: the full 16-byte vector with 1 or 4 units per
-// lane; the narrower vectors (D not a multiple of the full one) always with 4.
+// Calls fn(IC<VEC>, IC<NV>, IC<act class>) for the instantiated shapes: the full 16-byte vector with one
+// unit per lane, compiled per act class; 4 units per lane, and the narrower vectors (D not a multiple of
+// the full one), compiled once for every act.
 template <class T, class Fn>
-void with_row_shape(int vec, int nv, Fn&& fn) {
+void with_row_shape(int vec, int nv, int act, Fn&& fn) {
   constexpr int kFull = int(16 / sizeof(T));
-  if (vec == kFull) {
-    if (nv == 1) return fn(IC<kFull>(), IC<1>());
-    return fn(IC<kFull>(), IC<kMaxUnitsPerLane>());
+  if (vec == kFull && nv == 1) {
+    if (act == kSoftmaxFeature) return fn(IC<kFull>(), IC<1>(), IC<kFeature>());
+    if (act == kSoftmaxSequence) return fn(IC<kFull>(), IC<1>(), IC<kSequence>());
+    if (act == kNone) return fn(IC<kFull>(), IC<1>(), IC<kNoAct>());
+    return fn(IC<kFull>(), IC<1>(), IC<kElementwise>());
   }
+  if (vec == kFull) return fn(IC<kFull>(), IC<kMaxUnitsPerLane>(), IC<kAnyAct>());
   if constexpr (kFull > 4) {
-    if (vec == 4) return fn(IC<4>(), IC<kMaxUnitsPerLane>());
+    if (vec == 4) return fn(IC<4>(), IC<kMaxUnitsPerLane>(), IC<kAnyAct>());
   }
-  if (vec == 2) return fn(IC<2>(), IC<kMaxUnitsPerLane>());
-  return fn(IC<1>(), IC<kMaxUnitsPerLane>());
+  if (vec == 2) return fn(IC<2>(), IC<kMaxUnitsPerLane>(), IC<kAnyAct>());
+  return fn(IC<1>(), IC<kMaxUnitsPerLane>(), IC<kAnyAct>());
 }
 
 template <class T, class Fn>
@@ -643,13 +754,19 @@ void with_vec(int vec, Fn&& fn) {
   return fn(IC<1>());
 }
 
-// Launch shape of the row kernels: lanes per row, units per lane, and a grid of row blocks x batch
-// groups; batch groups only when the rows alone cannot fill the GPU.
-struct RowLaunch {
-  int nv;
-  dim3 grid;
-};
-RowLaunch row_launch(Geo& g, int vec, int sms, const char* op) {
+// Resident blocks of Kernel per SM at `threads` threads per block (asked once per kernel).
+template <auto Kernel>
+int blocks_per_sm(int threads) {
+  static const int n = [threads] {
+    int v = 0;
+    LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, Kernel, threads, 0));
+    return std::max(v, 1);
+  }();
+  return n;
+}
+
+// Lanes per row (g.lpr) for rows of A / vec vectors; returns the units per lane the kernels need.
+int row_lanes(Geo& g, int vec, const char* op) {
   const int64_t units = g.A / vec;
   int lpr = 1;
   while (lpr < 32 && lpr < units) lpr *= 2;
@@ -658,59 +775,81 @@ RowLaunch row_launch(Geo& g, int vec, int sms, const char* op) {
   LT_CHECK(nv <= kMaxUnitsPerLane, "[", op, "] the fused kernels handle rows of at most ", 32 * kMaxUnitsPerLane,
            " vectors of ", vec, " elements (D up to ", (g.A == g.D ? 1 : 2) * 32 * kMaxUnitsPerLane * vec,
            " here); got D = ", g.D);
-  const int64_t rows_per_block = kThreads / lpr, row_blocks = (g.N * g.H + rows_per_block - 1) / rows_per_block;
-  const int64_t target = int64_t(sms) * (2048 / kThreads) * 2;
-  const int64_t gx = std::max<int64_t>(1, std::min(row_blocks, target));
-  const int64_t gy = std::max<int64_t>(1, std::min(g.B, target / gx));
-  return {nv == 1 ? 1 : kMaxUnitsPerLane, dim3(unsigned(gx), unsigned(gy))};
+  return nv == 1 ? 1 : kMaxUnitsPerLane;
 }
 
-// Token chunks for the statistics kernels: enough blocks for about two waves, at least 32 tokens each.
-int64_t stat_chunks(int64_t blocks_per_chunk, int64_t N, int sms, int64_t& chunk) {
-  const int64_t target = int64_t(sms) * (2048 / (32 * kStatRows)) * 2;
-  int64_t c = std::max<int64_t>(1, std::min((N + 31) / 32, target / std::max<int64_t>(1, blocks_per_chunk)));
-  chunk = (N + c - 1) / c;
+// The row kernels' grid: row blocks x batch groups of g.bchunk rows. A lane computes its angles once per
+// row and batch group, and works through its group's rows one after the other; so the batch is split
+// only as far as the GPU needs: when the row blocks fit in the resident slots, into as many groups as
+// still fit in one wave (a second, partial wave would cost a whole block's latency chain); else into
+// enough groups for kRowWaves waves. No group gets fewer than kGroupRows rows (the angles would cost
+// more than the rows' memory traffic). batch_rows > 0 sets the group size instead (tests).
+dim3 row_grid(Geo& g, int64_t slots, int64_t batch_rows) {
+  const int64_t rpb = kThreads / g.lpr, row_blocks = (g.N * g.H + rpb - 1) / rpb;
+  int64_t groups = row_blocks <= slots ? slots / row_blocks : (kRowWaves * slots + row_blocks - 1) / row_blocks;
+  groups = std::clamp<int64_t>(groups, 1, std::max<int64_t>(1, g.B / kGroupRows));
+  g.bchunk = batch_rows > 0 ? std::min(batch_rows, g.B) : (g.B + groups - 1) / groups;
+  g.bchunk = std::max(g.bchunk, (g.B + 65534) / 65535);  // gridDim.y <= 65535
+  groups = (g.B + g.bchunk - 1) / g.bchunk;
+  return dim3(unsigned(std::min<int64_t>(row_blocks, INT_MAX)), unsigned(groups));
+}
+
+template <auto Kernel, class... Args>
+void launch_rows(Geo g, int64_t batch_rows, int sms, cudaStream_t st, Args... args) {
+  const dim3 grid = row_grid(g, int64_t(sms) * blocks_per_sm<Kernel>(kThreads), batch_rows);
+  Kernel<<<grid, kThreads, 0, st>>>(args..., g);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+// Token chunks for the statistics kernels: about kStatWaves waves of resident blocks, at least 32 tokens
+// per chunk; `forced` > 0 sets the chunk instead (tests).
+int64_t stat_chunks(int64_t blocks_per_chunk, int64_t N, int64_t slots, int64_t forced, int64_t& chunk) {
+  const int64_t want = std::max<int64_t>(1, kStatWaves * slots / std::max<int64_t>(1, blocks_per_chunk));
+  const int64_t c = std::min((N + 31) / 32, want);
+  chunk = forced > 0 ? std::min(forced, N) : (N + c - 1) / c;
   return (N + chunk - 1) / chunk;
 }
 
 unsigned flat_blocks(int64_t n) { return unsigned(std::min<int64_t>(std::max<int64_t>(1, (n + 255) / 256), 4096)); }
 
 template <class T>
-void seq_stats_forward(const T* x, const Geo& g, const Tensor& lse, Device dev, int sms, cudaStream_t st) {
+void seq_stats_forward(const T* x, const Geo& g, int64_t forced_chunk, const Tensor& lse, Device dev, int sms,
+                       cudaStream_t st) {
   const int64_t HD = g.H * g.D;
   const int vec = pick_vec<T>(g.D, {x});
   const int64_t gx = (HD / vec + 31) / 32;
-  int64_t chunk = 0;
-  const int64_t C = stat_chunks(gx * g.B, g.N, sms, chunk);
-  Tensor part = empty({2, g.B, C, HD}, DType::F32, dev);
+  Tensor part;
+  int64_t C = 0;
   with_vec<T>(vec, [&](auto V) {
+    constexpr auto kernel = seq_stats_forward_kernel<T, V.value>;
+    int64_t chunk = 0;
+    C = stat_chunks(gx * g.B, g.N, int64_t(sms) * blocks_per_sm<kernel>(32 * kStatRows), forced_chunk, chunk);
+    part = empty({2, g.B, C, HD}, DType::F32, dev);
     const dim3 grid{unsigned(gx), unsigned(C), unsigned(g.B)}, block{32, kStatRows};
-    seq_stats_forward_kernel<T, V.value><<<grid, block, 0, st>>>(x, part.data_ptr<float>(), g.N, HD, chunk);
+    kernel<<<grid, block, 0, st>>>(x, part.data_ptr<float>(), g.N, HD, chunk);
+    LT_CUDA_CHECK_LAUNCH();
   });
-  LT_CUDA_CHECK_LAUNCH();
-  seq_stats_forward_finalize<<<flat_blocks(g.B * HD), 256, 0, st>>>(part.data_ptr<float>(), lse.data_ptr<float>(),
-                                                                    g.B, C, HD);
+  const dim3 fgrid{unsigned((HD + 31) / 32), unsigned(g.B)}, fblock{32, kStatRows};
+  seq_stats_forward_finalize<<<fgrid, fblock, 0, st>>>(part.data_ptr<float>(), lse.data_ptr<float>(), C, HD);
   LT_CUDA_CHECK_LAUNCH();
 }
 
-template <class T>
-void seq_stats_backward(const T* x, const T* dout, const Geo& g, int vec, const Tensor& q, Device dev, int sms,
-                        cudaStream_t st, bool rot) {
-  const int64_t HD = g.H * g.D;
-  const int64_t gx = (g.H * (g.A / vec) + 31) / 32, gz = (g.B + kBatchTile - 1) / kBatchTile;
+// q (B, H, D) for the backward of softmax over the sequence; vec is the row kernels' vector width.
+template <class T, int VEC, bool ROT>
+void seq_stats_backward(const T* x, const T* dout, const Geo& g, int64_t forced_chunk, const Tensor& q, Device dev,
+                        int sms, cudaStream_t st) {
+  constexpr auto kernel = seq_stats_backward_kernel<T, VEC, ROT>;
+  constexpr int64_t bt = stat_batch_tile<VEC, ROT>();
+  const int64_t HD = g.H * g.D, gx = (g.H * (g.A / VEC) + 31) / 32, gz = (g.B + bt - 1) / bt;
   int64_t chunk = 0;
-  const int64_t C = stat_chunks(gx * gz, g.N, sms, chunk);
+  const int64_t C =
+      stat_chunks(gx * gz, g.N, int64_t(sms) * blocks_per_sm<kernel>(32 * kStatRows), forced_chunk, chunk);
   Tensor part = empty({g.B, C, HD}, DType::F32, dev);
   const dim3 grid{unsigned(gx), unsigned(C), unsigned(gz)}, block{32, kStatRows};
-  with_vec<T>(vec, [&](auto V) {
-    if (rot)
-      seq_stats_backward_kernel<T, V.value, true><<<grid, block, 0, st>>>(x, dout, part.data_ptr<float>(), g, chunk);
-    else
-      seq_stats_backward_kernel<T, V.value, false><<<grid, block, 0, st>>>(x, dout, part.data_ptr<float>(), g, chunk);
-  });
+  kernel<<<grid, block, 0, st>>>(x, dout, part.data_ptr<float>(), g, chunk);
   LT_CUDA_CHECK_LAUNCH();
-  seq_stats_backward_finalize<<<flat_blocks(g.B * HD), 256, 0, st>>>(part.data_ptr<float>(), q.data_ptr<float>(),
-                                                                     g.B, C, HD);
+  const dim3 fgrid{unsigned((HD + 31) / 32), unsigned(g.B)}, fblock{32, kStatRows};
+  seq_stats_backward_finalize<<<fgrid, fblock, 0, st>>>(part.data_ptr<float>(), q.data_ptr<float>(), C, HD);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -737,18 +876,17 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
       const T* xp = static_cast<const T*>(x.data());
       T* op_ = static_cast<T*>(out.data());
       if (spec.seq_softmax()) {
-        seq_stats_forward<T>(xp, g, stats, dev, sms, st);
+        seq_stats_forward<T>(xp, g, spec.stat_chunk, stats, dev, sms, st);
         g.lse = stats.data_ptr<float>();
       }
       const int vec = pick_vec<T>(g.A, {xp, op_});
-      RowLaunch rl = row_launch(g, vec, sms, op);
-      with_row_shape<T>(vec, rl.nv, [&](auto V, auto NV) {
+      const int nv = row_lanes(g, vec, op);
+      with_row_shape<T>(vec, nv, g.act, [&](auto V, auto NV, auto CLS) {
         if (spec.rotate())
-          forward_kernel<T, V.value, NV.value, true><<<rl.grid, kThreads, 0, st>>>(xp, op_, g);
+          launch_rows<forward_kernel<T, V.value, NV.value, true, CLS.value>>(g, spec.batch_rows, sms, st, xp, op_);
         else
-          forward_kernel<T, V.value, NV.value, false><<<rl.grid, kThreads, 0, st>>>(xp, op_, g);
+          launch_rows<forward_kernel<T, V.value, NV.value, false, CLS.value>>(g, spec.batch_rows, sms, st, xp, op_);
       });
-      LT_CUDA_CHECK_LAUNCH();
     }
   });
 }
@@ -776,17 +914,23 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
       if (spec.seq_softmax()) {
         g.lse = stats.data_ptr<float>();
         q = empty({g.B, g.H, g.D}, DType::F32, dev);
-        seq_stats_backward<T>(xp, dp, g, vec, q, dev, sms, st, spec.rotate());
+        with_vec<T>(vec, [&](auto V) {
+          if (spec.rotate())
+            seq_stats_backward<T, V.value, true>(xp, dp, g, spec.stat_chunk, q, dev, sms, st);
+          else
+            seq_stats_backward<T, V.value, false>(xp, dp, g, spec.stat_chunk, q, dev, sms, st);
+        });
         g.q = q.data_ptr<float>();
       }
-      RowLaunch rl = row_launch(g, vec, sms, op);
-      with_row_shape<T>(vec, rl.nv, [&](auto V, auto NV) {
+      const int nv = row_lanes(g, vec, op);
+      with_row_shape<T>(vec, nv, g.act, [&](auto V, auto NV, auto CLS) {
         if (spec.rotate())
-          backward_kernel<T, V.value, NV.value, true><<<rl.grid, kThreads, 0, st>>>(xp, dp, dxp, g);
+          launch_rows<backward_kernel<T, V.value, NV.value, true, CLS.value>>(g, spec.batch_rows, sms, st, xp, dp,
+                                                                                dxp);
         else
-          backward_kernel<T, V.value, NV.value, false><<<rl.grid, kThreads, 0, st>>>(xp, dp, dxp, g);
+          launch_rows<backward_kernel<T, V.value, NV.value, false, CLS.value>>(g, spec.batch_rows, sms, st, xp, dp,
+                                                                                 dxp);
       });
-      LT_CUDA_CHECK_LAUNCH();
     }
   });
 }

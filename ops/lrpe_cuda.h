@@ -19,6 +19,10 @@ struct LrpeSpec {
   Act act = Act::None;
   ActDim dim = ActDim::None;
   Tensor table;               // md with cached angles: (2, P, H, D) f32, cos then sin; else undefined
+  int64_t batch_rows = 0;     // kernels: batch rows per block of the row kernels; 0 lets the launcher
+                              // choose (tests set it to reach every batch-tile path)
+  int64_t stat_chunk = 0;     // kernels: tokens per chunk of the sequence statistics; 0 lets the
+                              // launcher choose (tests set it to reach long chunks)
 
   bool rotate() const { return kind == Rotate; }
   // A theta of one column in 1d gives each head one rate for all features.

@@ -424,6 +424,84 @@ TEST_CASE("cuda lrpe fused launchers write every element") {
 #endif
 }
 
+TEST_CASE("cuda lrpe fused batch tiles") {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  // An odd batch in groups of several rows, so that the row kernels run full and partial batch tiles
+  // with prefetch, and the backward statistics kernel partial batch tiles; one group (0) and the
+  // launcher's own choice included.
+  const int64_t B = 11, N = 37, H = 3;
+  struct Case {
+    LrpeSpec::Kind kind;
+    Act act;
+    ActDim dim;
+    DType dtype;
+    int64_t D;
+  };
+  const std::vector<Case> cases = {{LrpeSpec::Cosine, Act::Silu, ActDim::None, DType::BF16, 128},
+                                   {LrpeSpec::Cosine, Act::None, ActDim::None, DType::F32, 64},
+                                   {LrpeSpec::Rotate, Act::Softmax, ActDim::Feature, DType::F32, 64},
+                                   {LrpeSpec::Rotate, Act::Sigmoid, ActDim::None, DType::BF16, 128},
+                                   {LrpeSpec::Cosine, Act::Softmax, ActDim::Sequence, DType::F32, 96},
+                                   {LrpeSpec::Rotate, Act::Softmax, ActDim::Sequence, DType::BF16, 128},
+                                   {LrpeSpec::Cosine, Act::Softmax, ActDim::Feature, DType::BF16, 320}};
+  uint64_t seed = 1100;
+  for (const Case& c : cases)
+    for (int64_t rows : {int64_t(0), int64_t(1), int64_t(5), B}) {
+      CAPTURE(int(c.kind));
+      CAPTURE(int(c.act));
+      CAPTURE(dtype_name(c.dtype));
+      CAPTURE(c.D);
+      CAPTURE(rows);
+      LrpeSpec spec;
+      spec.kind = c.kind;
+      spec.offset = 3;
+      spec.act = c.act;
+      spec.dim = c.dim;
+      spec.batch_rows = rows;
+      const LrpeOptions o = opts(c.act, c.dim, 3);
+      const bool rot = c.kind == LrpeSpec::Rotate;
+      check_launchers(spec, randn({B, N, H, c.D}, c.dtype, gpu(), seed), rates({H, rot ? c.D / 2 : c.D}, gpu()),
+                      rot ? rotate_op(o) : cosine_op(o));
+      ++seed;
+    }
+  LrpeSpec md;
+  md.kind = LrpeSpec::MdCosine;
+  md.grid = {4, 8};
+  md.extra_tokens = 5;
+  md.act = Act::Relu;
+  md.batch_rows = 4;
+  check_launchers(md, randn({B, 37, H, 96}, DType::BF16, gpu(), 1150), rates({H, 48}, gpu()),
+                  md_op(md_opts({4, 8}, 5, Act::Relu)));
+#endif
+}
+
+TEST_CASE("cuda lrpe fused sequence statistics over long chunks") {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  // Softmax over the sequence in f32 at large positions, with chunks long enough that each token lane
+  // of the backward statistics kernel steps its angles through several exact re-seeds.
+  const int64_t B = 3, N = 200, H = 2, D = 64, offset = 30000;
+  uint64_t seed = 1200;
+  for (LrpeSpec::Kind kind : {LrpeSpec::Cosine, LrpeSpec::Rotate})
+    for (int64_t chunk : {int64_t(0), int64_t(67), N}) {
+      CAPTURE(int(kind));
+      CAPTURE(chunk);
+      LrpeSpec spec;
+      spec.kind = kind;
+      spec.offset = offset;
+      spec.act = Act::Softmax;
+      spec.dim = ActDim::Sequence;
+      spec.stat_chunk = chunk;
+      const LrpeOptions o = opts(Act::Softmax, ActDim::Sequence, offset);
+      const bool rot = kind == LrpeSpec::Rotate;
+      check_launchers(spec, randn({B, N, H, D}, DType::F32, gpu(), seed), rates({H, rot ? D / 2 : D}, gpu()),
+                      rot ? rotate_op(o) : cosine_op(o));
+      ++seed;
+    }
+#endif
+}
+
 TEST_CASE("cuda lrpe fused forward memory is the output") {
   LT_REQUIRE_CUDA();
   const int64_t B = 2, N = 129, H = 3, D = 128;
