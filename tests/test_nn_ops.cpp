@@ -117,76 +117,24 @@ TEST_CASE("bad input rms_norm weight") {
   check_throws_containing([] { rms_norm(randn({2, 5}), randn({5}, DType::BF16)); }, {"[rms_norm]", "f32", "bf16"});
 }
 
-namespace {
-
-// Forward and backward of rms_norm on the GPU against the f64 CPU reference; `grad_x` / `grad_w` say which
-// inputs require grad (the kernels skip dx or dweight when it is not wanted).
-void check_rms_norm_cuda(const Shape& shape, DType dt, uint64_t seed, bool grad_x = true, bool grad_w = true) {
-  const int64_t cols = shape.back();
-  Tensor x = randn(shape, dt, gpu(), seed).requires_grad_(grad_x);
-  Tensor w = randn({cols}, dt, gpu(), seed + 1).requires_grad_(grad_w);
-  Tensor x64 = cpu64(x).requires_grad_(grad_x), w64 = cpu64(w).requires_grad_(grad_w);
-  Tensor y = rms_norm(x, w), ref = rms_norm(x64, w64);
-  CHECK_CLOSE_TENSOR(y, ref, dt);
-  Tensor dy = randn(y.shape(), dt, gpu(), seed + 2);
-  backward(y, dy);
-  backward(ref, cpu64(dy));
-  if (grad_x) CHECK_CLOSE_TENSOR(x.grad(), x64.grad(), dt);
-  if (grad_w) CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), dt);
-}
-
-}  // namespace
-
 TEST_CASE("cuda rms_norm matches cpu") {
   LT_REQUIRE_CUDA();
-  // Rows of 111 and 15 (not multiples of the 8 rows a block serves). With 16-byte packs of 8 (bf16,
-  // f16), 4 (f32) or 2 (f64) elements, these C cover 1 ... 4 packs per lane held by groups of 1, 2, 4
-  // and 8 warps, and rows too long to hold (streamed, read twice). Scalar loads: C = 100 (bf16, f16;
-  // 4 per lane), 129 (2 warps) and 1031 (streamed).
-  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64})
-    for (int64_t cols : {100, 129, 200, 384, 768, 1000, 1031, 3000, 5000, 8200}) {
+  // C = 129: scalar loads; 768: 16-byte packs; 1031 (scalar) and 8200 (bf16 packs): rows too long to
+  // be held in registers, streamed twice.
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t cols : {129, 768, 1031, 8200}) {
       INFO(dtype_name(dt) << " C = " << cols);
-      check_rms_norm_cuda({3, cols > 1031 ? 5 : 37, cols}, dt, 11);
+      Tensor x = randn({3, cols > 1000 ? 5 : 37, cols}, dt, gpu(), 11).requires_grad_();
+      Tensor w = randn({cols}, dt, gpu(), 12).requires_grad_();
+      Tensor x64 = cpu64(x).requires_grad_(), w64 = cpu64(w).requires_grad_();
+      Tensor y = rms_norm(x, w), ref = rms_norm(x64, w64);
+      CHECK_CLOSE_TENSOR(y, ref, dt);
+      Tensor dy = randn(y.shape(), dt, gpu(), 13);
+      backward(y, dy);
+      backward(ref, cpu64(dy));
+      CHECK_CLOSE_TENSOR(x.grad(), x64.grad(), dt);
+      CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), dt);
     }
-}
-
-TEST_CASE("cuda rms_norm backward with several rows per group") {
-  LT_REQUIRE_CUDA();
-  // More rows than the blocks that fit on the device take at once: each group sums dweight over several
-  // rows, and the blocks' slices differ by a row. C = 768: 8 groups of a warp per block; 3000 (bf16): 2
-  // groups of 4 warps; 1031 (scalar): one group, streamed.
-  for (DType dt : {DType::F32, DType::BF16}) {
-    INFO(dtype_name(dt));
-    check_rms_norm_cuda({2051, 768}, dt, 21);
-    check_rms_norm_cuda({801, 3000}, dt, 24);
-    check_rms_norm_cuda({1001, 1031}, dt, 27);
-  }
-}
-
-TEST_CASE("cuda rms_norm with only x or only weight requiring grad") {
-  LT_REQUIRE_CUDA();
-  for (int64_t cols : {768, 8200}) {
-    INFO("C = " << cols);
-    check_rms_norm_cuda({45, cols}, DType::BF16, 31, true, false);
-    check_rms_norm_cuda({45, cols}, DType::BF16, 34, false, true);
-  }
-}
-
-TEST_CASE("cuda rms_norm of a misaligned view") {
-  LT_REQUIRE_CUDA();
-  // C = 768 would take 16-byte packs, but x starts one element into its storage: scalar loads.
-  const int64_t rows = 37, cols = 768;
-  Tensor base = randn({rows * cols + 1}, DType::BF16, gpu(), 40).requires_grad_();
-  Tensor w = randn({cols}, DType::BF16, gpu(), 41).requires_grad_();
-  Tensor base64 = cpu64(base).requires_grad_(), w64 = cpu64(w).requires_grad_();
-  Tensor y = rms_norm(base.narrow(0, 1, rows * cols).view({rows, cols}), w);
-  Tensor ref = rms_norm(base64.narrow(0, 1, rows * cols).view({rows, cols}), w64);
-  CHECK_CLOSE_TENSOR(y, ref, DType::BF16);
-  Tensor dy = randn(y.shape(), DType::BF16, gpu(), 42);
-  backward(y, dy);
-  backward(ref, cpu64(dy));
-  CHECK_CLOSE_TENSOR(base.grad(), base64.grad(), DType::BF16);
-  CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), DType::BF16);
 }
 
 TEST_CASE("cuda rms_norm of a transposed view") {
@@ -194,16 +142,6 @@ TEST_CASE("cuda rms_norm of a transposed view") {
   Tensor x = randn({65, 37}, DType::F32, gpu(), 14).transpose(0, 1);  // (37, 65), not contiguous
   Tensor w = randn({65}, DType::F32, gpu(), 15);
   CHECK_CLOSE_TENSOR(rms_norm(x, w), rms_norm(cpu64(x), cpu64(w)), DType::F32);
-}
-
-TEST_CASE("bad input cuda rms_norm backward wider than shared memory") {
-  LT_REQUIRE_CUDA();
-  // The forward streams any C; the backward sums dweight over a block's rows in shared memory.
-  Tensor x = randn({2, 65536}, DType::F32, gpu(), 50).requires_grad_();
-  Tensor w = randn({65536}, DType::F32, gpu(), 51).requires_grad_();
-  Tensor y = rms_norm(x, w);
-  check_throws_containing([&] { backward(y, ones(y.shape(), DType::F32, gpu())); },
-                          {"[rms_norm]", "supports C <= ", "f32", "got C = 65536"});
 }
 
 // ---- cross_entropy ----
