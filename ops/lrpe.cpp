@@ -18,27 +18,14 @@ using autograd::record;
 
 namespace {
 
-const char* op_name(const LrpeSpec& spec) {
-  switch (spec.kind) {
-    case LrpeSpec::Cosine: return "lrpe_cosine";
-    case LrpeSpec::Rotate: return "lrpe_rotate";
-    case LrpeSpec::MdCosine: return "md_lrpe_cosine";
-  }
-  return "lrpe";
-}
-
 int64_t grid_tokens(const std::vector<int64_t>& grid) {
   int64_t p = 1;
   for (int64_t n : grid) p *= n;
   return p;
 }
 
-Shape out_shape(const Tensor& x, const LrpeSpec& spec) {
-  return {x.size(0), x.size(1), x.size(2), spec.rotate() ? x.size(3) : 2 * x.size(3)};
-}
-
 void check_inputs(const Tensor& x, const LrpeSpec& spec) {
-  const char* op = op_name(spec);
+  const char* op = spec.name();
   const Tensor& theta = spec.theta;
   LT_CHECK(x.defined() && theta.defined(), "[", op, "] x and theta must be defined tensors");
   LT_CHECK(x.dim() == 4, "[", op, "] x must be (B, N, H, D); got ", shape_str(x.shape()));
@@ -200,7 +187,7 @@ Tensor reference_forward(const Tensor& x, const LrpeSpec& spec, SeqStats& stats)
   const int64_t D = xs[3], A = spec.rotate() ? D / 2 : D;
   const std::vector<double> y = reference_act(x.to_vector<double>(), xs, spec.act, spec.dim, &stats);
   const AngleTable tab = reference_angles(spec, xs[1], xs[2], A);
-  const Shape os = out_shape(x, spec);
+  const Shape os = spec.out_shape(x.shape());
   std::vector<double> out(size_t(shape_numel(os)));
   for_each_unit(xs, spec, [&](size_t i, size_t ia, size_t o0, size_t o1) {
     const double c = tab.c[ia], s = tab.s[ia];
@@ -287,7 +274,7 @@ Tensor run_reference(const Tensor& x, LrpeSpec spec, const Tensor& theta) {
   auto stats = std::make_shared<SeqStats>();
   Tensor out = reference_forward(x, spec, *stats);
   Tensor xs = x.detach();
-  record(op_name(spec), {x, nondiff(theta, "theta")}, {out}, [xs, spec, stats](const Grads& g) -> Grads {
+  record(spec.name(), {x, nondiff(theta, "theta")}, {out}, [xs, spec, stats](const Grads& g) -> Grads {
     return {reference_backward(xs, g[0], spec, *stats), Tensor()};
   });
   return out;
@@ -371,13 +358,13 @@ Tensor cached_table(const LrpeSpec& spec, const Tensor& theta, int64_t H, int64_
 #endif
 
 Tensor run_fused(const Tensor& x, LrpeSpec spec, const Tensor& theta, bool cache_angles) {
-  const char* op = op_name(spec);
+  const char* op = spec.name();
   LT_CHECK(x.is_cuda(), "[", op, "] Impl::Fused needs x on a CUDA device; got x on ", x.device().name());
   LT_CHECK(x.dtype() != DType::F64, "[", op, "] Impl::Fused supports f32, bf16 and f16; got f64");
 #if LINTAPE_WITH_CUDA
   spec.theta = theta.detach().to(DType::F32).contiguous();
   if (cache_angles) spec.table = cached_table(spec, theta, x.size(2), x.size(3));
-  Tensor out = empty(out_shape(x, spec), x.dtype(), x.device());
+  Tensor out = empty(spec.out_shape(x.shape()), x.dtype(), x.device());
   Tensor stats = spec.seq_softmax() ? empty({x.size(0), x.size(2), x.size(3)}, DType::F32, x.device()) : Tensor();
   lrpe_cuda::forward(x, spec, out, stats);
   Tensor xs = x.detach();
@@ -397,7 +384,7 @@ Tensor run_fused(const Tensor& x, LrpeSpec spec, const Tensor& theta, bool cache
 
 Tensor run(const Tensor& x_in, const LrpeSpec& spec, Impl impl, bool cache_angles = false) {
   check_inputs(x_in, spec);
-  const char* op = op_name(spec);
+  const char* op = spec.name();
   if (impl == Impl::Auto)
     impl = !x_in.is_cuda() ? Impl::Reference : x_in.dtype() == DType::F64 ? Impl::Composed : Impl::Fused;
   if (impl == Impl::Composed) return run_composed(x_in, spec);

@@ -644,14 +644,6 @@ __global__ void table_kernel(float* __restrict__ table, Geo g) {
 // ---------------------------------------------------------------------------------------------------
 // Host side
 
-const char* op_name(const LrpeSpec& spec) {
-  switch (spec.kind) {
-    case LrpeSpec::Cosine: return "lrpe_cosine";
-    case LrpeSpec::Rotate: return "lrpe_rotate";
-    case LrpeSpec::MdCosine: return "md_lrpe_cosine";
-  }
-  return "lrpe";
-}
 
 int act_code(const LrpeSpec& spec) {
   switch (spec.act) {
@@ -665,7 +657,7 @@ int act_code(const LrpeSpec& spec) {
 }
 
 Geo make_geo(const Shape& xs, const LrpeSpec& spec) {
-  const char* op = op_name(spec);
+  const char* op = spec.name();
   const Tensor& th = spec.theta;
   LT_CHECK(th.defined() && th.dim() == 2 && th.dtype() == DType::F32 && th.is_cuda() && th.is_contiguous(), "[", op,
            "] the kernels need theta as a contiguous f32 CUDA tensor (H or 1, E)");
@@ -853,17 +845,13 @@ void seq_stats_backward(const T* x, const T* dout, const Geo& g, int64_t forced_
   LT_CUDA_CHECK_LAUNCH();
 }
 
-Shape out_shape(const Shape& xs, const LrpeSpec& spec) {
-  return {xs[0], xs[1], xs[2], spec.rotate() ? xs[3] : 2 * xs[3]};
-}
-
 }  // namespace
 
 void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Tensor& stats) {
-  const char* op = op_name(spec);
+  const char* op = spec.name();
   check_x(x, op);
   const Device dev = x.device();
-  check_tensor(out, out_shape(x.shape(), spec), x.dtype(), dev, op, "out");
+  check_tensor(out, spec.out_shape(x.shape()), x.dtype(), dev, op, "out");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
   Geo g = make_geo(x.shape(), spec);
   if (x.numel() == 0) return;
@@ -892,10 +880,10 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
 }
 
 void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const Tensor& stats, const Tensor& dx) {
-  const char* op = op_name(spec);
+  const char* op = spec.name();
   check_x(x, op);
   const Device dev = x.device();
-  check_tensor(dout, out_shape(x.shape(), spec), x.dtype(), dev, op, "dout");
+  check_tensor(dout, spec.out_shape(x.shape()), x.dtype(), dev, op, "dout");
   check_tensor(dx, x.shape(), x.dtype(), dev, op, "dx");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
   Geo g = make_geo(x.shape(), spec);

@@ -28,6 +28,11 @@ struct LrpeSpec {
   // A theta of one column in 1d gives each head one rate for all features.
   bool rate_per_head() const { return kind != MdCosine && theta.size(1) == 1; }
   bool seq_softmax() const { return act == Act::Softmax && dim == ActDim::Sequence; }
+  const char* name() const {
+    return kind == Cosine ? "lrpe_cosine" : kind == Rotate ? "lrpe_rotate" : "md_lrpe_cosine";
+  }
+  // x (B, N, H, D) -> out (B, N, H, 2D) for the cosine kinds, (B, N, H, D) for rotate.
+  Shape out_shape(const Shape& x) const { return {x[0], x[1], x[2], rotate() ? x[3] : 2 * x[3]}; }
 };
 
 #if LINTAPE_WITH_CUDA
