@@ -396,24 +396,24 @@ Tensor run(const Tensor& x_in, const LrpeSpec& spec, Impl impl, bool cache_angle
 
 }  // namespace
 
-Tensor lrpe_cosine(const Tensor& x, const Tensor& theta, const LrpeOptions& options, Impl impl) {
+namespace {
+LrpeSpec spec_1d(LrpeSpec::Kind kind, const Tensor& theta, const LrpeOptions& options) {
   LrpeSpec spec;
-  spec.kind = LrpeSpec::Cosine;
+  spec.kind = kind;
   spec.theta = theta;
   spec.offset = options.offset;
   spec.act = options.act;
   spec.dim = options.dim;
-  return run(x, spec, impl);
+  return spec;
+}
+}  // namespace
+
+Tensor lrpe_cosine(const Tensor& x, const Tensor& theta, const LrpeOptions& options, Impl impl) {
+  return run(x, spec_1d(LrpeSpec::Cosine, theta, options), impl);
 }
 
 Tensor lrpe_rotate(const Tensor& x, const Tensor& theta, const LrpeOptions& options, Impl impl) {
-  LrpeSpec spec;
-  spec.kind = LrpeSpec::Rotate;
-  spec.theta = theta;
-  spec.offset = options.offset;
-  spec.act = options.act;
-  spec.dim = options.dim;
-  return run(x, spec, impl);
+  return run(x, spec_1d(LrpeSpec::Rotate, theta, options), impl);
 }
 
 Tensor md_lrpe_cosine(const Tensor& x, const Tensor& theta, const MdLrpeOptions& options, Impl impl) {
