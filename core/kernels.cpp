@@ -1,4 +1,5 @@
 #include "core/kernels.h"
+#include <cstring>
 #include <limits>
 #include "core/strided.h"
 
@@ -16,6 +17,10 @@ template <class T> double to_double(T v) { return double(v); }
 
 void copy_cpu(const Tensor& dst, const Tensor& src) {
   int64_t n = dst.numel();
+  if (dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous()) {
+    std::memcpy(dst.data(), src.data(), dst.nbytes());
+    return;
+  }
   StridedIndex di(dst), si(src);
   char* dbase = static_cast<char*>(dst.data());
   const char* sbase = static_cast<const char*>(src.data());
