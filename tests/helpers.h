@@ -22,6 +22,10 @@ namespace lintape::test {
     }                                                                           \
   } while (0)
 
+// Decorator for CUDA test cases, `TEST_CASE("cuda ..." * LT_CUDA_CASE)`: when no device is found at start
+// doctest reports the case as skipped. Keep LT_REQUIRE_CUDA() as the body's first line as well.
+#define LT_CUDA_CASE ::doctest::skip(!::lintape::cuda_available())
+
 inline Device gpu() { return Device::cuda(0); }
 
 // ||out - ref|| / ||ref|| in double on the CPU; infinity if any element of out is NaN or inf.

@@ -1,0 +1,147 @@
+"""Times what a PyTorch user would run for the FAL ops, beside `lintape bench fal` and `fal-causal`.
+
+noncausal: plain PyTorch (eager and torch.compile) for acts + cosine LRPE + kv state + gate.
+causal:    torch.compile for the acts, cosine LRPE and gate around the `chunk_simple_gla` kernel of
+           flash-linear-attention (package fla-core) with a per-head decay (g_gamma = log lambda),
+           and that kernel alone on q, k of width 2D.
+
+Shapes and acts as bench/bench_fal.cpp: B = H = 12, D = E = 128, bf16. Medians of CUDA-event timings
+after a warm-up; the inputs of backward runs keep their graph, as lintape's harness does.
+Usage: python3 bench/peers/fal_peer.py [--quick] [--json FILE]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+B, H, D = 12, 12, 128
+DT = torch.bfloat16
+
+
+def median_ms(fn, reps=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def theta(dev):
+    return 10000.0 ** (-torch.arange(D, device=dev, dtype=torch.float32) / D)
+
+
+def lrpe_cosine(x, th, offset=0):
+    n = x.shape[1]
+    angle = (torch.arange(n, device=x.device, dtype=torch.float32) + offset)[:, None, None] * th  # (n, 1, D)
+    return torch.cat([x * torch.cos(angle).to(x.dtype), x * torch.sin(angle).to(x.dtype)], dim=-1)
+
+
+def fal_noncausal(q, k, v, g, th, q_softmax):
+    qa = torch.softmax(q.float(), -1).to(q.dtype) if q_softmax else F.silu(q)
+    qb, kb = lrpe_cosine(qa, th), lrpe_cosine(F.silu(k), th)
+    kv = torch.einsum("bmhp,bmhe->bhpe", kb, v)
+    return F.silu(g) * torch.einsum("bnhp,bhpe->bnhe", qb, kv)
+
+
+def prologue(q, k, th):
+    return lrpe_cosine(F.silu(q), th), lrpe_cosine(F.silu(k), th)
+
+
+def epilogue(g, o):
+    return F.silu(g) * o
+
+
+def time_case(fn, inputs, mode):
+    if mode == "fwd":
+        return median_ms(lambda: fn(*inputs))
+    out = fn(*inputs)
+    do = torch.randn_like(out)
+    return median_ms(lambda: torch.autograd.grad(out, inputs, do, retain_graph=True))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    th = theta(dev)
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    rows = []
+
+    def report(table, n, provider, mode, ms, extra=""):
+        rows.append({"table": table, "n": n, "provider": provider, "mode": mode, "ms": ms})
+        print(f"{table:28s} {mode:3s} n={n:6d} {provider:28s} {ms:9.3f} ms {extra}", flush=True)
+
+    def timed(table, n, provider, mode, fn, inputs, peak=False):
+        # A failing case reports -1 and says why; the others still run.
+        try:
+            ms = time_case(fn, inputs, mode)
+            extra = f"peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if peak else ""
+            report(table, n, provider, mode, ms, extra)
+        except Exception as e:  # noqa: BLE001
+            report(table, n, provider, mode, -1.0, f"({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+
+    # -- noncausal
+    compiled = torch.compile(fal_noncausal)
+    ns = [1024, 4096, 8192] if args.quick else [256, 1024, 4096, 8192, 16384, 32768]
+    for q_softmax in (False, True):
+        table = "fal " + ("q softmax" if q_softmax else "silu")
+        for n in ns:
+            mk = lambda w: torch.randn(B, n, H, w, device=dev, dtype=DT, requires_grad=True)  # noqa: E731
+            inputs = [mk(D), mk(D), mk(D), mk(D)]
+            for mode in ("fwd", "bwd"):
+                for name, fn in (("torch", fal_noncausal), ("torch.compile", compiled)):
+                    f = lambda *x, fn=fn: fn(*x, th, q_softmax)  # noqa: E731
+                    timed(table, n, name, mode, f, inputs)
+                    torch.cuda.empty_cache()
+
+    # -- causal
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as e:  # noqa: BLE001
+        print(f"flash-linear-attention not importable ({e}); causal peers skipped")
+        return finish(rows, args)
+    pro, epi = torch.compile(prologue), torch.compile(epilogue)
+    lam = 1.0 - 2.0 ** -(5.0 + torch.arange(H, device=dev, dtype=torch.float32) / 2)
+    g_gamma = torch.log(lam)
+
+    def causal(q, k, v, g):
+        qb, kb = pro(q, k, th)
+        o, _ = chunk_simple_gla(qb, kb, v, g_gamma=g_gamma, scale=1.0)
+        return epi(g, o)
+
+    def kernel_only(qb, kb, v):
+        return chunk_simple_gla(qb, kb, v, g_gamma=g_gamma, scale=1.0)[0]
+
+    ns = [1024, 4096, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    for n in ns:
+        mk = lambda w: torch.randn(B, n, H, w, device=dev, dtype=DT, requires_grad=True)  # noqa: E731
+        inputs = [mk(D), mk(D), mk(D), mk(D)]
+        wide = [mk(2 * D), mk(2 * D), mk(D)]
+        for mode in ("fwd", "bwd"):
+            torch.cuda.reset_peak_memory_stats()
+            timed("fal_causal", n, "torch.compile + fla", mode, causal, inputs, peak=True)
+            timed("fal_causal", n, "fla kernel (q, k width 2D)", mode, kernel_only, wide)
+        torch.cuda.empty_cache()
+    return finish(rows, args)
+
+
+def finish(rows, args):
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+// The FAL family: fused activation + LRPE + linear attention with an output gate.
+//
+//   qb = lrpe(act_q(q))  (B, N, H, D'),  kb = lrpe(act_k(k))  (B, M, H, D'),  D' = 2D for the cosine kinds
+//   vb = act_v(v)        (B, M, H, E),   gb = act_g(g)        (B, N, H, E)
+//   noncausal:  o = gb * (qb (kb^T vb))                      per (b, h); M may differ from N
+//   causal:     S_t = lambda_h S_{t-1} + kb_t^T vb_t,  S_{-1} = S0,  o_t = gb_t * (qb_t S_t);  N == M
+//
+// q, k, v, g are (B, N or M, H, D or E) in one float dtype and on one device. theta is a fixed buffer and decay
+// a fixed per-head constant: no gradient flows to either. The state S is always float32 (float64 when the
+// inputs are f64, for gradient checks) and is (B, H, D', E).
+//
+// Softmax over the sequence normalises over every token, so in causal mode it would let token t see tokens
+// after t: causal mode rejects it (for any of q, k, v, g) with an error.
+//
+// Impl::Auto runs Reference on the CPU and Composed on CUDA: fal and fal_with_state have no fused CUDA kernel
+// yet (Impl::Fused throws saying so). fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+#include "../core/tensor.h"
+#include "activation.h"
+#include "impl.h"
+
+namespace lintape {
+
+struct ActSpec {
+  Act act = Act::None;
+  ActDim dim = ActDim::None;  // softmax only: Feature or Sequence
+};
+
+enum class FalLrpe { None, Cosine, Rotate, MdCosine };
+
+struct FalOptions {
+  ActSpec q, k, v, g;
+  FalLrpe lrpe = FalLrpe::None;
+  Tensor theta;                   // as the LRPE family: (H, E_t), (1, E_t) or (H, 1) in 1-D; md (H or 1, E_t)
+  int64_t offset = 0;             // 1-D LRPE: token s sits at position offset + s (prefill and fal_step);
+                                  // must be 0 for md_cosine (the grid gives the positions)
+  std::vector<int64_t> md_shape;  // md_cosine: the token grid
+  int64_t md_extra_tokens = 0;    // md_cosine: L unencoded tokens in front
+  bool causal = false;
+  Tensor decay;                   // causal only, optional: (H) per-head lambda in (0, 1]; undefined = 1
+};
+
+FalLrpe fal_lrpe_from_name(const std::string& name);  // "none", "cosine", "rotate", "md_cosine"
+const char* fal_lrpe_name(FalLrpe kind);
+
+// o (B, N, H, E) in q's dtype.
+Tensor fal(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalOptions& options,
+           Impl impl = Impl::Auto);
+
+// Causal only. S0 (B, H, D', E) float32 (f64 for f64 inputs) or undefined (zeros). Returns o and the final
+// state S_{N-1}; gradients flow to S0 when it requires grad and from the final state when it is used.
+std::pair<Tensor, Tensor> fal_with_state(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                         const Tensor& S0, const FalOptions& options, Impl impl = Impl::Auto);
+
+// One decoding step, causal: q_t, k_t, v_t, g_t are (B, 1, H, D or E); the token sits at position
+// options.offset (options.causal is implied). state (B, H, D', E) float32 is replaced by lambda state + kb_t^T
+// vb_t (a new tensor); returns o_t (B, 1, H, E). Records no gradient (decoding). Softmax over the sequence is
+// rejected as in causal mode; md_cosine has no 1-D position and is rejected.
+Tensor fal_step(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& g_t,
+                const FalOptions& options);
+
+// D' for head dim D under this LRPE kind (2D for the cosine kinds).
+int64_t fal_state_rows(FalLrpe kind, int64_t D);
+
+}  // namespace lintape
