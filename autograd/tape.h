@@ -14,7 +14,7 @@
 #include <memory>
 #include <string>
 #include <vector>
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape::autograd {
 

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include "core/device.h"
+#include "device.h"
 
 namespace lintape {
 

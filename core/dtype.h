@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <string>
 #include <cstring>
-#include "core/error.h"
+#include "error.h"
 
 namespace lintape {
 

@@ -8,7 +8,7 @@
 #pragma once
 #include <map>
 #include <string>
-#include "core/tensor.h"
+#include "tensor.h"
 
 namespace lintape {
 

@@ -189,14 +189,17 @@ std::string Tensor::to_string(int64_t max_per_dim) const {
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.to_string(); }
 
-Tensor empty(const Shape& shape, DType dtype, Device device) {
-  LT_CHECK(shape.size() <= size_t(kMaxDims), "[empty] tensors have at most ", kMaxDims, " dims; got shape ",
+namespace {
+// Every factory allocates through this, under the name the caller used, so that a bad shape given to
+// randn or zeros is reported as [randn] or [zeros] rather than as the internal [empty].
+Tensor allocate(const char* factory, const Shape& shape, DType dtype, Device device) {
+  LT_CHECK(shape.size() <= size_t(kMaxDims), "[", factory, "] tensors have at most ", kMaxDims, " dims; got shape ",
            shape_str(shape));
   int64_t numel = 1;
   for (int64_t s : shape) {
-    LT_CHECK(s >= 0, "[empty] sizes must be >= 0; got shape ", shape_str(shape));
-    LT_CHECK(!__builtin_mul_overflow(numel, s, &numel) && numel <= INT64_MAX / 8, "[empty] shape ", shape_str(shape),
-             " has too many elements");
+    LT_CHECK(s >= 0, "[", factory, "] sizes must be >= 0; got shape ", shape_str(shape));
+    LT_CHECK(!__builtin_mul_overflow(numel, s, &numel) && numel <= INT64_MAX / 8, "[", factory, "] shape ",
+             shape_str(shape), " has too many elements");
   }
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::make_shared<Storage>(size_t(numel) * dtype_size(dtype), device);
@@ -206,13 +209,20 @@ Tensor empty(const Shape& shape, DType dtype, Device device) {
   return Tensor(impl);
 }
 
-Tensor full(const Shape& shape, double value, DType dtype, Device device) {
-  Tensor t = empty(shape, dtype, device);
+Tensor filled(const char* factory, const Shape& shape, double value, DType dtype, Device device) {
+  Tensor t = allocate(factory, shape, dtype, device);
   t.fill_(value);
   return t;
 }
-Tensor zeros(const Shape& shape, DType dtype, Device device) { return full(shape, 0.0, dtype, device); }
-Tensor ones(const Shape& shape, DType dtype, Device device) { return full(shape, 1.0, dtype, device); }
+}  // namespace
+
+Tensor empty(const Shape& shape, DType dtype, Device device) { return allocate("empty", shape, dtype, device); }
+
+Tensor full(const Shape& shape, double value, DType dtype, Device device) {
+  return filled("full", shape, value, dtype, device);
+}
+Tensor zeros(const Shape& shape, DType dtype, Device device) { return filled("zeros", shape, 0.0, dtype, device); }
+Tensor ones(const Shape& shape, DType dtype, Device device) { return filled("ones", shape, 1.0, dtype, device); }
 Tensor empty_like(const Tensor& like) { return empty(like.shape(), like.dtype(), like.device()); }
 Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), like.dtype(), like.device()); }
 
@@ -232,7 +242,7 @@ Tensor arange(int64_t start, int64_t end, DType dtype, Device device) {
 namespace {
 Tensor random_tensor(const Shape& shape, DType dtype, Device device, uint64_t seed, bool normal) {
   LT_CHECK(is_floating(dtype), "[", normal ? "randn" : "rand", "] expected a float dtype; got ", dtype_name(dtype));
-  Tensor t = empty(shape, dtype, device);
+  Tensor t = allocate(normal ? "randn" : "rand", shape, dtype, device);
 #if LINTAPE_WITH_CUDA
   if (device.is_cuda()) {
     core_kernels::random_cuda(t, seed, normal);

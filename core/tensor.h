@@ -7,10 +7,10 @@
 #include <memory>
 #include <string>
 #include <vector>
-#include "core/allocator.h"
-#include "core/device.h"
-#include "core/dtype.h"
-#include "core/error.h"
+#include "allocator.h"
+#include "device.h"
+#include "dtype.h"
+#include "error.h"
 
 namespace lintape {
 

@@ -2,7 +2,7 @@
 // feature dim (D, per token and head) or over the sequence dim (N, per batch, head and feature).
 #pragma once
 #include <string>
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape {
 

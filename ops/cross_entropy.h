@@ -1,6 +1,6 @@
 #pragma once
 #include <cstdint>
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape {
 

@@ -2,7 +2,7 @@
 // Binary ops broadcast like numpy (trailing dims aligned; a dim of size 1 stretches) and need equal
 // dtypes and devices; a scalar operand takes the tensor's dtype. CUDA computes in f32 (f64 for f64).
 #pragma once
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape {
 

@@ -1,5 +1,5 @@
 #pragma once
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape {
 

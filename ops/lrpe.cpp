@@ -427,4 +427,13 @@ Tensor md_lrpe_cosine(const Tensor& x, const Tensor& theta, const MdLrpeOptions&
   return run(x, spec, impl, options.cache_angles);
 }
 
+Tensor lrpe_theta(int64_t H, int64_t E, double base, Device device) {
+  LT_CHECK(H >= 1 && E >= 1, "[lrpe_theta] H and E must be >= 1; got H = ", H, ", E = ", E);
+  LT_CHECK(base > 1, "[lrpe_theta] base must be > 1; got ", base);
+  std::vector<double> values(static_cast<size_t>(H * E));
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t k = 0; k < E; ++k) values[h * E + k] = std::pow(base, -static_cast<double>(k) / E);
+  return from_vector(values, {H, E}, DType::F32, device);
+}
+
 }  // namespace lintape

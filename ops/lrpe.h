@@ -11,9 +11,9 @@
 #pragma once
 #include <cstdint>
 #include <vector>
-#include "core/tensor.h"
-#include "ops/activation.h"
-#include "ops/impl.h"
+#include "../core/tensor.h"
+#include "activation.h"
+#include "impl.h"
 
 namespace lintape {
 
@@ -45,5 +45,9 @@ struct MdLrpeOptions {
 // x (B, L + P, H, D) with P = prod(shape); theta (H, E) or (1, E) with k * E >= D. Token t >= L has grid
 // coordinates c = unflatten(t - L); its angle vector is the first D entries of [c_1 theta[h], ..., c_k theta[h]].
 Tensor md_lrpe_cosine(const Tensor& x, const Tensor& theta, const MdLrpeOptions& options, Impl impl = Impl::Auto);
+
+// The usual rates: theta[h, k] = base^(-k / E) for every head h, an (H, E) f32 tensor on `device`
+// (with E = D/2 for lrpe_rotate this is the rotary embedding's table). H, E >= 1 and base > 1.
+Tensor lrpe_theta(int64_t H, int64_t E, double base = 10000.0, Device device = Device::cpu());
 
 }  // namespace lintape

@@ -1,7 +1,7 @@
 // Matrix products. CPU: Eigen (f32/f64; bf16/f16 through f32). CUDA: cuBLASLt with f32 accumulation,
 // transposes folded into the call, a cached workspace.
 #pragma once
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape {
 

@@ -2,7 +2,7 @@
 // (f64 for f64). dims may be negative; an empty dims list reduces over all dims.
 #pragma once
 #include <vector>
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape {
 

@@ -2,7 +2,7 @@
 // (contiguous, reshape, to, clone) and cat. All recorded by autograd.
 #pragma once
 #include <vector>
-#include "core/tensor.h"
+#include "../core/tensor.h"
 
 namespace lintape {
 

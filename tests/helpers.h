@@ -12,8 +12,9 @@
 
 namespace lintape::test {
 
-// CUDA test cases start with this: without a GPU they print the reason and end; ctest shows them as
-// skipped (SKIP_REGULAR_EXPRESSION), never as passed.
+// CUDA test cases are declared `TEST_CASE("cuda ..." * LT_CUDA_CASE)` and start with LT_REQUIRE_CUDA().
+// Without a GPU doctest skips them (the decorator), and ctest reports each as skipped, never as passed
+// (tests/CMakeLists.txt). Run with --no-skip, the body prints the reason and ends.
 #define LT_REQUIRE_CUDA()                                                       \
   do {                                                                          \
     if (!::lintape::cuda_available()) {                                         \
@@ -22,8 +23,7 @@ namespace lintape::test {
     }                                                                           \
   } while (0)
 
-// Decorator for CUDA test cases, `TEST_CASE("cuda ..." * LT_CUDA_CASE)`: when no device is found at start
-// doctest reports the case as skipped. Keep LT_REQUIRE_CUDA() as the body's first line as well.
+// Decided once, when the cases are registered: skipped when no device is found at start.
 #define LT_CUDA_CASE ::doctest::skip(!::lintape::cuda_available())
 
 inline Device gpu() { return Device::cuda(0); }

@@ -224,7 +224,7 @@ TEST_CASE("autograd with primitive ops add mul sum") {
   for (size_t j = 0; j < 3; ++j) CHECK(gb[j] == doctest::Approx(av[j] + av[3 + j]));
 }
 
-TEST_CASE("cuda autograd accumulates leaf grads on the device") {
+TEST_CASE("cuda autograd accumulates leaf grads on the device" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor x = randn({37, 5}, DType::F32, gpu(), 1);
   x.requires_grad_();

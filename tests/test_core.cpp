@@ -234,7 +234,7 @@ TEST_CASE("randn and rand are deterministic per seed and have the right distribu
 // ---------------------------------------------------------------------------------------------------
 // views and copies
 
-TEST_CASE("view, reshape, permute, transpose and narrow share storage; copies do not") {
+TEST_CASE("view, reshape, permute, transpose and narrow share storage, copies do not") {
   Tensor x = iota({2, 3, 4}, DType::F32);
   Tensor v = x.view({6, -1});
   CHECK(v.shape() == Shape{6, 4});
@@ -400,7 +400,7 @@ TEST_CASE("allocator stats: in use, peak, reserved and allocations move as expec
   CHECK(memory_stats(cpu).reserved == s0.reserved);  // the cache is empty again
 }
 
-TEST_CASE("cuda allocator stats") {
+TEST_CASE("cuda allocator stats" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   empty_cache(gpu());
   MemoryStats s0 = memory_stats(gpu());
@@ -423,7 +423,7 @@ TEST_CASE("cuda allocator stats") {
 // ---------------------------------------------------------------------------------------------------
 // CUDA: transfers, copies and random numbers against the CPU
 
-TEST_CASE("cuda to device round trips of every dtype and layout") {
+TEST_CASE("cuda to device round trips of every dtype and layout" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType t : kAllDTypes) {
     INFO(dtype_name(t));
@@ -449,7 +449,7 @@ TEST_CASE("cuda to device round trips of every dtype and layout") {
   CHECK(back.narrow(1, 7, 7).to_vector<double>() == h.narrow(1, 0, 7).to(DType::BF16).to_vector<double>());
 }
 
-TEST_CASE("cuda copy, fill, arange and cat match cpu") {
+TEST_CASE("cuda copy, fill, arange and cat match cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType a : kAllDTypes)
     for (DType b : kAllDTypes) {
@@ -468,7 +468,7 @@ TEST_CASE("cuda copy, fill, arange and cat match cpu") {
   CHECK(cat({a, b}, 1).to_vector<double>() == cat({a.to(Device::cpu()), b.to(Device::cpu())}, 1).to_vector<double>());
 }
 
-TEST_CASE("cuda randn matches cpu") {
+TEST_CASE("cuda randn matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // Box-Muller in double on both sides; the device's log/cos may differ in the last bit, so a value
   // may round the other way in its dtype: at most one unit in its last place.
@@ -483,7 +483,7 @@ TEST_CASE("cuda randn matches cpu") {
   }
 }
 
-TEST_CASE("cuda bf16 and f16 conversions match cpu") {
+TEST_CASE("cuda bf16 and f16 conversions match cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   std::vector<double> v = {1.0 + 0x1p-8, 1.0 + 3 * 0x1p-8, 1.0 + 0x1p-11, 1.0 + 3 * 0x1p-11, 65504, 65519, 65520,
                            0x1p-24, 0x1p-25, 3 * 0x1p-25, 1023.5 * 0x1p-24, 0x1p-133, 0x1p-134, -0.0, 1e30, -1e30,
@@ -498,7 +498,7 @@ TEST_CASE("cuda bf16 and f16 conversions match cpu") {
   for (double x : nan.to(DType::F16).to_vector<double>()) CHECK(std::isnan(x));
 }
 
-TEST_CASE("cuda gradcheck to_device") {
+TEST_CASE("cuda gradcheck to_device" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   CHECK_GRADCHECK([](const std::vector<Tensor>& in) { return in[0].to(gpu()).transpose(0, 1).to(Device::cpu()); },
                   {leaf({3, 2}, 11)});

@@ -200,7 +200,7 @@ TEST_CASE("bad input: binary dtype mismatch") {
   check_throws_containing([] { sub(zeros({2}), zeros({2}, DType::F64)); }, {"[sub]", "one dtype", "f32", "f64"});
 }
 
-TEST_CASE("bad input: binary device mismatch") {
+TEST_CASE("bad input: binary device mismatch" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   check_throws_containing([] { div(zeros({2}), zeros({2}, DType::F32, gpu())); },
                           {"[div]", "one device", "cpu", "cuda:0"});
@@ -260,26 +260,26 @@ void cuda_unary(const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("cuda add matches cpu") { LT_REQUIRE_CUDA(); cuda_binary("add"); }
-TEST_CASE("cuda sub matches cpu") { LT_REQUIRE_CUDA(); cuda_binary("sub"); }
-TEST_CASE("cuda mul matches cpu") { LT_REQUIRE_CUDA(); cuda_binary("mul"); }
-TEST_CASE("cuda div matches cpu") { LT_REQUIRE_CUDA(); cuda_binary("div"); }
-TEST_CASE("cuda add and mul with scalars match cpu") {
+TEST_CASE("cuda add matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_binary("add"); }
+TEST_CASE("cuda sub matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_binary("sub"); }
+TEST_CASE("cuda mul matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_binary("mul"); }
+TEST_CASE("cuda div matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_binary("div"); }
+TEST_CASE("cuda add and mul with scalars match cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : kCudaDtypes) {
     INFO("dtype " << dtype_name(dt));
     compare_cuda([](const std::vector<Tensor>& in) { return 3.0 * in[0] + 0.25; }, {{3, 37, 129}}, dt);
   }
 }
-TEST_CASE("cuda neg matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("neg"); }
-TEST_CASE("cuda exp matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("exp"); }
-TEST_CASE("cuda log matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("log"); }
-TEST_CASE("cuda sqrt matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("sqrt"); }
-TEST_CASE("cuda rsqrt matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("rsqrt"); }
-TEST_CASE("cuda tanh matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("tanh"); }
-TEST_CASE("cuda cos matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("cos"); }
-TEST_CASE("cuda sin matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("sin"); }
-TEST_CASE("cuda relu matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("relu"); }
-TEST_CASE("cuda sigmoid matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("sigmoid"); }
-TEST_CASE("cuda silu matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("silu"); }
-TEST_CASE("cuda gelu matches cpu") { LT_REQUIRE_CUDA(); cuda_unary("gelu"); }
+TEST_CASE("cuda neg matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("neg"); }
+TEST_CASE("cuda exp matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("exp"); }
+TEST_CASE("cuda log matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("log"); }
+TEST_CASE("cuda sqrt matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("sqrt"); }
+TEST_CASE("cuda rsqrt matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("rsqrt"); }
+TEST_CASE("cuda tanh matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("tanh"); }
+TEST_CASE("cuda cos matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("cos"); }
+TEST_CASE("cuda sin matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("sin"); }
+TEST_CASE("cuda relu matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("relu"); }
+TEST_CASE("cuda sigmoid matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("sigmoid"); }
+TEST_CASE("cuda silu matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("silu"); }
+TEST_CASE("cuda gelu matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("gelu"); }

@@ -222,7 +222,7 @@ TEST_CASE("bad input lrpe") {
                           {"[lrpe_cosine]", "'theta'"});
 }
 
-TEST_CASE("bad input lrpe x and theta on different devices") {
+TEST_CASE("bad input lrpe x and theta on different devices" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor x = randn({2, 5, 2, 4}, DType::F32, gpu(), 1);
   check_throws_containing([&] { lrpe_cosine(x, rates({2, 4})); },
@@ -320,21 +320,21 @@ void check_launchers(LrpeSpec spec, const Tensor& x, const Tensor& theta, const 
 
 }  // namespace
 
-TEST_CASE("cuda lrpe_cosine fused matches reference") {
+TEST_CASE("cuda lrpe_cosine fused matches reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   auto make = [](Act a, ActDim d, int64_t off) { return cosine_op(opts(a, d, off)); };
   fused_matches_reference(make, false);
   fused_theta_shapes(make, false);
 }
 
-TEST_CASE("cuda lrpe_rotate fused matches reference") {
+TEST_CASE("cuda lrpe_rotate fused matches reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   auto make = [](Act a, ActDim d, int64_t off) { return rotate_op(opts(a, d, off)); };
   fused_matches_reference(make, true);
   fused_theta_shapes(make, true);
 }
 
-TEST_CASE("cuda md_lrpe_cosine fused matches reference") {
+TEST_CASE("cuda md_lrpe_cosine fused matches reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   struct Grid {
     std::vector<int64_t> shape;
@@ -363,7 +363,7 @@ TEST_CASE("cuda md_lrpe_cosine fused matches reference") {
     }
 }
 
-TEST_CASE("cuda md_lrpe_cosine cached angles") {
+TEST_CASE("cuda md_lrpe_cosine cached angles" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const int64_t H = 3, D = 128;
   Tensor theta = rates({H, 64}, gpu());
@@ -381,7 +381,7 @@ TEST_CASE("cuda md_lrpe_cosine cached angles") {
   check_against_reference(cached, x, theta2, Impl::Fused, 34);
 }
 
-TEST_CASE("cuda lrpe fused long positions stay accurate in f32") {
+TEST_CASE("cuda lrpe fused long positions stay accurate in f32" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // Angles reach ~40000 radians: the f32 angle's rounding error is folded back into cos/sin.
   check_against_reference(cosine_op(opts(Act::None, ActDim::None, 40000)), randn({2, 37, 3, 64}, DType::F32, gpu(), 41),
@@ -390,7 +390,7 @@ TEST_CASE("cuda lrpe fused long positions stay accurate in f32") {
                           rates({3, 32}, gpu()), Impl::Fused, 44);
 }
 
-TEST_CASE("cuda lrpe fused launchers write every element") {
+TEST_CASE("cuda lrpe fused launchers write every element" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   const int64_t H = 3;
@@ -424,7 +424,7 @@ TEST_CASE("cuda lrpe fused launchers write every element") {
 #endif
 }
 
-TEST_CASE("cuda lrpe fused batch tiles") {
+TEST_CASE("cuda lrpe fused batch tiles" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   // An odd batch in groups of several rows, so that the row kernels run full and partial batch tiles
@@ -476,7 +476,7 @@ TEST_CASE("cuda lrpe fused batch tiles") {
 #endif
 }
 
-TEST_CASE("cuda lrpe fused sequence statistics over long chunks") {
+TEST_CASE("cuda lrpe fused sequence statistics over long chunks" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   // Softmax over the sequence in f32 at large positions, with chunks long enough that each token lane
@@ -502,7 +502,7 @@ TEST_CASE("cuda lrpe fused sequence statistics over long chunks") {
 #endif
 }
 
-TEST_CASE("cuda lrpe fused forward memory is the output") {
+TEST_CASE("cuda lrpe fused forward memory is the output" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const int64_t B = 2, N = 129, H = 3, D = 128;
   Tensor x = randn({B, N, H, D}, DType::BF16, gpu(), 61);
@@ -523,7 +523,7 @@ TEST_CASE("cuda lrpe fused forward memory is the output") {
   CHECK(memory_stats(gpu()).peak - before <= x.nbytes() + 64 * 1024);
 }
 
-TEST_CASE("cuda lrpe composed matches reference") {
+TEST_CASE("cuda lrpe composed matches reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   check_against_reference(cosine_op(opts(Act::Silu, ActDim::None, 3)), randn({2, 37, 3, 64}, DType::F32, gpu(), 71),
                           rates({3, 40}, gpu()), Impl::Composed, 72);
@@ -531,4 +531,29 @@ TEST_CASE("cuda lrpe composed matches reference") {
                           rates({1, 32}, gpu()), Impl::Composed, 74);
   check_against_reference(md_op(md_opts({4, 8}, 5, Act::Softmax, ActDim::Sequence)),
                           randn({2, 37, 3, 64}, DType::F32, gpu(), 75), rates({3, 32}, gpu()), Impl::Composed, 76);
+}
+
+TEST_CASE("lrpe_theta is the usual rates") {
+  Tensor theta = lrpe_theta(3, 4, 100.0);
+  CHECK(theta.shape() == Shape{3, 4});
+  CHECK(theta.dtype() == DType::F32);
+  CHECK(theta.device() == Device::cpu());
+  std::vector<double> v = theta.to_vector<double>();
+  for (int64_t h = 0; h < 3; ++h)
+    for (int64_t k = 0; k < 4; ++k) CHECK(v[h * 4 + k] == doctest::Approx(std::pow(100.0, -k / 4.0)).epsilon(1e-7));
+  // The default base: theta[h, 1] = 10000^(-1/2) = 0.01.
+  CHECK(lrpe_theta(1, 2).to_vector<double>()[1] == doctest::Approx(0.01).epsilon(1e-7));
+}
+
+TEST_CASE("cuda lrpe_theta on the device matches cpu" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  Tensor theta = lrpe_theta(2, 64, 10000.0, gpu());
+  CHECK(theta.device() == gpu());
+  CHECK(theta.to(Device::cpu()).to_vector<float>() == lrpe_theta(2, 64).to_vector<float>());
+}
+
+TEST_CASE("bad input lrpe_theta sizes and base") {
+  check_throws_containing([] { lrpe_theta(0, 4); }, {"[lrpe_theta]", "H and E must be >= 1", "H = 0"});
+  check_throws_containing([] { lrpe_theta(2, -1); }, {"[lrpe_theta]", "E = -1"});
+  check_throws_containing([] { lrpe_theta(2, 4, 1.0); }, {"[lrpe_theta]", "base must be > 1", "got 1"});
 }

@@ -115,7 +115,7 @@ TEST_CASE("bad input matmul dtype") {
                           {"[matmul]", "float", "i64"});
 }
 
-TEST_CASE("cuda matmul matches cpu") {
+TEST_CASE("cuda matmul matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     for (const Case& cs : kCases)
@@ -140,7 +140,7 @@ TEST_CASE("cuda matmul matches cpu") {
       }
 }
 
-TEST_CASE("cuda matmul reads transposed views and f64") {
+TEST_CASE("cuda matmul reads transposed views and f64" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F64, DType::F32}) {
     Tensor x = randn({3, 65, 37}, dt, gpu(), 43), y = randn({3, 65, 131}, dt, gpu(), 44);
@@ -150,7 +150,7 @@ TEST_CASE("cuda matmul reads transposed views and f64") {
   }
 }
 
-TEST_CASE("cuda matmul backward matches cpu") {
+TEST_CASE("cuda matmul backward matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F32, DType::BF16})
     for (const Case& cs : kCases)
@@ -171,7 +171,7 @@ TEST_CASE("cuda matmul backward matches cpu") {
 }
 
 #if LINTAPE_WITH_CUDA
-TEST_CASE("bad input matmul_into output") {
+TEST_CASE("bad input matmul_into output" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor a = randn({4, 5}, DType::F32, gpu(), 1), b = randn({5, 6}, DType::F32, gpu(), 2);
   Tensor c = empty({4, 7}, DType::F32, gpu());

@@ -63,7 +63,7 @@ TEST_CASE("bad input embedding weight and ids") {
   check_throws_containing([] { embedding(randn({5, 3}), randn({2})); }, {"[embedding]", "ids", "i64 or i32", "f32"});
 }
 
-TEST_CASE("cuda embedding matches cpu") {
+TEST_CASE("cuda embedding matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F32, DType::BF16})
     for (int64_t cols : {129, 128})  // scalar and 16-byte paths
@@ -81,7 +81,7 @@ TEST_CASE("cuda embedding matches cpu") {
       }
 }
 
-TEST_CASE("bad input cuda embedding id out of range") {
+TEST_CASE("bad input cuda embedding id out of range" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor w = randn({1001, 64}, DType::BF16, gpu(), 5);
   check_throws_containing([&] { embedding(w, from_vector_i64({3, 1001, 2}, {3}, gpu())); },
@@ -117,7 +117,7 @@ TEST_CASE("bad input rms_norm weight") {
   check_throws_containing([] { rms_norm(randn({2, 5}), randn({5}, DType::BF16)); }, {"[rms_norm]", "f32", "bf16"});
 }
 
-TEST_CASE("cuda rms_norm matches cpu") {
+TEST_CASE("cuda rms_norm matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // C = 129: scalar loads; 768: 16-byte packs; 1031 (scalar) and 8200 (bf16 packs): rows too long to
   // be held in registers, streamed twice.
@@ -137,7 +137,7 @@ TEST_CASE("cuda rms_norm matches cpu") {
     }
 }
 
-TEST_CASE("cuda rms_norm of a transposed view") {
+TEST_CASE("cuda rms_norm of a transposed view" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor x = randn({65, 37}, DType::F32, gpu(), 14).transpose(0, 1);  // (37, 65), not contiguous
   Tensor w = randn({65}, DType::F32, gpu(), 15);
@@ -191,7 +191,7 @@ TEST_CASE("bad input cross_entropy shapes") {
   check_throws_containing([] { cross_entropy(randn({2, 5}), randn({2})); }, {"[cross_entropy]", "i64 or i32", "f32"});
 }
 
-TEST_CASE("cuda cross_entropy matches cpu") {
+TEST_CASE("cuda cross_entropy matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F32, DType::BF16})
     for (int64_t classes : {1001, 1024})  // scalar and 16-byte paths
@@ -209,7 +209,7 @@ TEST_CASE("cuda cross_entropy matches cpu") {
       }
 }
 
-TEST_CASE("cuda cross_entropy of a view whose rows start off 16-byte boundaries") {
+TEST_CASE("cuda cross_entropy of a view whose rows start off 16-byte boundaries" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // Rows 1..37 of a (38, 1001) bf16 tensor: contiguous, 2002 bytes past the allocation's start.
   Tensor logits = randn({38, 1001}, DType::BF16, gpu(), 22).narrow(0, 1, 37).detach().requires_grad_();
@@ -222,7 +222,7 @@ TEST_CASE("cuda cross_entropy of a view whose rows start off 16-byte boundaries"
   CHECK_CLOSE_TENSOR(logits.grad(), l64.grad(), DType::BF16);
 }
 
-TEST_CASE("cuda cross_entropy with every token ignored is 0 with a zero gradient") {
+TEST_CASE("cuda cross_entropy with every token ignored is 0 with a zero gradient" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor logits = randn({5, 33}, DType::BF16, gpu(), 20).requires_grad_();
   Tensor loss = cross_entropy(logits, from_vector_i64({-100, -100, -100, -100, -100}, {5}, gpu()));
@@ -231,7 +231,7 @@ TEST_CASE("cuda cross_entropy with every token ignored is 0 with a zero gradient
   for (double g : logits.grad().to_vector<double>()) CHECK(g == 0.0);
 }
 
-TEST_CASE("bad input cuda cross_entropy target out of range") {
+TEST_CASE("bad input cuda cross_entropy target out of range" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor logits = randn({4, 1001}, DType::F32, gpu(), 21);
   check_throws_containing([&] { cross_entropy(logits, from_vector_i64({1, 2, -3, 0}, {4}, gpu())); },

@@ -155,7 +155,7 @@ TEST_CASE("bad input: max over an empty dim") {
   check_throws_containing([] { max(zeros({2, 0}), 1); }, {"[max]", "non-empty", "(2, 0)"});
 }
 
-TEST_CASE("cuda sum matches cpu") {
+TEST_CASE("cuda sum matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     for (const auto& [dims, keepdim] : kSumDims) {
@@ -166,7 +166,7 @@ TEST_CASE("cuda sum matches cpu") {
     }
 }
 
-TEST_CASE("cuda sum of long rows and long columns matches cpu") {
+TEST_CASE("cuda sum of long rows and long columns matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // few long rows or columns: the sum is split into partial sums and a second pass
   const std::vector<std::pair<Shape, Dims>> cases = {
@@ -179,7 +179,7 @@ TEST_CASE("cuda sum of long rows and long columns matches cpu") {
     }
 }
 
-TEST_CASE("cuda mean matches cpu") {
+TEST_CASE("cuda mean matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F32, DType::BF16})
     for (const auto& [dims, keepdim] : kSumDims) {
@@ -189,7 +189,7 @@ TEST_CASE("cuda mean matches cpu") {
     }
 }
 
-TEST_CASE("cuda max matches cpu") {
+TEST_CASE("cuda max matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const std::vector<std::pair<Shape, int64_t>> cases = {{{3, 37, 129}, 0}, {{3, 37, 129}, 1}, {{3, 37, 129}, 2},
                                                          {{5, 1024}, -1},  {{7, 4099}, 1}, {{4, 300, 3}, 1}};
@@ -205,7 +205,7 @@ TEST_CASE("cuda max matches cpu") {
     }
 }
 
-TEST_CASE("cuda softmax matches cpu") {
+TEST_CASE("cuda softmax matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const std::vector<std::pair<Shape, int64_t>> cases = {{{3, 37, 129}, 0}, {{3, 37, 129}, 1}, {{3, 37, 129}, -1},
                                                          {{64, 1024}, 1},  {{7, 4099}, 1}, {{4, 300, 3}, 1}};
@@ -219,7 +219,7 @@ TEST_CASE("cuda softmax matches cpu") {
   compare_cuda([](const std::vector<Tensor>& in) { return softmax(in[0].transpose(0, 1), 1); }, {129, 37}, DType::F32);
 }
 
-TEST_CASE("cuda log_softmax matches cpu") {
+TEST_CASE("cuda log_softmax matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const std::vector<std::pair<Shape, int64_t>> cases = {{{3, 37, 129}, 0}, {{3, 37, 129}, 1}, {{3, 37, 129}, -1},
                                                          {{64, 1024}, 1},  {{7, 4099}, 1}, {{4, 300, 3}, 1}};

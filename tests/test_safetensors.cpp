@@ -253,7 +253,7 @@ TEST_CASE("bad input safetensors: save with a reserved name or into a missing fo
                           {"[save_safetensors]", "cannot create", "No such file"});
 }
 
-TEST_CASE("cuda safetensors saves tensors of the GPU") {
+TEST_CASE("cuda safetensors saves tensors of the GPU" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   Tensor a = randn({37, 5}, DType::BF16, lintape::test::gpu(), 3);
   Tensor b = randn({6, 4}, DType::F32, lintape::test::gpu(), 4).transpose(0, 1);
