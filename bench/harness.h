@@ -29,7 +29,7 @@ struct RunOptions {
   std::vector<Metric> metrics = {Metric::Speed, Metric::Memory};
   std::vector<int64_t> ns;  // replaces every table's x values when not empty
   int reps = 0;             // least number of timed calls; 0: 20 (quick: 10 on CUDA, 5 on the CPU)
-  std::string json_path;    // rows go here, plots next to it as <stem>-<title>.svg; empty: neither
+  std::string json_path;    // rows go here, one plot per table into <json_path>.plots/<title>.svg; empty: neither
 };
 
 // What one input set is built for. Each set of a case gets its own seed.
@@ -57,6 +57,9 @@ struct Config {
   std::function<double(int64_t n, Mode mode)> flops;
   std::vector<Mode> modes = {Mode::Fwd, Mode::Bwd};
   std::string x_name = "n";
+  // The copy benchmark: where it measures at copy_reference_mib, a faster time than the run's first copy
+  // raises the bandwidth the floors use, so that no table shows more than 100% of copy by chance.
+  bool measures_copy_bandwidth = false;
 };
 
 struct Benchmark {
@@ -72,7 +75,15 @@ struct Registration {
 const std::vector<Benchmark>& registry();  // in registration order
 const Benchmark* find_benchmark(const std::string& name);
 
-// Runs the benchmarks and reports them; throws on a setup error outside a provider's call.
+// The size of the copy every floor is measured against: 1 GiB on CUDA, 64 MiB on the CPU.
+int64_t copy_reference_mib(Device d);
+
+// The folder of a run's SVG plots: "<json_path>.plots".
+std::string plots_folder(const std::string& json_path);
+
+// Runs the benchmarks and reports them: a table per config, mode and metric as soon as it is measured,
+// then, when there was more than one speed table, a summary. Checks the --json paths before measuring
+// anything; throws on a setup error outside a provider's call.
 void run(const std::vector<const Benchmark*>& benchmarks, const RunOptions& options);
 
 // ---- Helpers for writing benchmarks ----

@@ -66,19 +66,25 @@ double tflops(const Table& t, size_t provider, size_t i) {
 
 std::string format_table(const Table& t) {
   std::vector<std::pair<std::string, std::vector<std::string>>> cols;
-  std::vector<double> xs(t.ns.begin(), t.ns.end());
-  cols.emplace_back(t.x_name, format_column(xs));
+  std::vector<std::string> xs;
+  for (int64_t n : t.ns) xs.push_back(std::to_string(n));
+  cols.emplace_back(t.x_name, xs);
   for (size_t p = 0; p < t.providers.size(); ++p) cols.emplace_back(t.providers[p], format_column(t.values[p]));
-  auto extra = [&](const char* name, double (*f)(const Table&, size_t, size_t)) {  // to one decimal
+  auto extra = [&](const char* name, double (*f)(const Table&, size_t, size_t), double scale) {  // one decimal
     std::vector<double> v;
-    for (size_t i = 0; i < t.ns.size(); ++i) v.push_back(std::round(f(t, 0, i) * 10) / 10);
+    for (size_t i = 0; i < t.ns.size(); ++i) v.push_back(std::round(f(t, 0, i) * scale * 10) / 10);
     cols.emplace_back(name, format_column(v));
   };
   if (!t.floor_ms.empty()) {
     cols.emplace_back("floor", format_column(t.floor_ms));
-    extra("% copy", pct_copy);
+    extra("% copy", pct_copy, 1);
   }
-  if (!t.flops.empty()) extra("TFLOP/s", tflops);
+  if (!t.flops.empty()) {
+    double most = 0;  // NaN (a failed call) compares false and is skipped
+    for (size_t i = 0; i < t.ns.size(); ++i) most = std::max(most, tflops(t, 0, i));
+    if (most >= 1) extra("TFLOP/s", tflops, 1);
+    else extra("GFLOP/s", tflops, 1000);  // TFLOP/s would print 0.0
+  }
 
   size_t index_width = std::to_string(t.ns.empty() ? 0 : t.ns.size() - 1).size();
   std::vector<size_t> widths;
@@ -87,7 +93,7 @@ std::string format_table(const Table& t) {
     for (const std::string& v : vals) w = std::max(w, v.size());
     widths.push_back(w);
   }
-  std::string out = t.title + ":\n" + std::string(index_width, ' ');
+  std::string out = t.title + " (" + t.unit + "):\n" + std::string(index_width, ' ');
   for (size_t c = 0; c < cols.size(); ++c) out += fmt::format("  {:>{}}", cols[c].first, widths[c]);
   out += "\n";
   for (size_t i = 0; i < t.ns.size(); ++i) {
@@ -96,6 +102,55 @@ std::string format_table(const Table& t) {
     out += "\n";
   }
   return out + "\n";
+}
+
+std::string format_summary(const std::vector<Table>& speed_tables) {
+  struct Group {
+    std::string op, mode;
+    int64_t n = 0;
+    std::vector<double> ms, pct, speedup;
+  };
+  std::vector<Group> groups;  // in the order the tables ran
+  for (const Table& t : speed_tables) {
+    if (t.ns.empty() || t.values.empty()) continue;
+    auto same = [&](const Group& g) { return g.op == t.op && g.mode == t.mode; };
+    auto g = std::find_if(groups.begin(), groups.end(), same);
+    if (g == groups.end()) g = groups.insert(groups.end(), Group{t.op, t.mode});
+    size_t i = size_t(std::max_element(t.ns.begin(), t.ns.end()) - t.ns.begin());
+    g->n = std::max(g->n, t.ns[i]);
+    double fused = t.values[0][i];
+    if (fused <= 0) continue;  // failed: nothing to say about this table
+    g->ms.push_back(fused);
+    g->pct.push_back(pct_copy(t, 0, i));
+    auto composed = std::find(t.providers.begin(), t.providers.end(), "composed");
+    double base = composed == t.providers.end() ? -1 : t.values[size_t(composed - t.providers.begin())][i];
+    g->speedup.push_back(base > 0 ? base / fused : kNaN);
+  }
+  // "lo..hi" over the values that apply, one value when they agree to the printed digits, "-" for none.
+  auto range = [](const std::vector<double>& v, int decimals) -> std::string {
+    double lo = INFINITY, hi = -INFINITY;
+    for (double x : v)
+      if (!std::isnan(x)) lo = std::min(lo, x), hi = std::max(hi, x);
+    if (lo > hi) return "-";
+    std::string a = fmt::format("{:.{}f}", lo, decimals), b = fmt::format("{:.{}f}", hi, decimals);
+    return a == b ? a : a + ".." + b;
+  };
+  std::vector<std::vector<std::string>> rows = {{"op", "dir", "largest n", "fused ms", "% copy", "x composed"}};
+  for (const Group& g : groups)
+    rows.push_back({g.op, g.mode, std::to_string(g.n), range(g.ms, 3), range(g.pct, 1),
+                    range(g.speedup, 2)});
+  std::vector<size_t> widths(rows[0].size(), 0);
+  for (const auto& r : rows)
+    for (size_t c = 0; c < r.size(); ++c) widths[c] = std::max(widths[c], r[c].size());
+  std::string out =
+      "summary (ms): each op's speed tables at their largest n; a range over the op's variants; x composed = "
+      "composed ms / fused ms\n";
+  for (const auto& r : rows) {
+    out += fmt::format("{:<{}}", r[0], widths[0]);
+    for (size_t c = 1; c < r.size(); ++c) out += fmt::format("  {:>{}}", r[c], widths[c]);
+    out += "\n";
+  }
+  return out;
 }
 
 nlohmann::json json_rows(const Table& t, const std::string& device) {

@@ -25,9 +25,15 @@ struct Table {
 double pct_copy(const Table& t, size_t provider, size_t i);
 double tflops(const Table& t, size_t provider, size_t i);
 
-// "<title>:" then the table: an index column, n as a float, one column per provider, and for the
-// first provider `floor` and `% copy` (memory-bound) or `TFLOP/s` (compute-bound). Ends with a blank line.
+// "<title> (<unit>):" then the table: an index column, n as an integer, one column per provider, and for
+// the first provider `floor` and `% copy` (memory-bound) or `TFLOP/s` (compute-bound; `GFLOP/s` when
+// every value is under 1 TFLOP/s). Ends with a blank line.
 std::string format_table(const Table& t);
+
+// One screen over the speed tables of a run: per op and direction, the largest n, the first (fused)
+// provider's ms, its % of copy and its speed-up over `composed`, each at a table's largest n; a range
+// "lo..hi" when the op has several tables for the direction (its variants).
+std::string format_summary(const std::vector<Table>& speed_tables);
 
 // One object per (n, provider): op, title, metric, mode, n, provider, value, unit, floor_ms,
 // pct_copy, tflops (null where they do not apply), device.

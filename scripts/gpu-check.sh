@@ -103,9 +103,9 @@ docs[0]["rows"] = [r for d in docs for r in d["rows"]]
 json.dump(docs[0], sys.stdout, indent=1)' "${jsons[@]}" >"$out/bench.json" || failed+=("merge bench json")
   fi
 fi
-svgs=$(cd "$work" && ls -- *.svg 2>/dev/null)
+svgs=$(cd "$work" && ls -- *.plots/*.svg 2>/dev/null)
 if [ -n "$svgs" ]; then
-  (cd "$work" && tar -czf "$out/svg.tar.gz" -- *.svg)
+  (cd "$work" && tar -czf "$out/svg.tar.gz" -- *.plots)
 fi
 note "svg plots: $(echo "$svgs" | grep -c . || true)"
 

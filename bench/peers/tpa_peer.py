@@ -1,0 +1,120 @@
+"""Times what a PyTorch user would run for the TPA ops, beside `lintape bench tpa-decode` and `tpa-attention`.
+
+decode:    the seeds' shapes (batch 8 and 32, head 32, rank 16 for q, 1 for k and v, dim 128, bf16):
+           naive (materialise q, k, v, then softmax(q k^T) v in eager PyTorch) and the same under
+           torch.compile.
+attention: batch 8, head 16, dim 128, ranks (6, 2, 2), causal: einsum for q, k, v then
+           scaled_dot_product_attention, forward and forward + backward (reported as backward alone).
+
+Medians of CUDA-event timings after a warm-up; peak memory from torch.cuda.max_memory_allocated.
+Usage: python3 bench/peers/tpa_peer.py [--quick] [--json FILE]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+DT = torch.bfloat16
+
+
+def median_ms(fn, reps=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def naive_decode(aq, bq, ak, bk, av, bv):
+    # aq (B, H, Rq), bq (B, Rq, D), ak (B, M, H), bk (B, M, D), av (B, M, H), bv (B, M, D)
+    q = torch.einsum("bhr,brd->bhd", aq, bq) / aq.shape[-1]
+    k = ak.unsqueeze(-1) * bk.unsqueeze(2)  # (B, M, H, D)
+    v = av.unsqueeze(-1) * bv.unsqueeze(2)
+    s = torch.einsum("bhd,bmhd->bhm", q, k) * q.shape[-1] ** -0.5
+    return torch.einsum("bhm,bmhd->bhd", torch.softmax(s.float(), -1).to(q.dtype), v)
+
+
+def factors(B, N, H, D, ranks, grad):
+    rq, rk, rv = ranks
+    shapes = [(B, N, H, rq), (B, N, rq, D), (B, N, H, rk), (B, N, rk, D), (B, N, H, rv), (B, N, rv, D)]
+    return [torch.randn(s, device="cuda", dtype=DT, requires_grad=grad) for s in shapes]
+
+
+def einsum_sdpa(aq, bq, ak, bk, av, bv):
+    q = torch.einsum("bnhr,bnrd->bhnd", aq, bq) / aq.shape[-1]
+    k = torch.einsum("bnhr,bnrd->bhnd", ak, bk) / ak.shape[-1]
+    v = torch.einsum("bnhr,bnrd->bhnd", av, bv) / av.shape[-1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+    print("device:", torch.cuda.get_device_name())
+
+    compiled = torch.compile(naive_decode, dynamic=False)
+    ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    for B in (8, 32):
+        H, Rq, D = 32, 16, 128
+        print(f"\ntpa_decode batch{B}-head{H}-rank{Rq}-dim{D}-bf16 (ms, MiB)")
+        print(f"{'m':>6} {'naive':>9} {'compiled':>9} {'naive MiB':>10}")
+        for m in ms:
+            aq = torch.randn(B, H, Rq, device="cuda", dtype=DT)
+            bq = torch.randn(B, Rq, D, device="cuda", dtype=DT)
+            ak, av = (torch.randn(B, m, H, device="cuda", dtype=DT) for _ in range(2))
+            bk, bv = (torch.randn(B, m, D, device="cuda", dtype=DT) for _ in range(2))
+            a = (aq, bq, ak, bk, av, bv)
+            t_naive = median_ms(lambda: naive_decode(*a))
+            t_comp = median_ms(lambda: compiled(*a))
+            mem = peak_mib(lambda: naive_decode(*a))
+            print(f"{m:>6} {t_naive:>9.4f} {t_comp:>9.4f} {mem:>10.1f}")
+            rows.append({"op": "tpa_decode", "batch": B, "m": m, "naive_ms": t_naive, "compiled_ms": t_comp,
+                         "naive_mib": mem})
+
+    B, H, D = 8, 16, 128
+    ns = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
+    print(f"\ntpa_attention batch{B}-head{H}-dim{D}-rank6_2_2-causal-bf16: einsum + SDPA")
+    print(f"{'n':>6} {'fwd ms':>9} {'bwd ms':>9} {'fwd MiB':>9} {'fwd+bwd MiB':>12}")
+    for n in ns:
+        f = factors(B, n, H, D, (6, 2, 2), True)
+        fwd = median_ms(lambda: einsum_sdpa(*f))
+        dout = torch.randn(B, H, n, D, device="cuda", dtype=DT)
+
+        def fwd_bwd():
+            out = einsum_sdpa(*f)
+            torch.autograd.backward(out, dout)
+
+        both = median_ms(fwd_bwd)
+        mem_f = peak_mib(lambda: einsum_sdpa(*f))
+        mem_b = peak_mib(fwd_bwd)
+        print(f"{n:>6} {fwd:>9.3f} {both - fwd:>9.3f} {mem_f:>9.1f} {mem_b:>12.1f}")
+        rows.append({"op": "tpa_attention", "n": n, "fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_mib": mem_f,
+                     "fwd_bwd_mib": mem_b})
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+// `lintape bench`: parses the benchmark options, checks them all before anything is measured, and hands
+// the run to the harness (bench/harness.h).
+#include <memory>
+#include <sstream>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include "bench/harness.h"
+#include "cli/commands.h"
+#include "core/tensor.h"
+
+namespace lintape::cli {
+namespace {
+
+struct BenchArgs {
+  std::string op, device, mode = "all", metric = "all", n, dtype = "bf16", json;
+  bool list = false, quick = false;
+  int reps = 0;
+};
+
+std::vector<int64_t> parse_sizes(const std::string& list) {
+  std::vector<int64_t> out;
+  std::stringstream in(list);
+  for (std::string item; std::getline(in, item, ',');) {
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || item.empty() || v <= 0)
+      throw UsageError(fmt::format("--n takes positive integers separated by commas, like 256,1024; got '{}'", list));
+    out.push_back(v);
+  }
+  if (out.empty()) throw UsageError("--n takes positive integers separated by commas, like 256,1024; got ''");
+  return out;
+}
+
+void list_benchmarks() {
+  for (const bench::Benchmark& b : bench::registry()) {
+    std::string providers;
+    for (const std::string& p : b.providers) providers += (providers.empty() ? "" : ", ") + p;
+    fmt::print("{:<16} {} [{}]\n", b.name, b.about, providers);
+  }
+}
+
+std::vector<const bench::Benchmark*> pick_benchmarks(const std::string& op) {
+  std::vector<const bench::Benchmark*> which;
+  if (op.empty()) throw UsageError("bench expects a benchmark name, all, or --list");
+  if (op == "all") {
+    for (const bench::Benchmark& b : bench::registry()) which.push_back(&b);
+    return which;
+  }
+  if (const bench::Benchmark* b = bench::find_benchmark(op)) return {b};
+  std::string names;
+  for (const bench::Benchmark& r : bench::registry()) names += r.name + ", ";
+  throw UsageError(fmt::format("unknown benchmark '{}'; expected one of {}or all (see bench --list)", op, names));
+}
+
+Device pick_device(const std::string& name) {
+  if (name.empty()) return cuda_available() ? Device::cuda(0) : Device::cpu();
+  Device d;
+  try {
+    d = parse_device(name);
+  } catch (const Error& e) {
+    throw UsageError(fmt::format("--device {}: {}", name, e.what()));
+  }
+  if (d.is_cuda() && d.index >= cuda_device_count())
+    throw UsageError(fmt::format("--device {}: no such CUDA device; this machine has {}{}", name, cuda_device_count(),
+                                 cuda_device_count() == 0 ? " (or lintape was built without CUDA)" : ""));
+  return d;
+}
+
+void bench_command(const BenchArgs& a) {
+  if (a.list) return list_benchmarks();
+  // Every argument is checked here, before the harness measures anything (it checks --json's paths first).
+  bench::RunOptions o;
+  std::vector<const bench::Benchmark*> which = pick_benchmarks(a.op);
+  o.device = pick_device(a.device);
+  o.dtype = dtype_from_name(a.dtype);
+  o.quick = a.quick;
+  o.reps = a.reps;
+  o.json_path = a.json;
+  if (!a.n.empty()) o.ns = parse_sizes(a.n);
+  if (a.mode != "all") o.modes = {a.mode == "fwd" ? bench::Mode::Fwd : bench::Mode::Bwd};
+  if (a.metric != "all") o.metrics = {a.metric == "speed" ? bench::Metric::Speed : bench::Metric::Memory};
+  bench::run(which, o);
+}
+
+// An integer option that must be at least 1. CLI's own range check would print the type's full range.
+CLI::Validator at_least_one() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        long long v = 0;
+        size_t used = 0;
+        try {
+          v = std::stoll(value, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used != value.size() || value.empty()) return "must be an integer >= 1; got '" + value + "'";
+        return v >= 1 ? std::string() : "must be >= 1; got " + value;
+      },
+      "INT >= 1", "AT_LEAST_ONE");
+}
+
+}  // namespace
+
+Command add_bench_command(CLI::App& app) {
+  CLI::App* bench = app.add_subcommand("bench", "Speed and memory tables of the ops (JSON and SVG with --json)");
+  auto a = std::make_shared<BenchArgs>();
+  bench->add_option("op", a->op, "A benchmark (see --list) or all");
+  bench->add_flag("--list", a->list, "List the benchmarks and their providers");
+  bench->add_option("--device", a->device, "cuda, cuda:N or cpu (default: cuda when available)");
+  bench->add_option("--mode", a->mode, "fwd, bwd or all")->check(CLI::IsMember({"fwd", "bwd", "all"}));
+  bench->add_option("--metric", a->metric, "speed, memory or all")->check(CLI::IsMember({"speed", "memory", "all"}));
+  bench->add_option("--n", a->n, "Comma-separated sizes replacing every table's n (or sides), e.g. 256,1024");
+  bench->add_option("--dtype", a->dtype, "bf16 or f32")->check(CLI::IsMember({"bf16", "f32"}));
+  bench->add_option("--json", a->json, "Write JSON rows to FILE and an SVG plot per table into FILE.plots/");
+  bench->add_flag("--quick", a->quick, "Fewer sizes and repetitions");
+  bench->add_option("--reps", a->reps, "Least number of timed calls per measurement (default 20; quick: 10, CPU 5)")
+      ->check(at_least_one());
+  return {bench, [a] { bench_command(*a); }};
+}
+
+}  // namespace lintape::cli

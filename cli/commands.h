@@ -1,0 +1,37 @@
+// The `lintape` subcommands. Each command group lives in its own cli/<group>.cpp and adds itself to the
+// app through one function declared here; main calls it once and runs the command when it was given.
+// Adding a subcommand is one declaration here and one line in main.
+#pragma once
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace lintape::cli {
+
+// A wrong command line found after parsing (a bad value, a missing argument, an unknown name). main
+// prints it as "error: <message>" with a pointer to --help and exits with status 2; errors while
+// working (lintape::Error, the OS's) exit with status 1.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A subcommand added to the app, and what to do when the command line selected it.
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<void()> run;
+};
+
+Command add_info_command(CLI::App& app);   // cli/info.cpp
+Command add_bench_command(CLI::App& app);  // cli/bench_command.cpp
+Command add_train_command(CLI::App& app);     // cli/train_command.cpp
+Command add_eval_command(CLI::App& app);      // cli/train_command.cpp
+Command add_generate_command(CLI::App& app);  // cli/train_command.cpp
+
+// "lintape 0.1.0 (Release; CUDA on, architectures 90a)" or "... (Release; CUDA off)".
+std::string version_string();
+
+}  // namespace lintape::cli

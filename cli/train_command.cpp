@@ -1,0 +1,221 @@
+// `lintape train` and `lintape eval`: train the language model of MODEL.md (train/trainer.h) and measure
+// a checkpoint's loss on a file.
+#include <cmath>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <algorithm>
+#include <iostream>
+#include <sstream>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include "autograd/tape.h"
+#include "cli/commands.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/data.h"
+#include "train/trainer.h"
+
+namespace lintape::cli {
+
+namespace {
+
+// The corpus scripts/setup.sh installs (Debian's fortunes package).
+constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
+
+struct TrainArgs {
+  std::string preset = "tiny", config_file, data, val_data, device = "cpu", mixers, log, checkpoint_dir;
+  int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1;
+  double lr = 0;
+  bool resume = false;
+};
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream s(text);
+  for (std::string item; std::getline(s, item, ',');) out.push_back(item);
+  return out;
+}
+
+Device parse_device_or_usage(const std::string& text) {
+  try {
+    return parse_device(text);
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+void train(const TrainArgs& a) {
+  TrainConfig c;
+  try {
+    c = a.config_file.empty() ? TrainConfig::preset(a.preset) : load_train_config(a.config_file);
+  } catch (const Error& e) {
+    if (a.config_file.empty()) throw UsageError(e.what());
+    throw;
+  }
+  c.data = !a.data.empty() ? a.data : (a.config_file.empty() ? kDefaultCorpus : c.data);
+  if (!a.val_data.empty()) c.val_data = a.val_data;
+  if (a.steps != 0) c.steps = a.steps;
+  if (a.batch != 0) c.batch = a.batch;
+  if (a.seq != 0) c.model.seq_len = a.seq;
+  if (a.lr != 0) c.lr = a.lr;
+  if (!a.mixers.empty()) c.model.mixers = split_list(a.mixers);
+  if (a.checkpoint_every >= 0) c.checkpoint_every = a.checkpoint_every;
+  if (a.seed >= 0) c.seed = uint64_t(a.seed);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  TrainerOptions o;
+  o.device = parse_device_or_usage(a.device);
+  o.log_path = a.log;
+  o.checkpoint_dir = a.checkpoint_dir;
+  o.resume = a.resume;
+  o.progress = &std::cout;
+  if (a.resume && a.checkpoint_dir.empty()) throw UsageError("--resume needs --checkpoint-dir");
+  Trainer trainer(c, o);
+  fmt::print("training {} parameters on {} ({}), {} steps of {} x {} tokens\n", trainer.model().parameter_count(),
+             c.data, o.device.name(), c.steps, c.batch, c.model.seq_len);
+  const TrainResult r = trainer.run();
+  if (r.stopped_nonfinite) fail(r.message);
+  if (!r.message.empty()) fmt::print("{}\n", r.message);
+  if (!r.losses.empty())
+    fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s\n", r.losses.front(), r.losses.back(),
+               r.first_step + 1, r.last_step, r.tokens_per_s);
+}
+
+struct EvalArgs {
+  std::string checkpoint, data, json_path, device = "cpu";
+  int64_t batches = 16;
+};
+
+void eval(const EvalArgs& a) {
+  if (a.batches <= 0) throw UsageError(fmt::format("--batches must be positive; got {}", a.batches));
+  const Device device = parse_device_or_usage(a.device);
+  const Checkpoint ckpt = load_checkpoint(a.checkpoint);
+  LanguageModel model(ckpt.config.model, ckpt.config.seed);
+  model.load_state_dict(ckpt.model, ckpt.path + "/model.safetensors");
+  model.to(device);
+  std::vector<int32_t> tokens = load_tokens(a.data);
+  TokenData data(tokens, tokens, 1, ckpt.config.model.seq_len, a.batches, a.data);
+  NoGradGuard no_grad;
+  double sum = 0;
+  for (int64_t i = 0; i < data.validation_batches(); ++i) {
+    const Batch b = data.validation(i);
+    sum += model.loss(b.tokens.to(device), b.targets.to(device)).item();
+  }
+  const double loss = sum / double(data.validation_batches());
+  fmt::print("{}: mean loss {:.4f}, perplexity {:.2f} over {} sequences of {} tokens\n", a.data, loss, std::exp(loss),
+             data.validation_batches(), ckpt.config.model.seq_len);
+  if (!a.json_path.empty()) {
+    std::ofstream out(a.json_path);
+    out << nlohmann::json{{"checkpoint", ckpt.path}, {"data", a.data}, {"loss", loss}, {"perplexity", std::exp(loss)},
+                          {"sequences", data.validation_batches()}}
+               .dump(2)
+        << "\n";
+    LT_CHECK(out.good(), "[eval] cannot write '", a.json_path, "'");
+  }
+}
+
+struct GenerateArgs {
+  std::string checkpoint, prompt, device = "cpu";
+  int64_t tokens = 200, top_k = 0;
+  double temperature = 0.8;
+  uint64_t seed = 0;
+};
+
+// Samples from logits (V) with temperature (0: greedy) among the top_k most likely (0: all).
+int64_t sample(const std::vector<double>& logits, double temperature, int64_t top_k, std::mt19937_64& rng) {
+  std::vector<int64_t> order(logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logits[size_t(a)] > logits[size_t(b)]; });
+  if (temperature <= 0) return order[0];
+  const size_t keep = top_k > 0 ? std::min(order.size(), size_t(top_k)) : order.size();
+  std::vector<double> weights(keep);
+  for (size_t i = 0; i < keep; ++i)
+    weights[i] = std::exp((logits[size_t(order[i])] - logits[size_t(order[0])]) / temperature);
+  std::discrete_distribution<size_t> pick(weights.begin(), weights.end());
+  return order[pick(rng)];
+}
+
+void generate(const GenerateArgs& a) {
+  if (a.tokens <= 0) throw UsageError(fmt::format("--tokens must be positive; got {}", a.tokens));
+  if (a.prompt.empty()) throw UsageError("--prompt must not be empty");
+  const Device device = parse_device_or_usage(a.device);
+  const Checkpoint ckpt = load_checkpoint(a.checkpoint);
+  LanguageModel model(ckpt.config.model, ckpt.config.seed);
+  model.load_state_dict(ckpt.model, ckpt.path + "/model.safetensors");
+  model.to(device);
+  const bool bytes = ckpt.config.model.vocab_size == 256;
+  std::mt19937_64 rng(a.seed);
+  DecodeState state = model.start_decoding(1);
+  // The prompt goes through the decoding path token by token too, filling the states and caches.
+  Tensor logits;
+  for (unsigned char c : a.prompt) logits = model.decode_step(from_vector_i64({int64_t(c)}, {1, 1}).to(device), state);
+  std::cout << a.prompt << std::flush;
+  for (int64_t i = 0; i < a.tokens; ++i) {
+    const int64_t next = sample(logits.to(DType::F64).to_vector<double>(), a.temperature, a.top_k, rng);
+    if (bytes)
+      std::cout << char(next) << std::flush;
+    else
+      std::cout << ' ' << next << std::flush;
+    logits = model.decode_step(from_vector_i64({next}, {1, 1}).to(device), state);
+  }
+  std::cout << std::endl;
+}
+
+}  // namespace
+
+Command add_train_command(CLI::App& app) {
+  auto args = std::make_shared<TrainArgs>();
+  CLI::App* sub = app.add_subcommand("train", "Train the language model (MODEL.md) on mqar, a text or .bin file");
+  sub->add_option("--preset", args->preset, "tiny (CPU, about a minute) or small (one GPU)");
+  sub->add_option("--config", args->config_file, "a TrainConfig JSON file (instead of a preset)");
+  sub->add_option("--data", args->data, std::string("mqar, a text file, a directory of text, or an llm.c .bin; default ") +
+                                            kDefaultCorpus);
+  sub->add_option("--val-data", args->val_data, "validation file (default: the held-out tail of --data)");
+  sub->add_option("--device", args->device, "cpu or cuda[:N]");
+  sub->add_option("--steps", args->steps, "optimizer steps");
+  sub->add_option("--batch", args->batch, "sequences per step");
+  sub->add_option("--seq", args->seq, "tokens per sequence");
+  sub->add_option("--lr", args->lr, "peak learning rate");
+  sub->add_option("--mixers", args->mixers, "comma-separated mixers per layer: fal, tpa (a shorter list repeats)");
+  sub->add_option("--log", args->log, "JSONL log; the summary JSON and loss SVG go next to it");
+  sub->add_option("--checkpoint-dir", args->checkpoint_dir, "checkpoint directory");
+  sub->add_option("--checkpoint-every", args->checkpoint_every, "steps between checkpoints (0: at the end)");
+  sub->add_flag("--resume", args->resume, "continue from the checkpoint directory's latest checkpoint");
+  sub->add_option("--seed", args->seed, "seed of the initialisation and the data");
+  return {sub, [args] { train(*args); }};
+}
+
+Command add_eval_command(CLI::App& app) {
+  auto args = std::make_shared<EvalArgs>();
+  CLI::App* sub = app.add_subcommand("eval", "Mean loss and perplexity of a checkpoint over a file");
+  sub->add_option("--checkpoint", args->checkpoint, "checkpoint directory")->required();
+  sub->add_option("--data", args->data, "text file, directory of text or llm.c .bin")->required();
+  sub->add_option("--batches", args->batches, "sequences to evaluate");
+  sub->add_option("--json", args->json_path, "write the result as JSON");
+  sub->add_option("--device", args->device, "cpu or cuda[:N]");
+  return {sub, [args] { eval(*args); }};
+}
+
+}  // namespace lintape::cli
+
+namespace lintape::cli {
+
+Command add_generate_command(CLI::App& app) {
+  auto args = std::make_shared<GenerateArgs>();
+  CLI::App* sub = app.add_subcommand("generate", "Sample text from a checkpoint, token by token");
+  sub->add_option("--checkpoint", args->checkpoint, "checkpoint directory")->required();
+  sub->add_option("--prompt", args->prompt, "the text to continue (bytes)")->required();
+  sub->add_option("--tokens", args->tokens, "tokens to generate");
+  sub->add_option("--temperature", args->temperature, "sampling temperature (0: greedy)");
+  sub->add_option("--top-k", args->top_k, "sample among the k most likely (0: all)");
+  sub->add_option("--seed", args->seed, "sampling seed");
+  sub->add_option("--device", args->device, "cpu or cuda[:N]");
+  return {sub, [args] { generate(*args); }};
+}
+
+}  // namespace lintape::cli
