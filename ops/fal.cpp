@@ -1,7 +1,8 @@
 // The FAL family: input checks, dispatch, the CPU reference (loops in double with a hand-written backward) and
 // the composed path (primitive ops and the tape; causal in chunks: the masked, decayed product inside each
-// chunk plus the carried state and S0 terms). fal_step runs through primitive ops on the CPU (and for f64) and
-// through its fused kernel (ops/fal_step.cu) on CUDA.
+// chunk plus the carried state and S0 terms) and the fused CUDA path (ops/fal_noncausal.cu, ops/fal_causal.cu;
+// its backward recorded on the tape). fal_step runs through primitive ops on the CPU (and for f64) and through
+// its fused kernel (ops/fal_step.cu) on CUDA.
 #include "ops/fal.h"
 #include <algorithm>
 #include <cmath>
@@ -510,20 +511,6 @@ std::pair<Tensor, Tensor> run_composed(const Tensor& q, const Tensor& k, const T
   return {gb * y.permute(heads_first), S};
 }
 
-std::pair<Tensor, Tensor> run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& S0,
-                              const FalOptions& o, Impl impl, const char* op) {
-  if (impl == Impl::Auto) impl = q.is_cuda() ? Impl::Composed : Impl::Reference;
-  switch (impl) {
-    case Impl::Reference: return run_reference(q, k, v, g, S0, o, op);
-    case Impl::Composed: return run_composed(q, k, v, g, S0, o);
-    case Impl::Fused:
-    case Impl::Auto: break;
-  }
-  fail(str("[", op,
-           "] Impl::Fused has no kernel in this build; use Impl::Composed or "
-           "Impl::Auto"));
-}
-
 #if LINTAPE_WITH_CUDA
 FalStepSpec::ActCode step_act(const ActSpec& a) {
   switch (a.act) {
@@ -535,13 +522,11 @@ FalStepSpec::ActCode step_act(const ActSpec& a) {
   }
   return FalStepSpec::kSoftmaxFeature;  // softmax over the sequence was rejected by the checks
 }
-#endif
 
-// The fused step kernel (ops/fal_step.cu); the inputs are checked, causal and one token each.
-Tensor step_fused(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& g_t,
-                  const FalOptions& o) {
-#if LINTAPE_WITH_CUDA
-  const Device dev = q_t.device();
+
+// The kernels' description of a checked call on CUDA inputs.
+FalStepSpec kernel_spec(const Tensor& q, const FalOptions& o, const char* op) {
+  const Device dev = q.device();
   FalStepSpec spec;
   spec.act_q = step_act(o.q);
   spec.act_k = step_act(o.k);
@@ -552,15 +537,106 @@ Tensor step_fused(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Ten
                                           : FalStepSpec::kNoLrpe;
   if (o.lrpe != FalLrpe::None) {
     spec.theta = o.theta.detach().to(dev).to(DType::F32).contiguous();
-    const int64_t H = q_t.size(2), D = q_t.size(3), A = o.lrpe == FalLrpe::Rotate ? D / 2 : D;
+    const int64_t H = q.size(2), D = q.size(3), A = o.lrpe == FalLrpe::Rotate ? D / 2 : D;
     const Tensor& th = spec.theta;
-    LT_CHECK(o.lrpe != FalLrpe::Rotate || D % 2 == 0, "[fal_step] rotate needs an even D; got D = ", D);
-    LT_CHECK(th.dim() == 2 && (th.size(0) == H || th.size(0) == 1) && th.size(1) >= 1 && th.size(1) <= A,
-             "[fal_step] theta must be (H, E_t), (1, E_t) or (H, 1) with H = ", H, " and E_t <= ", A, "; got ",
+    LT_CHECK(o.lrpe != FalLrpe::Rotate || D % 2 == 0, "[", op, "] rotate needs an even D; got D = ", D);
+    LT_CHECK(th.dim() == 2 && (th.size(0) == H || th.size(0) == 1) && th.size(1) >= 1 && th.size(1) <= A, "[", op,
+             "] theta must be (H, E_t), (1, E_t) or (H, 1) with H = ", H, " and E_t <= ", A, "; got ",
              shape_str(o.theta.shape()));
   }
   spec.position = o.offset;
   if (o.decay.defined()) spec.decay = o.decay.detach().to(dev).to(DType::F32).contiguous();
+  return spec;
+}
+
+bool is_seq_softmax(const ActSpec& a) { return a.act == Act::Softmax && a.dim == ActDim::Sequence; }
+#endif
+
+// Why the fused sequence kernels cannot run this call, or nullptr when they can.
+const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions& o) {
+#if LINTAPE_WITH_CUDA
+  if (!q.is_cuda()) return "the fused kernels run on CUDA";
+  if (q.dtype() != DType::F32 && q.dtype() != DType::BF16 && q.dtype() != DType::F16)
+    return "the fused kernels take f32, bf16 or f16 inputs";
+  if (o.lrpe == FalLrpe::MdCosine) return "md_cosine runs composed";
+  if (is_seq_softmax(o.q) || is_seq_softmax(o.k) || is_seq_softmax(o.v) || is_seq_softmax(o.g))
+    return "softmax over the sequence runs composed";
+  if (o.lrpe == FalLrpe::Rotate && q.size(3) % 2 != 0) return "rotate needs an even D";
+  if (!fal_cuda::sequence_supported(q.size(3), fal_state_rows(o.lrpe, q.size(3)), v.size(3)))
+    return "the state does not fit the kernels' shared memory (D, E <= 256, D' x E up to 256 x 128)";
+  return nullptr;
+#else
+  (void)q, (void)v, (void)o;
+  return "lintape was built without CUDA";
+#endif
+}
+
+// The fused kernels: forward now, backward recorded on the tape (it saves q, k, v, g and kv or S0).
+std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                    const Tensor& S0, const FalOptions& o, const char* op) {
+  const char* why = fused_unsupported(q, v, o);
+  LT_CHECK(why == nullptr, "[", op, "] Impl::Fused cannot run this call: ", why);
+#if LINTAPE_WITH_CUDA
+  const Device dev = q.device();
+  const FalStepSpec spec = kernel_spec(q, o, op);
+  const Tensor qc = q.detach().contiguous(), kc = k.detach().contiguous(), vc = v.detach().contiguous(),
+               gc = g.detach().contiguous();
+  const Tensor s0 = S0.defined() ? S0.detach().contiguous() : Tensor();
+  const bool causal = o.causal;
+  const Shape state_shape{q.size(0), q.size(2), fal_state_rows(o.lrpe, q.size(3)), v.size(3)};
+  Tensor out = empty(g.shape(), g.dtype(), dev);
+  Tensor state = empty(state_shape, DType::F32, dev);  // kv (noncausal, saved) or the final state
+  if (causal)
+    fal_cuda::causal_forward(qc, kc, vc, gc, spec, s0, out, state);
+  else
+    fal_cuda::noncausal_forward(qc, kc, vc, gc, spec, state, out);
+  std::vector<Input> inputs{q, k, v, g};
+  if (S0.defined()) inputs.push_back(S0);
+  std::vector<Tensor> outputs{out};
+  if (causal) outputs.push_back(state);
+  const Tensor kv = causal ? Tensor() : state;
+  record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, causal, state_shape](const Grads& gin) -> Grads {
+    const Device d = qc.device();
+    const Tensor dout = gin[0].defined() ? gin[0].contiguous() : zeros(gc.shape(), gc.dtype(), d);
+    const Tensor dS = causal && gin.size() > 1 && gin[1].defined() ? gin[1].contiguous() : Tensor();
+    Tensor dq = empty(qc.shape(), qc.dtype(), d), dk = empty(kc.shape(), kc.dtype(), d);
+    Tensor dv = empty(vc.shape(), vc.dtype(), d), dg = empty(gc.shape(), gc.dtype(), d);
+    Tensor dS0 = s0.defined() ? empty(state_shape, DType::F32, d) : Tensor();
+    if (causal)
+      fal_cuda::causal_backward(qc, kc, vc, gc, spec, s0, dout, dS, dq, dk, dv, dg, dS0);
+    else
+      fal_cuda::noncausal_backward(qc, kc, vc, gc, spec, kv, dout, dq, dk, dv, dg);
+    Grads res{dq, dk, dv, dg};
+    if (s0.defined()) res.push_back(dS0);
+    return res;
+  });
+  return {out, causal ? state : Tensor()};
+#else
+  (void)k, (void)g, (void)S0;
+  fail(str("[", op, "] lintape was built without CUDA"));
+#endif
+}
+
+std::pair<Tensor, Tensor> run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& S0,
+                              const FalOptions& o, Impl impl, const char* op) {
+  // The fused sequence kernels are correct but, on CUDA cores, slower than the composed path (see
+  // docs/BENCHMARKS.md): Auto stays on Composed until their tensor-core versions land.
+  if (impl == Impl::Auto) impl = q.is_cuda() ? Impl::Composed : Impl::Reference;
+  switch (impl) {
+    case Impl::Reference: return run_reference(q, k, v, g, S0, o, op);
+    case Impl::Composed: return run_composed(q, k, v, g, S0, o);
+    case Impl::Fused: return run_fused(q, k, v, g, S0, o, op);
+    case Impl::Auto: break;
+  }
+  fail(str("[", op, "] unknown impl"));
+}
+
+// The fused step kernel (ops/fal_step.cu); the inputs are checked, causal and one token each.
+Tensor step_fused(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& g_t,
+                  const FalOptions& o) {
+#if LINTAPE_WITH_CUDA
+  const Device dev = q_t.device();
+  const FalStepSpec spec = kernel_spec(q_t, o, "fal_step");
   Tensor state_out = empty(state.shape(), DType::F32, dev);
   Tensor out = empty(g_t.shape(), g_t.dtype(), dev);
   fal_cuda::step(q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), g_t.contiguous(), spec, state.contiguous(),

@@ -12,8 +12,11 @@
 // Softmax over the sequence normalises over every token, so in causal mode it would let token t see tokens
 // after t: causal mode rejects it (for any of q, k, v, g) with an error.
 //
-// Impl::Auto runs Reference on the CPU and Composed on CUDA: fal and fal_with_state have no fused CUDA kernel
-// yet (Impl::Fused throws saying so). fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
+// Impl::Fused runs the fused CUDA kernels of fal and fal_with_state for f32/bf16/f16 inputs with LRPE none,
+// cosine or rotate, acts other than softmax over the sequence and D, E <= 256 (D' x E up to 256 x 128); for
+// md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). The
+// kernels still run on CUDA cores and are slower than Composed, so Impl::Auto runs Reference on the CPU and
+// Composed on CUDA for now. fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -6,7 +6,8 @@
 
 namespace lintape {
 
-// One decoding step's description, already checked: the act codes, the LRPE rule and the decay.
+// One call's description, already checked: the act codes, the LRPE rule and the decay. The step and the
+// sequence kernels share it; for a sequence, position is the first token's (FalOptions::offset).
 struct FalStepSpec {
   enum ActCode : int { kNone, kRelu, kSigmoid, kSilu, kSoftmaxFeature };
   enum LrpeCode : int { kNoLrpe, kCosine, kRotate };
@@ -24,6 +25,28 @@ namespace fal_cuda {
 // contiguous (distinct); out (B, 1, H, E) in the inputs' dtype. Writes every element of state_out and out.
 void step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
           const Tensor& state_in, const Tensor& state_out, const Tensor& out);
+
+// The sequence kernels (ops/fal_noncausal.cu, ops/fal_causal.cu) keep a (D', E) f32 state of one (b, h) in
+// shared memory: true when it fits, with D, E <= 256 (above that Auto runs Composed).
+bool sequence_supported(int64_t D, int64_t P, int64_t E);
+
+// Noncausal. q (B, N, H, D), k (B, M, H, D), v (B, M, H, E), g (B, N, H, E) contiguous f32/bf16/f16; kv
+// (B, H, D', E) f32 receives kb^T vb (saved for backward); out (B, N, H, E) in the inputs' dtype.
+void noncausal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
+                       const Tensor& kv, const Tensor& out);
+// dout (B, N, H, E) contiguous in the inputs' dtype; kv as forward wrote it; writes dq, dk, dv, dg (the
+// inputs' shapes and dtype).
+void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
+                        const Tensor& kv, const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        const Tensor& dg);
+
+// Causal, N == M. S0 (B, H, D', E) f32 or undefined (zeros); writes out and S_final (B, H, D', E) f32.
+void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
+                    const Tensor& S0, const Tensor& out, const Tensor& S_final);
+// dout as in noncausal_backward; dS_final f32 or undefined (zeros); dS0 is written when defined.
+void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
+                     const Tensor& S0, const Tensor& dout, const Tensor& dS_final, const Tensor& dq,
+                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0);
 
 }  // namespace fal_cuda
 #endif

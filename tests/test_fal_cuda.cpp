@@ -1,11 +1,16 @@
 // FAL family on CUDA: the fused decoding step against the CPU reference (whole sequence in f64), its launcher
-// on poisoned outputs, and the composed path on the device against the reference.
+// on poisoned outputs, the composed path on the device against the reference, and the fused sequence kernels
+// (noncausal and causal, called directly on poisoned outputs and through Impl::Fused) against the reference,
+// the step and their memory budget.
 #include <cmath>
 #include <string>
 #include <vector>
 #include "helpers.h"
 #include "ops/fal.h"
+#include "core/allocator.h"
+#include "ops/elementwise.h"
 #include "ops/fal_cuda.h"
+#include "ops/reduce.h"
 #include "ops/shape.h"
 
 using namespace lintape;
@@ -146,4 +151,218 @@ TEST_CASE("cuda fal composed matches reference" * LT_CUDA_CASE) {
       CHECK_CLOSE_TENSOR(in[i].grad().to(Device::cpu()), cpu[i].grad(), DType::F32);
     }
   }
+}
+
+namespace {
+
+#if LINTAPE_WITH_CUDA
+// The launchers' description of a StepConfig (as ops/fal.cpp builds it).
+FalStepSpec kernel_spec(const StepConfig& c, const FalOptions& o) {
+  auto code = [](const ActSpec& a) {
+    return a.act == Act::Relu      ? FalStepSpec::kRelu
+           : a.act == Act::Sigmoid ? FalStepSpec::kSigmoid
+           : a.act == Act::Silu    ? FalStepSpec::kSilu
+           : a.act == Act::Softmax ? FalStepSpec::kSoftmaxFeature
+                                   : FalStepSpec::kNone;
+  };
+  FalStepSpec spec;
+  spec.act_q = code(c.q);
+  spec.act_k = code(c.k);
+  spec.act_v = code(c.v);
+  spec.act_g = code(c.g);
+  spec.lrpe = c.lrpe == FalLrpe::Cosine   ? FalStepSpec::kCosine
+              : c.lrpe == FalLrpe::Rotate ? FalStepSpec::kRotate
+                                          : FalStepSpec::kNoLrpe;
+  spec.theta = o.theta;
+  spec.position = o.offset;
+  spec.decay = o.decay;
+  return spec;
+}
+#endif
+
+const std::vector<StepConfig> kSequenceConfigs = {
+    {"cosine D 64 E 32 silu decay", FalLrpe::Cosine, 64, 32, kSilu, kSilu, kNone, kSilu, true},
+    {"rotate D 128 E 64 softmax q and g, relu v", FalLrpe::Rotate, 128, 64, kSoft, kSilu, kRelu, kSoft, false},
+    {"cosine D 128 E 128 sigmoid k, softmax v", FalLrpe::Cosine, 128, 128, kSilu, kSigmoid, kSoft, kSilu, true},
+    {"none D 64 E 80 no acts", FalLrpe::None, 64, 80, kNone, kNone, kNone, kNone, true},
+};
+
+// Fused (launchers on poisoned outputs, then Impl::Auto through the tape) against the f64 reference: the
+// output, the final state, the four input gradients and dS0, with the final state's gradient fed in.
+void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t seed) {
+#if LINTAPE_WITH_CUDA
+  const int64_t B = 2, H = 3, N = causal ? 41 : 37, M = causal ? N : 45, P = fal_state_rows(c.lrpe, c.D);
+  std::vector<Tensor> in;  // q, k, v, g on the device, rounded to dt
+  for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, M, H, c.D}, Shape{B, M, H, c.E}, Shape{B, N, H, c.E}})
+    in.push_back(randn(s, dt, gpu(), seed++));
+  const Tensor dout = randn({B, N, H, c.E}, dt, gpu(), seed++);
+  const Tensor S0 = causal ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
+  const Tensor dS = causal ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
+  FalOptions o = step_options(c, H, gpu()), ref_o = step_options(c, H, Device::cpu());
+  o.causal = ref_o.causal = causal;
+  o.offset = ref_o.offset = 5;
+  if (!causal) o.decay = ref_o.decay = Tensor();
+  if (ref_o.decay.defined()) ref_o.decay = ref_o.decay.to(DType::F64);
+  auto to_ref = [](const Tensor& t) { return t.to(Device::cpu()).to(DType::F64); };
+
+  std::vector<Tensor> cpu;
+  for (const Tensor& t : in) cpu.push_back(to_ref(t).requires_grad_());
+  Tensor S0_ref = causal ? to_ref(S0).requires_grad_() : Tensor();
+  Tensor o_ref, S_ref;
+  if (causal)
+    std::tie(o_ref, S_ref) = fal_with_state(cpu[0], cpu[1], cpu[2], cpu[3], S0_ref, ref_o, Impl::Reference);
+  else
+    o_ref = fal(cpu[0], cpu[1], cpu[2], cpu[3], ref_o, Impl::Reference);
+  Tensor loss = sum(o_ref * to_ref(dout));
+  if (causal) loss = loss + sum(S_ref * to_ref(dS));
+  backward(loss);
+
+  const FalStepSpec spec = kernel_spec(c, o);
+  Tensor out = empty(o_ref.shape(), dt, gpu()), state = empty({B, H, P, c.E}, DType::F32, gpu());
+  poison_(out);
+  poison_(state);
+  if (causal)
+    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out, state);
+  else
+    fal_cuda::noncausal_forward(in[0], in[1], in[2], in[3], spec, state, out);
+  CHECK_CLOSE_TENSOR(out.to(Device::cpu()), o_ref, dt);
+  if (causal) CHECK_CLOSE_TENSOR(state.to(Device::cpu()), S_ref, dt);
+  auto poisoned = [](const Shape& shape, DType type) {
+    Tensor t = empty(shape, type, gpu());
+    poison_(t);
+    return t;
+  };
+  std::vector<Tensor> grads;
+  for (const Tensor& t : in) grads.push_back(poisoned(t.shape(), dt));
+  Tensor dS0 = causal ? poisoned(S0.shape(), DType::F32) : Tensor();
+  if (causal)
+    fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads[0], grads[1], grads[2], grads[3],
+                              dS0);
+  else
+    fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
+                                 grads[3]);
+  for (size_t i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    CHECK_CLOSE_TENSOR(grads[i].to(Device::cpu()), cpu[i].grad(), dt);
+  }
+  if (causal) CHECK_CLOSE_TENSOR(dS0.to(Device::cpu()), S0_ref.grad(), dt);
+
+  // The same through Impl::Fused, which records the kernels' backward on the tape.
+  std::vector<Tensor> leaves;
+  for (const Tensor& t : in) leaves.push_back(t.detach().requires_grad_());
+  Tensor S0_leaf = causal ? S0.detach().requires_grad_() : Tensor();
+  Tensor got, S_got;
+  if (causal)
+    std::tie(got, S_got) = fal_with_state(leaves[0], leaves[1], leaves[2], leaves[3], S0_leaf, o, Impl::Fused);
+  else
+    got = fal(leaves[0], leaves[1], leaves[2], leaves[3], o, Impl::Fused);
+  Tensor loss_got = sum(got.to(DType::F32) * dout.to(DType::F32));
+  if (causal) loss_got = loss_got + sum(S_got * dS);
+  backward(loss_got);
+  CHECK_CLOSE_TENSOR(got.to(Device::cpu()), o_ref, dt);
+  for (size_t i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    CHECK_CLOSE_TENSOR(leaves[i].grad().to(Device::cpu()), cpu[i].grad(), dt);
+  }
+  if (causal) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
+#else
+  (void)c, (void)causal, (void)dt, (void)seed;
+#endif
+}
+
+}  // namespace
+
+TEST_CASE("cuda fal fused noncausal matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  uint64_t seed = 200;
+  for (const StepConfig& c : kSequenceConfigs)
+    for (DType dt : {DType::F32, DType::BF16}) {
+      CAPTURE(c.name);
+      CAPTURE(dtype_name(dt));
+      check_fused_sequence(c, false, dt, seed += 10);
+    }
+}
+
+TEST_CASE("cuda fal fused causal matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  uint64_t seed = 300;
+  for (const StepConfig& c : kSequenceConfigs)
+    for (DType dt : {DType::F32, DType::BF16}) {
+      CAPTURE(c.name);
+      CAPTURE(dtype_name(dt));
+      check_fused_sequence(c, true, dt, seed += 10);
+    }
+}
+
+TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const int64_t B = 2, N = 40, H = 3;
+  const StepConfig& c = kSequenceConfigs[0];
+  std::vector<Tensor> in;
+  uint64_t seed = 400;
+  for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, N, H, c.D}, Shape{B, N, H, c.E}, Shape{B, N, H, c.E}})
+    in.push_back(randn(s, DType::F32, gpu(), seed++));
+  const Tensor S0 = randn({B, H, fal_state_rows(c.lrpe, c.D), c.E}, DType::F32, gpu(), seed++);
+  FalOptions o = step_options(c, H, gpu());
+  o.offset = 3;
+  auto [whole, S_whole] = fal_with_state(in[0], in[1], in[2], in[3], S0, o, Impl::Fused);
+  Tensor state = S0;
+  std::vector<Tensor> outs;
+  for (int64_t t = 0; t < N; ++t) {
+    FalOptions step = o;
+    step.offset = o.offset + t;
+    outs.push_back(fal_step(state, in[0].narrow(1, t, 1), in[1].narrow(1, t, 1), in[2].narrow(1, t, 1),
+                            in[3].narrow(1, t, 1), step));
+  }
+  CHECK_CLOSE_TENSOR(cat(outs, 1).to(Device::cpu()), whole.to(Device::cpu()).to(DType::F64), DType::F32);
+  CHECK_CLOSE_TENSOR(state.to(Device::cpu()), S_whole.to(Device::cpu()).to(DType::F64), DType::F32);
+}
+
+// Forward through the op: the output and the states. Backward through the launchers (the tape adds its own
+// buffers for the incoming gradients): the states only, the gradients being allocated by the caller.
+TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  const int64_t B = 2, N = 300, H = 3, slack = 8 * 512;
+  const StepConfig& c = kSequenceConfigs[0];
+  const int64_t P = fal_state_rows(c.lrpe, c.D);
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    std::vector<Tensor> in;
+    uint64_t seed = 500;
+    for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, N, H, c.D}, Shape{B, N, H, c.E}, Shape{B, N, H, c.E}})
+      in.push_back(randn(s, DType::BF16, gpu(), seed++));
+    const Tensor S0 = causal ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
+    FalOptions o = step_options(c, H, gpu());
+    o.causal = causal;
+    if (!causal) o.decay = Tensor();
+    const Tensor dout = randn({B, N, H, c.E}, DType::BF16, gpu(), seed++);
+    const int64_t state_bytes = B * H * P * c.E * 4, out_bytes = B * N * H * c.E * 2;
+    // Noncausal reductions keep one partial state per slice of the sequence (64 tokens or more each).
+    const int64_t partials = causal ? 0 : (N + 63) / 64;
+
+    int64_t base = int64_t(memory_stats(gpu()).in_use);
+    reset_peak_memory(gpu());
+    Tensor out = causal ? fal_with_state(in[0], in[1], in[2], in[3], S0, o, Impl::Fused).first
+                        : fal(in[0], in[1], in[2], in[3], o, Impl::Fused);
+    CHECK(int64_t(memory_stats(gpu()).peak) - base <= out_bytes + (1 + partials) * state_bytes + slack);
+
+    const FalStepSpec spec = kernel_spec(c, o);
+    Tensor state = empty({B, H, P, c.E}, DType::F32, gpu());
+    std::vector<Tensor> grads;
+    for (const Tensor& t : in) grads.push_back(empty(t.shape(), DType::BF16, gpu()));
+    Tensor dS0 = causal ? empty(S0.shape(), DType::F32, gpu()) : Tensor();
+    if (!causal) fal_cuda::noncausal_forward(in[0], in[1], in[2], in[3], spec, state, out);
+    base = int64_t(memory_stats(gpu()).in_use);
+    reset_peak_memory(gpu());
+    if (causal)
+      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, Tensor(), grads[0], grads[1], grads[2],
+                                grads[3], dS0);
+    else
+      fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
+                                   grads[3]);
+    const int64_t states = causal ? 0 : 1 + partials;  // noncausal: dkv and its partials
+    CHECK(int64_t(memory_stats(gpu()).peak) - base <= states * state_bytes + slack);
+  }
+#endif
 }
