@@ -14,6 +14,8 @@ have_cmd g++ || missing+=(g++)
 for pkg in libeigen3-dev doctest-dev libcli11-dev nlohmann-json3-dev libfmt-dev; do
   have_pkg "$pkg" || missing+=("$pkg")
 done
+# The default training corpus of `lintape train`: about 2.5 MB of English text in /usr/share/games/fortunes/.
+have_pkg fortunes || missing+=(fortunes)
 
 if ((${#missing[@]} == 0)); then
   echo "setup: all build dependencies are present"

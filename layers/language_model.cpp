@@ -1,0 +1,153 @@
+#include "layers/language_model.h"
+
+#include <cmath>
+
+#include "autograd/tape.h"
+#include "ops/cross_entropy.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/fal.h"
+#include "ops/matmul.h"
+
+namespace lintape {
+
+namespace {
+constexpr double kInitStd = 0.02;
+// Each layer draws its weights from seeds of its own: seed + kSeedStride * (layer + 1) + k.
+constexpr uint64_t kSeedStride = 16;
+}  // namespace
+
+ModelConfig ModelConfig::preset(const std::string& name) {
+  ModelConfig c;
+  if (name == "tiny") return c;
+  if (name == "small") {
+    c.vocab_size = 256;
+    c.width = 768;
+    c.layers = 12;
+    c.mixers = {"fal"};
+    c.heads = 6;
+    c.head_dim = 128;
+    c.mlp_hidden = 2048;
+    c.tpa_ranks = {6, 2, 2};
+    c.seq_len = 2048;
+    return c;
+  }
+  fail(str("[config] unknown preset '", name, "'; expected tiny or small"));
+}
+
+void ModelConfig::validate() const {
+  auto positive = [](const char* key, int64_t v) {
+    LT_CHECK(v > 0, "[config] ", key, " must be positive; got ", v);
+  };
+  positive("vocab_size", vocab_size);
+  positive("width", width);
+  positive("layers", layers);
+  positive("heads", heads);
+  positive("head_dim", head_dim);
+  positive("mlp_hidden", mlp_hidden);
+  positive("seq_len", seq_len);
+  LT_CHECK(norm_eps > 0, "[config] norm_eps must be positive; got ", norm_eps);
+  LT_CHECK(!mixers.empty(), "[config] mixers must name at least one mixer (fal or tpa); got an empty list");
+  for (const std::string& m : mixers)
+    LT_CHECK(m == "fal" || m == "tpa", "[config] mixers: unknown mixer '", m, "'; expected fal or tpa");
+  LT_CHECK(tpa_ranks.size() == 3, "[config] tpa_ranks must be [R_q, R_k, R_v]; got ", tpa_ranks.size(),
+           " values");
+  for (int64_t r : tpa_ranks) positive("tpa_ranks entry", r);
+  LT_CHECK(head_dim % 2 == 0, "[config] head_dim must be even (rotary in tpa); got ", head_dim);
+}
+
+Block::Block(const ModelConfig& c, int64_t layer, uint64_t seed)
+    : norm1(c.width, c.norm_eps),
+      norm2(c.width, c.norm_eps),
+      mlp(c.width, c.mlp_hidden, kInitStd, kInitStd / std::sqrt(2.0 * double(c.layers)), seed) {
+  const double out_std = kInitStd / std::sqrt(2.0 * double(c.layers));
+  register_module("norm1", norm1);
+  register_module("norm2", norm2);
+  register_module("mlp", mlp);
+  if (c.mixer(layer) == "fal") {
+    fal = std::make_unique<FalMixer>(c.width, c.heads, c.head_dim, c.norm_eps, kInitStd, out_std, seed + 4);
+    register_module("fal", *fal);
+  } else {
+    tpa = std::make_unique<TpaMixer>(c.width, c.heads, c.head_dim, c.tpa_ranks[0], c.tpa_ranks[1], c.tpa_ranks[2],
+                                     kInitStd, out_std, seed + 4);
+    register_module("tpa", *tpa);
+  }
+}
+
+Tensor Block::forward(const Tensor& x) const {
+  const Tensor h = norm1.forward(x);
+  const Tensor y = add(x, fal ? fal->forward(h) : tpa->forward(h));
+  return add(y, mlp.forward(norm2.forward(y)));
+}
+
+Tensor Block::step(const Tensor& x_t, DecodeState& state, size_t layer) const {
+  const Tensor h = norm1.forward(x_t);
+  const Tensor y =
+      add(x_t, fal ? fal->step(h, state.fal_states[layer], state.position) : tpa->step(h, *state.caches[layer]));
+  return add(y, mlp.forward(norm2.forward(y)));
+}
+
+void Block::set_impl(Impl impl) {
+  if (fal) fal->impl = impl;
+  if (tpa) tpa->impl = impl;
+}
+
+LanguageModel::LanguageModel(const ModelConfig& config, uint64_t seed)
+    : norm(config.width, config.norm_eps), config_(config) {
+  config.validate();
+  wte = normal_init({config.vocab_size, config.width}, kInitStd, seed);
+  register_parameter("wte", wte);
+  for (int64_t i = 0; i < config.layers; ++i) {
+    blocks.push_back(std::make_unique<Block>(config, i, seed + kSeedStride * uint64_t(i + 1)));
+    register_module("blocks." + std::to_string(i), *blocks.back());
+  }
+  register_module("norm", norm);
+}
+
+Tensor LanguageModel::forward(const Tensor& tokens) const {
+  LT_CHECK(tokens.dim() == 2, "[LanguageModel] tokens must be (B, N); got ", shape_str(tokens.shape()));
+  Tensor x = embedding(wte, tokens);
+  for (const auto& block : blocks) x = block->forward(x);
+  return matmul(norm.forward(x), wte, false, true);
+}
+
+Tensor LanguageModel::loss(const Tensor& tokens, const Tensor& targets) const {
+  LT_CHECK(targets.shape() == tokens.shape(), "[LanguageModel] targets must have the tokens' shape ",
+           shape_str(tokens.shape()), "; got ", shape_str(targets.shape()));
+  const Tensor logits = forward(tokens);
+  const int64_t rows = tokens.numel(), V = config_.vocab_size;
+  return cross_entropy(logits.reshape({rows, V}), targets.reshape({rows}), -1);
+}
+
+DecodeState LanguageModel::start_decoding(int64_t batch) const {
+  DecodeState s;
+  const DType state_dtype = wte.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  for (const auto& block : blocks) {
+    if (block->fal) {
+      const FalMixer& f = *block->fal;
+      s.fal_states.push_back(
+          zeros({batch, f.heads, fal_state_rows(FalLrpe::Cosine, f.head_dim), f.head_dim}, state_dtype, wte.device()));
+      s.caches.push_back(nullptr);
+    } else {
+      s.fal_states.emplace_back();
+      s.caches.push_back(std::make_unique<TpaCache>(block->tpa->make_cache(batch)));
+    }
+  }
+  return s;
+}
+
+Tensor LanguageModel::decode_step(const Tensor& tokens_t, DecodeState& state) const {
+  LT_CHECK(tokens_t.dim() == 2 && tokens_t.size(1) == 1, "[LanguageModel] decode_step takes tokens (B, 1); got ",
+           shape_str(tokens_t.shape()));
+  NoGradGuard no_grad;
+  Tensor x = embedding(wte, tokens_t);
+  for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->step(x, state, i);
+  ++state.position;
+  return matmul(norm.forward(x), wte, false, true);
+}
+
+void LanguageModel::set_impl(Impl impl) {
+  for (auto& block : blocks) block->set_impl(impl);
+}
+
+}  // namespace lintape

@@ -1,0 +1,77 @@
+// The language model of MODEL.md: byte or token embedding (tied with the output head), L blocks of
+// pre-norm mixer + SwiGLU MLP, a final RMSNorm. Parameter names and shapes are MODEL.md's.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+#include "../core/tensor.h"
+#include "../ops/impl.h"
+#include "layers.h"
+#include "mixers.h"
+#include "module.h"
+
+namespace lintape {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;
+  int64_t width = 128;
+  int64_t layers = 4;
+  std::vector<std::string> mixers = {"fal", "fal", "fal", "tpa"};  // a shorter list repeats
+  int64_t heads = 2;
+  int64_t head_dim = 64;
+  int64_t mlp_hidden = 384;
+  std::vector<int64_t> tpa_ranks = {4, 2, 2};
+  int64_t seq_len = 256;
+  double norm_eps = 1e-6;
+
+  static ModelConfig preset(const std::string& name);  // "tiny" or "small"
+  // Throws naming the key and the value for zero or negative sizes and unknown mixer names.
+  void validate() const;
+  const std::string& mixer(int64_t layer) const { return mixers[size_t(layer) % mixers.size()]; }
+};
+
+// What decoding carries between tokens: per layer a FAL state or a TPA factor cache.
+struct DecodeState {
+  std::vector<Tensor> fal_states;              // by layer; undefined for tpa layers
+  std::vector<std::unique_ptr<TpaCache>> caches;  // by layer; null for fal layers
+  int64_t position = 0;                        // tokens consumed so far
+};
+
+// x + mixer(norm1(x)), then x + mlp(norm2(x)). Exactly one of fal, tpa is set, per the config's mixer.
+class Block : public Module {
+ public:
+  Block(const ModelConfig& config, int64_t layer, uint64_t seed);
+  Tensor forward(const Tensor& x) const;
+  Tensor step(const Tensor& x_t, DecodeState& state, size_t layer) const;  // x_t (B, 1, C)
+  void set_impl(Impl impl);
+  RMSNorm norm1, norm2;
+  SwiGluMlp mlp;
+  std::unique_ptr<FalMixer> fal;
+  std::unique_ptr<TpaMixer> tpa;
+};
+
+class LanguageModel : public Module {
+ public:
+  explicit LanguageModel(const ModelConfig& config, uint64_t seed = 0);
+  // tokens (B, N) integer ids -> logits (B, N, V) in the parameters' dtype.
+  Tensor forward(const Tensor& tokens) const;
+  // Mean cross-entropy over the targets (B, N) that are not -1.
+  Tensor loss(const Tensor& tokens, const Tensor& targets) const;
+  // Token-by-token decoding (fal_step, tpa_decode over a TpaCache): tokens_t (B, 1) -> logits (B, 1, V),
+  // equal to the full forward's logits at those positions. No gradient is recorded.
+  DecodeState start_decoding(int64_t batch) const;
+  Tensor decode_step(const Tensor& tokens_t, DecodeState& state) const;
+  // Which implementation the mixers' ops run (tests: Composed against the reference).
+  void set_impl(Impl impl);
+  const ModelConfig& config() const { return config_; }
+
+  Tensor wte;  // (V, C)
+  std::vector<std::unique_ptr<Block>> blocks;
+  RMSNorm norm;
+
+ private:
+  ModelConfig config_;
+};
+
+}  // namespace lintape

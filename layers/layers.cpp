@@ -1,0 +1,55 @@
+#include "layers/layers.h"
+
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+#include "ops/rms_norm.h"
+
+namespace lintape {
+
+Tensor normal_init(const Shape& shape, double std, uint64_t seed) {
+  return mul(randn(shape, DType::F32, Device::cpu(), seed), std);
+}
+
+Linear::Linear(int64_t in_features, int64_t out_features, double init_std, uint64_t seed) {
+  LT_CHECK(in_features > 0 && out_features > 0, "[Linear] sizes must be positive; got in_features ",
+           in_features, ", out_features ", out_features);
+  weight = normal_init({out_features, in_features}, init_std, seed);
+  register_parameter("weight", weight);
+}
+
+Tensor Linear::forward(const Tensor& x) const {
+  LT_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "[Linear] x must end in in_features = ", weight.size(1),
+           "; got ", shape_str(x.shape()));
+  return matmul(x, weight, false, true);
+}
+
+Embedding::Embedding(int64_t vocab, int64_t width, double init_std, uint64_t seed) {
+  LT_CHECK(vocab > 0 && width > 0, "[Embedding] sizes must be positive; got vocab ", vocab, ", width ", width);
+  weight = normal_init({vocab, width}, init_std, seed);
+  register_parameter("weight", weight);
+}
+
+Tensor Embedding::forward(const Tensor& ids) const { return embedding(weight, ids); }
+
+RMSNorm::RMSNorm(int64_t width, double eps) : eps(eps) {
+  LT_CHECK(width > 0, "[RMSNorm] width must be positive; got ", width);
+  weight = ones({width});
+  register_parameter("weight", weight);
+}
+
+Tensor RMSNorm::forward(const Tensor& x) const { return rms_norm(x, weight, eps); }
+
+SwiGluMlp::SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_std, uint64_t seed)
+    : up(width, 2 * hidden, init_std, seed), down(hidden, width, out_std, seed + 1), hidden(hidden) {
+  register_module("up", up);
+  register_module("down", down);
+}
+
+Tensor SwiGluMlp::forward(const Tensor& x) const {
+  const Tensor h = up.forward(x);
+  const Tensor u = h.narrow(-1, 0, hidden), gate = h.narrow(-1, hidden, hidden);
+  return down.forward(mul(silu(gate), u));
+}
+
+}  // namespace lintape

@@ -1,0 +1,45 @@
+// The basic layers: Linear (x @ W^T), Embedding, RMSNorm and the SwiGLU MLP of MODEL.md.
+// Weights are created float32 on the CPU with MODEL.md's seeded initialisation; move them with to().
+#pragma once
+#include <cstdint>
+#include "../core/tensor.h"
+#include "module.h"
+
+namespace lintape {
+
+// N(0, std) float32 values of `shape`, from (seed, element index) only.
+Tensor normal_init(const Shape& shape, double std, uint64_t seed);
+
+class Linear : public Module {
+ public:
+  // weight (out_features, in_features), N(0, init_std). No bias (MODEL.md has none).
+  Linear(int64_t in_features, int64_t out_features, double init_std, uint64_t seed);
+  Tensor forward(const Tensor& x) const;  // (..., in) -> (..., out)
+  Tensor weight;
+};
+
+class Embedding : public Module {
+ public:
+  Embedding(int64_t vocab, int64_t width, double init_std, uint64_t seed);
+  Tensor forward(const Tensor& ids) const;  // (...) integer ids -> (..., width)
+  Tensor weight;
+};
+
+class RMSNorm : public Module {
+ public:
+  RMSNorm(int64_t width, double eps);
+  Tensor forward(const Tensor& x) const;  // over the last dim
+  Tensor weight;
+  double eps;
+};
+
+// out = (silu(gate) * u) @ down^T with [u, gate] = split(x @ up^T): up (2F, C), down (C, F).
+class SwiGluMlp : public Module {
+ public:
+  SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_std, uint64_t seed);
+  Tensor forward(const Tensor& x) const;
+  Linear up, down;
+  int64_t hidden;
+};
+
+}  // namespace lintape

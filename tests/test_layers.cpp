@@ -1,0 +1,231 @@
+// Layers: gradient checks of every layer on small f64 CPU shapes, the composed mixer paths against the
+// reference, MODEL.md's parameter names and shapes, the flat parameter and gradient buffers, state
+// save/load, and the config's input errors.
+#include <cmath>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+#include "autograd/gradcheck.h"
+#include "helpers.h"
+#include "layers/language_model.h"
+#include "ops/elementwise.h"
+#include "ops/reduce.h"
+
+using namespace lintape;
+using namespace lintape::test;
+
+namespace {
+
+// A config small enough for a full gradcheck: V 16, C 8, two layers (fal then tpa), H 2, D 4.
+ModelConfig micro_config() {
+  ModelConfig c;
+  c.vocab_size = 16;
+  c.width = 8;
+  c.layers = 2;
+  c.mixers = {"fal", "tpa"};
+  c.heads = 2;
+  c.head_dim = 4;
+  c.mlp_hidden = 12;
+  c.tpa_ranks = {2, 1, 1};
+  c.seq_len = 5;
+  return c;
+}
+
+// Gradchecks module.forward(x) with respect to x and every parameter, in f64.
+template <class M>
+void gradcheck_module(M& module, const Shape& x_shape, uint64_t seed) {
+  module.to(DType::F64);
+  std::vector<Tensor> inputs = {leaf(x_shape, seed)};
+  for (auto& [name, p] : module.named_parameters()) inputs.push_back(*p);
+  auto fn = [&module](const std::vector<Tensor>& in) { return module.forward(in[0]); };
+  CHECK_GRADCHECK(fn, inputs);
+}
+
+Tensor tokens_of(const std::vector<int64_t>& ids, int64_t B, int64_t N) { return from_vector_i64(ids, {B, N}); }
+
+}  // namespace
+
+TEST_CASE("gradcheck Linear") {
+  Linear layer(5, 3, 0.5, 1);
+  gradcheck_module(layer, {2, 2, 5}, 11);
+}
+
+TEST_CASE("gradcheck Embedding") {
+  Embedding layer(7, 4, 0.5, 2);
+  layer.to(DType::F64);
+  const Tensor ids = tokens_of({0, 3, 6, 3}, 2, 2);
+  auto fn = [&](const std::vector<Tensor>& in) { return mul(layer.forward(ids), in[0]); };
+  CHECK_GRADCHECK(fn, (std::vector<Tensor>{leaf({2, 2, 4}, 3), layer.weight}));
+}
+
+TEST_CASE("gradcheck RMSNorm") {
+  RMSNorm layer(6, 1e-6);
+  layer.to(DType::F64);
+  layer.weight.detach().copy_(randn({6}, DType::F64, Device::cpu(), 4));
+  gradcheck_module(layer, {2, 3, 6}, 12);
+}
+
+TEST_CASE("gradcheck SwiGluMlp") {
+  SwiGluMlp layer(4, 6, 0.5, 0.3, 5);
+  gradcheck_module(layer, {1, 3, 4}, 13);
+}
+
+TEST_CASE("gradcheck FalMixer reference and composed") {
+  for (Impl impl : {Impl::Reference, Impl::Composed}) {
+    CAPTURE(int(impl));
+    FalMixer layer(6, 2, 4, 1e-6, 0.4, 0.4, 6);
+    layer.impl = impl;
+    gradcheck_module(layer, {1, 4, 6}, 14);
+  }
+}
+
+TEST_CASE("gradcheck TpaMixer reference and composed") {
+  for (Impl impl : {Impl::Reference, Impl::Composed}) {
+    CAPTURE(int(impl));
+    TpaMixer layer(6, 2, 4, 2, 1, 2, 0.4, 0.4, 7);
+    layer.impl = impl;
+    gradcheck_module(layer, {1, 4, 6}, 15);
+  }
+}
+
+TEST_CASE("gradcheck Block fal and tpa") {
+  ModelConfig c = micro_config();
+  for (int64_t layer_index : {0, 1}) {
+    CAPTURE(layer_index);
+    Block block(c, layer_index, 8);
+    gradcheck_module(block, {1, 3, c.width}, 16);
+  }
+}
+
+TEST_CASE("gradcheck LanguageModel loss") {
+  const ModelConfig c = micro_config();
+  LanguageModel model(c, 9);
+  model.to(DType::F64);
+  const Tensor tokens = tokens_of({1, 5, 9, 15, 2, 0, 7, 7}, 2, 4);
+  const Tensor targets = tokens_of({5, 9, 15, -1, 0, 7, 7, 3}, 2, 4);
+  std::vector<Tensor> inputs;
+  for (auto& [name, p] : model.named_parameters()) inputs.push_back(*p);
+  auto fn = [&](const std::vector<Tensor>&) { return model.loss(tokens, targets); };
+  CHECK_GRADCHECK(fn, inputs);
+}
+
+TEST_CASE("LanguageModel composed mixers match the reference") {
+  LanguageModel model(micro_config(), 10);
+  model.to(DType::F64);
+  const Tensor tokens = tokens_of({1, 5, 9, 15, 2, 0, 7, 7, 3, 4}, 2, 5);
+  const Tensor ref = model.forward(tokens);
+  model.set_impl(Impl::Composed);
+  const Tensor composed = model.forward(tokens);
+  CHECK(rel_error(composed, ref) < 1e-10);
+}
+
+TEST_CASE("LanguageModel parameter names and shapes follow MODEL.md") {
+  ModelConfig c = ModelConfig::preset("tiny");
+  LanguageModel model(c, 0);
+  std::map<std::string, Shape> shapes;
+  for (auto& [name, p] : model.named_parameters()) shapes[name] = p->shape();
+  const int64_t C = 128, HD = 128, F = 384;
+  CHECK(shapes.at("wte") == Shape{256, C});
+  CHECK(shapes.at("norm.weight") == Shape{C});
+  CHECK(shapes.at("blocks.0.norm1.weight") == Shape{C});
+  CHECK(shapes.at("blocks.0.norm2.weight") == Shape{C});
+  CHECK(shapes.at("blocks.0.mlp.up.weight") == Shape{2 * F, C});
+  CHECK(shapes.at("blocks.0.mlp.down.weight") == Shape{C, F});
+  CHECK(shapes.at("blocks.0.fal.qkvg.weight") == Shape{4 * HD, C});
+  CHECK(shapes.at("blocks.0.fal.norm.weight") == Shape{64});
+  CHECK(shapes.at("blocks.0.fal.out.weight") == Shape{C, HD});
+  CHECK(shapes.at("blocks.3.tpa.a.weight") == Shape{2 * 8, C});
+  CHECK(shapes.at("blocks.3.tpa.b.weight") == Shape{8 * 64, C});
+  CHECK(shapes.at("blocks.3.tpa.out.weight") == Shape{C, HD});
+  CHECK(shapes.size() == 2 + 4 * 7);  // wte, norm, and 7 per block (3 fal, 1 tpa)
+  CHECK(shapes.count("blocks.3.fal.qkvg.weight") == 0);
+  // Buffers are named but never part of the parameters.
+  CHECK(model.named_buffers().size() == 3 * 2 + 1);
+  // Initialisation: norms 1, matrices N(0, 0.02), outputs N(0, 0.02 / sqrt(2 L)).
+  CHECK(model.norm.weight.to_vector<float>() == std::vector<float>(size_t(C), 1.0f));
+  auto stddev = [](const Tensor& t) {
+    double s = 0;
+    for (float v : t.to_vector<float>()) s += double(v) * v;
+    return std::sqrt(s / double(t.numel()));
+  };
+  CHECK(stddev(model.wte) == doctest::Approx(0.02).epsilon(0.05));
+  CHECK(stddev(model.blocks[0]->fal->out.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
+  CHECK(stddev(model.blocks[1]->mlp.down.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
+}
+
+TEST_CASE("flat parameters: views of one buffer, gradients accumulate into one buffer") {
+  LanguageModel model(micro_config(), 11);
+  model.flatten_parameters();
+  const Tensor& flat = model.flat_parameters();
+  const Tensor& grads = model.flat_gradients();
+  CHECK(flat.numel() == model.parameter_count());
+  CHECK(&model.wte.storage() == &flat.storage());
+  const Tensor tokens = tokens_of({1, 5, 9, 15, 2, 0, 7, 7}, 2, 4);
+  const Tensor targets = tokens_of({5, 9, 15, 3, 0, 7, 7, 3}, 2, 4);
+  backward(model.loss(tokens, targets));
+  CHECK(&model.wte.grad().storage() == &grads.storage());
+  const std::vector<float> once = grads.to_vector<float>();
+  double norm = 0;
+  for (float g : once) norm += double(g) * g;
+  CHECK(norm > 0);
+  // A second backward adds the same gradient again: accumulation happens in the flat buffer.
+  backward(model.loss(tokens, targets));
+  const std::vector<float> twice = grads.to_vector<float>();
+  for (size_t i = 0; i < once.size(); i += 97) CHECK(twice[i] == doctest::Approx(2 * once[i]));
+  model.zero_grad();
+  CHECK(sum(grads.detach().to(DType::F64) * grads.detach().to(DType::F64)).item() == 0.0);
+  backward(model.loss(tokens, targets));
+  const std::vector<float> again = grads.to_vector<float>();
+  for (size_t i = 0; i < once.size(); i += 97) CHECK(again[i] == once[i]);
+}
+
+TEST_CASE("state_dict round trip and load errors") {
+  LanguageModel a(micro_config(), 12), b(micro_config(), 13);
+  b.flatten_parameters();
+  b.load_state_dict(a.state_dict(), "a.safetensors");
+  const Tensor tokens = tokens_of({1, 2, 3, 4}, 1, 4);
+  CHECK(rel_error(b.forward(tokens), a.forward(tokens)) == 0.0);
+  std::map<std::string, Tensor> state = a.state_dict();
+  state.erase("norm.weight");
+  check_throws_containing([&] { b.load_state_dict(state, "x.safetensors"); },
+                          {"x.safetensors", "norm.weight"});
+  state = a.state_dict();
+  state["wte"] = zeros({3, 8});
+  check_throws_containing([&] { b.load_state_dict(state, "y.safetensors"); }, {"y.safetensors", "wte", "(3, 8)"});
+  state = a.state_dict();
+  state["extra"] = zeros({1});
+  check_throws_containing([&] { b.load_state_dict(state, "z.safetensors"); }, {"extra"});
+}
+
+TEST_CASE("bad input: model config") {
+  check_throws_containing([] { ModelConfig::preset("huge"); }, {"[config]", "huge", "tiny"});
+  ModelConfig c = micro_config();
+  c.mixers = {"fal", "mamba"};
+  check_throws_containing([&] { LanguageModel m(c); }, {"[config]", "mixers", "mamba"});
+  c = micro_config();
+  c.width = 0;
+  check_throws_containing([&] { c.validate(); }, {"[config]", "width", "0"});
+  c = micro_config();
+  c.heads = -2;
+  check_throws_containing([&] { c.validate(); }, {"heads", "-2"});
+  c = micro_config();
+  c.tpa_ranks = {1, 1};
+  check_throws_containing([&] { c.validate(); }, {"tpa_ranks"});
+}
+
+TEST_CASE("decoding token by token gives the full forward's logits") {
+  for (DType dtype : {DType::F64, DType::F32}) {
+    CAPTURE(dtype_name(dtype));
+    LanguageModel model(micro_config(), 14);
+    model.to(dtype);
+    const Tensor tokens = tokens_of({1, 5, 9, 15, 2, 0, 7, 7, 3, 4}, 2, 5);
+    const Tensor full = model.forward(tokens);
+    DecodeState state = model.start_decoding(2);
+    for (int64_t t = 0; t < 5; ++t) {
+      CAPTURE(t);
+      const Tensor step = model.decode_step(tokens.narrow(1, t, 1).contiguous(), state);
+      CHECK(rel_error(step, full.narrow(1, t, 1)) < (dtype == DType::F64 ? 1e-10 : 1e-5));
+    }
+  }
+}

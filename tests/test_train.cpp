@@ -1,0 +1,297 @@
+// Training: sha256, the schedule, one step against the same step by hand, loss falling on text, mqar
+// above chance, resume bit-identical (interrupted, and killed while writing a checkpoint), corrupt and
+// truncated checkpoints refused, and the input errors. All on small CPU configs, fast enough for CI.
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <csignal>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+#include "helpers.h"
+#include "ops/elementwise.h"
+#include "ops/reduce.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/data.h"
+#include "train/optimizer.h"
+#include "train/sha256.h"
+#include "train/trainer.h"
+
+using namespace lintape;
+using namespace lintape::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh empty directory under the system's temp dir, removed at scope exit.
+struct TempDir {
+  explicit TempDir(const std::string& tag)
+      : path(fs::temp_directory_path() / ("lintape_" + tag + "_" + std::to_string(::getpid()))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+  fs::path path;
+};
+
+TrainConfig micro_train_config(const std::string& data) {
+  TrainConfig c;
+  c.model.width = 32;
+  c.model.layers = 2;
+  c.model.mixers = {"fal", "tpa"};
+  c.model.heads = 2;
+  c.model.head_dim = 16;
+  c.model.mlp_hidden = 64;
+  c.model.tpa_ranks = {2, 1, 1};
+  c.model.seq_len = 32;
+  c.data = data;
+  c.batch = 4;
+  c.steps = 12;
+  c.warmup = 2;
+  c.lr = 3e-3;
+  c.log_every = 1000;
+  c.val_every = 1000;
+  c.val_batches = 1;
+  return c;
+}
+
+std::string write_text_corpus(const TempDir& dir) {
+  const std::string path = dir.file("corpus.txt");
+  std::ofstream out(path);
+  const char* lines[] = {"the quick brown fox jumps over the lazy dog. ", "a stitch in time saves nine. ",
+                         "all that glitters is not gold. ", "where there is smoke there is fire. "};
+  for (int i = 0; i < 300; ++i) out << lines[(i * 7 + i / 3) % 4];
+  return path;
+}
+
+void write_bin(const std::string& path, int32_t magic, int32_t count, int32_t written) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = magic;
+  header[1] = 1;
+  header[2] = count;
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header.data()), 256 * 4);
+  for (int32_t i = 0; i < written; ++i) {
+    const uint16_t t = uint16_t(i % 50);
+    out.write(reinterpret_cast<const char*>(&t), 2);
+  }
+}
+
+double mean_of(const std::vector<double>& v, size_t from, size_t to) {
+  double s = 0;
+  for (size_t i = from; i < to; ++i) s += v[i];
+  return s / double(to - from);
+}
+
+}  // namespace
+
+TEST_CASE("sha256 test vectors") {
+  CHECK(sha256_hex("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(sha256_hex("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq") ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  CHECK(sha256_hex(std::string(1000000, 'a')) == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST_CASE("learning rate: linear warm-up then cosine to 10% of the peak") {
+  CHECK(learning_rate(0, 100, 10, 1.0) == doctest::Approx(0.1));
+  CHECK(learning_rate(9, 100, 10, 1.0) == doctest::Approx(1.0));
+  CHECK(learning_rate(10, 100, 10, 1.0) == doctest::Approx(1.0));
+  CHECK(learning_rate(55, 100, 10, 1.0) == doctest::Approx(0.55));
+  CHECK(learning_rate(100, 100, 10, 1.0) == doctest::Approx(0.1));
+}
+
+TEST_CASE("one training step equals the same step by hand with primitive ops") {
+  const TrainConfig c = micro_train_config("mqar");
+  MqarData data(c.batch, c.model.seq_len, 3);
+  const Batch b = data.next_train();
+  const double lr = 2e-3, clip = 0.5, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+
+  LanguageModel model(c.model, 5);
+  model.flatten_parameters();
+  AdamW optimizer(model, {b1, b2, eps, wd});
+  model.zero_grad();
+  backward(model.loss(b.tokens, b.targets));
+  const double norm = clip_grad_norm(model, clip);
+  optimizer.step(lr);
+
+  LanguageModel by_hand(c.model, 5);
+  backward(by_hand.loss(b.tokens, b.targets));
+  double sum_sq = 0;
+  for (auto& [name, p] : by_hand.named_parameters()) sum_sq += sum(mul(p->grad(), p->grad())).item();
+  CHECK(std::sqrt(sum_sq) == doctest::Approx(norm).epsilon(1e-6));
+  const double scale = std::min(1.0, clip / (std::sqrt(sum_sq) + 1e-6));
+  auto flat_params = model.named_parameters();
+  size_t i = 0;
+  for (auto& [name, p] : by_hand.named_parameters()) {
+    CAPTURE(name);
+    const Tensor g = mul(p->grad(), scale);
+    const Tensor m_hat = mul(g, (1 - b1) / (1 - b1));
+    const Tensor v_hat = mul(mul(g, g), (1 - b2) / (1 - b2));
+    const Tensor decayed = p->dim() >= 2 ? mul(p->detach(), 1 - lr * wd) : p->detach();
+    const Tensor expected = sub(decayed, mul(div(m_hat, add(sqrt(v_hat), eps)), lr));
+    CHECK(flat_params[i].first == name);
+    CHECK(rel_error(*flat_params[i].second, expected) < 1e-5);
+    ++i;
+  }
+}
+
+TEST_CASE("training on text lowers the loss in 60 steps") {
+  TempDir dir("text");
+  TrainConfig c = micro_train_config(write_text_corpus(dir));
+  c.steps = 60;
+  c.warmup = 5;
+  c.lr = 1e-2;
+  Trainer trainer(c, {});
+  const TrainResult r = trainer.run();
+  REQUIRE(r.losses.size() == 60);
+  INFO("first " << r.losses.front() << " last " << r.losses.back());
+  CHECK(mean_of(r.losses, 50, 60) < 0.6 * mean_of(r.losses, 0, 5));
+}
+
+TEST_CASE("mqar: accuracy well above chance") {
+  TrainConfig c = micro_train_config("mqar");
+  c.model.seq_len = 16;
+  c.steps = 600;
+  c.batch = 16;
+  c.lr = 5e-3;
+  c.warmup = 10;
+  c.val_batches = 2;
+  c.val_every = 100;
+  const TrainResult r = Trainer(c, {}).run();
+  INFO("accuracy " << r.accuracy << ", loss " << r.losses.front() << " -> " << r.losses.back());
+  CHECK(r.accuracy > 0.1);  // chance is 1/128; this run reaches about 0.18
+}
+
+TEST_CASE("resume is bit-identical to an uninterrupted run") {
+  TempDir dir("resume");
+  TrainConfig c = micro_train_config(write_text_corpus(dir));
+  c.steps = 8;
+  c.checkpoint_every = 2;
+  const TrainResult whole = Trainer(c, {Device::cpu(), "", dir.file("whole")}).run();
+  const TrainResult first = Trainer(c, {Device::cpu(), "", dir.file("split"), false, nullptr, 3}).run();
+  CHECK(first.last_step == 3);
+  const TrainResult second = Trainer(c, {Device::cpu(), "", dir.file("split"), true}).run();
+  REQUIRE(second.losses.size() == 5);
+  for (size_t i = 0; i < 3; ++i) CHECK(first.losses[i] == whole.losses[i]);
+  for (size_t i = 0; i < 5; ++i) CHECK(second.losses[i] == whole.losses[3 + i]);
+}
+
+TEST_CASE("a run killed while writing checkpoints resumes from the last complete one") {
+  TempDir dir("killed");
+  TrainConfig c = micro_train_config(write_text_corpus(dir));
+  c.steps = 60;
+  c.checkpoint_every = 1;
+  c.keep_checkpoints = 2;
+  // Losses of an uninterrupted run, to compare with after resuming.
+  const TrainResult whole = Trainer(c, {}).run();
+
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    Trainer(c, {Device::cpu(), "", dir.file("ckpt")}).run();
+    ::_exit(0);
+  }
+  // Kill it once a few checkpoints exist: almost all its time goes to writing checkpoints.
+  for (int i = 0; i < 400 && !fs::exists(dir.file("ckpt/step_00000004")); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(7));
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  const Checkpoint last = load_checkpoint(dir.file("ckpt"));
+  const int64_t resumed_at = last.state.step;
+  REQUIRE(resumed_at >= 1);
+  REQUIRE(resumed_at < 55);
+  const TrainResult rest = Trainer(c, {Device::cpu(), "", dir.file("ckpt"), true}).run();
+  REQUIRE(rest.losses.size() == size_t(60 - resumed_at));
+  for (size_t i = 0; i < rest.losses.size(); ++i) CHECK(rest.losses[i] == whole.losses[size_t(resumed_at) + i]);
+}
+
+TEST_CASE("corrupt and truncated checkpoints are refused naming the file") {
+  TempDir dir("corrupt");
+  TrainConfig c = micro_train_config("mqar");
+  c.steps = 2;
+  Trainer(c, {Device::cpu(), dir.file("log.jsonl"), dir.file("ckpt")}).run();
+  CHECK(fs::exists(dir.file("log.summary.json")));
+  CHECK(fs::exists(dir.file("log.svg")));
+  const std::string step_dir = dir.file("ckpt/step_00000002");
+  const std::string model_file = step_dir + "/model.safetensors";
+  {
+    std::fstream f(model_file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  check_throws_containing([&] { load_checkpoint(dir.file("ckpt")); }, {"model.safetensors", "corrupt"});
+  fs::resize_file(model_file, 100);
+  check_throws_containing([&] { load_checkpoint(dir.file("ckpt")); }, {"model.safetensors", "truncated"});
+  fs::resize_file(step_dir + "/state.json", 40);
+  check_throws_containing([&] { load_checkpoint(dir.file("ckpt")); }, {"state.json", "truncated"});
+  check_throws_containing([&] { load_checkpoint(dir.file("nothing")); }, {"no checkpoint", "nothing"});
+}
+
+TEST_CASE("bad input: data files") {
+  TempDir dir("baddata");
+  check_throws_containing([&] { load_tokens(dir.file("missing.txt")); }, {"cannot read", "missing.txt"});
+  write_bin(dir.file("magic.bin"), 12345, 10, 10);
+  check_throws_containing([&] { load_tokens(dir.file("magic.bin")); }, {"magic.bin", "magic", "20240520"});
+  write_bin(dir.file("short.bin"), 20240520, 100, 10);
+  check_throws_containing([&] { load_tokens(dir.file("short.bin")); }, {"short.bin", "truncated"});
+  write_bin(dir.file("good.bin"), 20240520, 100, 100);
+  CHECK(load_tokens(dir.file("good.bin")).size() == 100);
+  check_throws_containing([&] { open_data(dir.file("good.bin"), "", 2, 500, 0); }, {"--seq 500", "longer"});
+}
+
+TEST_CASE("bad input: train config") {
+  check_throws_containing([] { TrainConfig::preset("medium"); }, {"unknown preset", "medium"});
+  check_throws_containing([] { train_config_from_json(R"({"model": {"mixers": ["fal", "rnn"]}})", "cfg.json"); },
+                          {"mixer", "rnn"});
+  check_throws_containing([] { train_config_from_json(R"({"steps": 0})", "cfg.json"); }, {"steps", "0"});
+  check_throws_containing([] { train_config_from_json(R"({"batch": -4})", "cfg.json"); }, {"batch", "-4"});
+  check_throws_containing([] { train_config_from_json(R"({"stepz": 3})", "cfg.json"); }, {"cfg.json", "stepz"});
+  check_throws_containing([] { train_config_from_json("{", "cfg.json"); }, {"cfg.json", "JSON"});
+  check_throws_containing([] { load_train_config("/nonexistent/cfg.json"); }, {"/nonexistent/cfg.json"});
+  const TrainConfig tiny = TrainConfig::preset("tiny");
+  const TrainConfig back = train_config_from_json(to_json(tiny), "round trip");
+  CHECK(to_json(back) == to_json(tiny));
+}
+
+TEST_CASE("a NaN loss stops the run before the update and keeps the last good checkpoint") {
+  TempDir dir("nan");
+  TrainConfig c = micro_train_config("mqar");
+  c.steps = 4;
+  Trainer(c, {Device::cpu(), "", dir.file("ckpt")}).run();
+  c.steps = 8;
+  Trainer poisoned(c, {Device::cpu(), "", dir.file("ckpt"), true});
+  poisoned.model().norm.weight.detach().fill_(std::nan(""));
+  const TrainResult r = poisoned.run();
+  CHECK(r.stopped_nonfinite);
+  CHECK(r.message.find("step 5") != std::string::npos);
+  CHECK(r.losses.empty());
+  CHECK(load_checkpoint(dir.file("ckpt")).state.step == 4);
+}
+
+TEST_CASE("SIGINT writes a checkpoint and returns cleanly") {
+  TempDir dir("sigint");
+  TrainConfig c = micro_train_config("mqar");
+  c.steps = 100000;
+  Trainer trainer(c, {Device::cpu(), "", dir.file("ckpt")});
+  std::thread interrupter([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ::kill(::getpid(), SIGINT);
+  });
+  const TrainResult r = trainer.run();
+  interrupter.join();
+  CHECK(r.interrupted);
+  CHECK(r.last_step < c.steps);
+  CHECK(load_checkpoint(dir.file("ckpt")).state.step == r.last_step);
+}

@@ -1,0 +1,128 @@
+#include "train/checkpoint.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <vector>
+
+#include "core/config.h"
+#include "core/safetensors.h"
+#include "train/sha256.h"
+
+namespace lintape {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string step_name(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "step_%08lld", static_cast<long long>(step));
+  return name;
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  LT_CHECK(out.good(), "[checkpoint] cannot write '", path.string(), "'");
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  LT_CHECK(in.good(), "[checkpoint] cannot read '", path.string(), "'");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+const char* const kTensorFiles[] = {"model.safetensors", "optim.safetensors"};
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& dir, Module& model, const AdamW& optimizer,
+                            const TrainConfig& config, const TrainState& state, int64_t keep) {
+  const fs::path root(dir);
+  fs::create_directories(root);
+  const std::string name = step_name(state.step);
+  const fs::path tmp = root / (".tmp_" + name), final_dir = root / name;
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  save_safetensors((tmp / kTensorFiles[0]).string(), model.state_dict());
+  save_safetensors((tmp / kTensorFiles[1]).string(), optimizer.state_dict());
+  json files;
+  for (const char* f : kTensorFiles) files[f] = sha256_file((tmp / f).string());
+  const json train{{"step", state.step},
+                   {"data_position", state.data_position},
+                   {"seed", config.seed},
+                   {"lr_schedule",
+                    {{"peak", config.lr},
+                     {"warmup", config.warmup},
+                     {"total_steps", config.steps},
+                     {"min_lr_ratio", config.min_lr_ratio}}},
+                   {"rng", {{"kind", "data batches depend only on (seed, position)"}}}};
+  const json doc{{"config", json::parse(to_json(config))},
+                 {"train", train},
+                 {"files", files},
+                 {"lintape", LINTAPE_VERSION_STRING}};
+  write_text(tmp / "state.json", doc.dump(2));
+  fs::remove_all(final_dir);
+  fs::rename(tmp, final_dir);
+  write_text(root / "latest.tmp", name + "\n");
+  fs::rename(root / "latest.tmp", root / "latest");
+
+  std::vector<std::string> steps;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const std::string n = entry.path().filename().string();
+    if (entry.is_directory() && n.rfind("step_", 0) == 0) steps.push_back(n);
+  }
+  std::sort(steps.begin(), steps.end());
+  for (size_t i = 0; i + size_t(std::max<int64_t>(keep, 1)) < steps.size(); ++i) fs::remove_all(root / steps[i]);
+  return final_dir.string();
+}
+
+Checkpoint load_checkpoint(const std::string& dir) {
+  fs::path step_dir(dir);
+  if (fs::exists(step_dir / "latest")) {
+    std::string name = read_text(step_dir / "latest");
+    name.erase(std::remove_if(name.begin(), name.end(), [](char c) { return c == '\n' || c == '\r'; }), name.end());
+    LT_CHECK(name.rfind("step_", 0) == 0, "[checkpoint] '", (step_dir / "latest").string(),
+             "' does not name a step directory; got '", name, "'");
+    step_dir /= name;
+  }
+  const fs::path state_path = step_dir / "state.json";
+  LT_CHECK(fs::exists(state_path), "[checkpoint] no checkpoint at '", dir, "': '", state_path.string(),
+           "' does not exist");
+  json doc;
+  try {
+    doc = json::parse(read_text(state_path));
+  } catch (const json::exception& e) {
+    fail(str("[checkpoint] '", state_path.string(), "' is corrupt or truncated: ", e.what()));
+  }
+  Checkpoint c;
+  c.path = step_dir.string();
+  try {
+    for (const char* f : kTensorFiles) {
+      const std::string path = (step_dir / f).string();
+      LT_CHECK(fs::exists(path), "[checkpoint] '", path, "' is missing");
+      const std::string expected = doc.at("files").at(f).get<std::string>();
+      const std::string got = sha256_file(path);
+      LT_CHECK(got == expected, "[checkpoint] '", path, "' is corrupt or truncated: sha256 ", got,
+               "; state.json records ", expected);
+    }
+    c.config = train_config_from_json(doc.at("config").dump(), state_path.string());
+    c.state.step = doc.at("train").at("step").get<int64_t>();
+    c.state.data_position = doc.at("train").at("data_position").get<int64_t>();
+  } catch (const json::exception& e) {
+    fail(str("[checkpoint] '", state_path.string(), "' lacks a field: ", e.what()));
+  }
+  c.model = load_safetensors((step_dir / kTensorFiles[0]).string());
+  c.optim = load_safetensors((step_dir / kTensorFiles[1]).string());
+  return c;
+}
+
+}  // namespace lintape

@@ -1,0 +1,36 @@
+// Checkpoints of MODEL.md: DIR/step_<8 digits>/{model.safetensors, optim.safetensors, state.json} and
+// DIR/latest. A step directory is written under a temporary name and renamed when complete, and `latest`
+// is replaced by rename, so a run killed while writing leaves the previous checkpoint as the newest
+// complete one. Loading checks every file's sha256 and every shape and names the file that differs.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include "../core/tensor.h"
+#include "../layers/module.h"
+#include "config.h"
+#include "optimizer.h"
+
+namespace lintape {
+
+struct TrainState {
+  int64_t step = 0;           // optimizer steps done
+  int64_t data_position = 0;  // where the training data resumes
+};
+
+// Writes the checkpoint of `step`, points `latest` at it and removes all but the newest `keep` step
+// directories. Returns the step directory's path.
+std::string save_checkpoint(const std::string& dir, Module& model, const AdamW& optimizer,
+                            const TrainConfig& config, const TrainState& state, int64_t keep);
+
+struct Checkpoint {
+  std::string path;  // the step directory
+  TrainConfig config;
+  TrainState state;
+  std::map<std::string, Tensor> model, optim;
+};
+
+// The checkpoint named by DIR/latest (or DIR itself when it is a step directory), verified.
+Checkpoint load_checkpoint(const std::string& dir);
+
+}  // namespace lintape

@@ -1,0 +1,155 @@
+#include "train/config.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace lintape {
+
+using nlohmann::json;
+
+namespace {
+
+json model_json(const ModelConfig& c) {
+  return json{{"vocab_size", c.vocab_size}, {"width", c.width},           {"layers", c.layers},
+              {"mixers", c.mixers},         {"heads", c.heads},           {"head_dim", c.head_dim},
+              {"mlp_hidden", c.mlp_hidden}, {"tpa_ranks", c.tpa_ranks},   {"seq_len", c.seq_len},
+              {"norm_eps", c.norm_eps}};
+}
+
+template <class T>
+void read_key(const json& j, const char* key, T& value, const std::string& source) {
+  if (!j.contains(key)) return;
+  try {
+    value = j.at(key).get<T>();
+  } catch (const json::exception& e) {
+    fail(str("[config] ", source, ": key '", key, "' has the wrong type: ", e.what()));
+  }
+}
+
+ModelConfig model_from(const json& j, const std::string& source, ModelConfig c) {
+  LT_CHECK(j.is_object(), "[config] ", source, ": the model config must be a JSON object");
+  for (auto it = j.begin(); it != j.end(); ++it)
+    LT_CHECK(model_json(c).contains(it.key()), "[config] ", source, ": unknown model key '", it.key(), "'");
+  read_key(j, "vocab_size", c.vocab_size, source);
+  read_key(j, "width", c.width, source);
+  read_key(j, "layers", c.layers, source);
+  read_key(j, "mixers", c.mixers, source);
+  read_key(j, "heads", c.heads, source);
+  read_key(j, "head_dim", c.head_dim, source);
+  read_key(j, "mlp_hidden", c.mlp_hidden, source);
+  read_key(j, "tpa_ranks", c.tpa_ranks, source);
+  read_key(j, "seq_len", c.seq_len, source);
+  read_key(j, "norm_eps", c.norm_eps, source);
+  return c;
+}
+
+json parse(const std::string& text, const std::string& source) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    fail(str("[config] ", source, " is not valid JSON: ", e.what()));
+  }
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::preset(const std::string& name) {
+  TrainConfig c;
+  c.model = ModelConfig::preset(name);  // throws for an unknown name
+  if (name == "small") {
+    c.steps = 1000;
+    c.batch = 8;
+    c.lr = 1e-3;
+    c.warmup = 50;
+    c.val_every = 200;
+  }
+  return c;
+}
+
+void TrainConfig::validate() const {
+  model.validate();
+  auto positive = [](const char* key, int64_t v) {
+    LT_CHECK(v > 0, "[config] ", key, " must be positive; got ", v);
+  };
+  positive("steps", steps);
+  positive("batch", batch);
+  positive("grad_accum", grad_accum);
+  positive("log_every", log_every);
+  positive("val_every", val_every);
+  positive("keep_checkpoints", keep_checkpoints);
+  LT_CHECK(val_batches >= 0, "[config] val_batches must not be negative; got ", val_batches);
+  LT_CHECK(checkpoint_every >= 0, "[config] checkpoint_every must not be negative; got ", checkpoint_every);
+  LT_CHECK(warmup >= 0, "[config] warmup must not be negative; got ", warmup);
+  LT_CHECK(lr > 0, "[config] lr must be positive; got ", lr);
+  LT_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "[config] min_lr_ratio must be in [0, 1]; got ", min_lr_ratio);
+  LT_CHECK(grad_clip > 0, "[config] grad_clip must be positive; got ", grad_clip);
+  LT_CHECK(!data.empty(), "[config] data must be mqar or a file; got an empty string");
+}
+
+std::string to_json(const ModelConfig& config) { return model_json(config).dump(2); }
+
+std::string to_json(const TrainConfig& c) {
+  const json j{{"model", model_json(c.model)},
+               {"data", c.data},
+               {"val_data", c.val_data},
+               {"steps", c.steps},
+               {"batch", c.batch},
+               {"grad_accum", c.grad_accum},
+               {"lr", c.lr},
+               {"warmup", c.warmup},
+               {"min_lr_ratio", c.min_lr_ratio},
+               {"weight_decay", c.weight_decay},
+               {"grad_clip", c.grad_clip},
+               {"seed", c.seed},
+               {"log_every", c.log_every},
+               {"val_every", c.val_every},
+               {"val_batches", c.val_batches},
+               {"checkpoint_every", c.checkpoint_every},
+               {"keep_checkpoints", c.keep_checkpoints}};
+  return j.dump(2);
+}
+
+ModelConfig model_config_from_json(const std::string& text, const std::string& source) {
+  ModelConfig c = model_from(parse(text, source), source, ModelConfig());
+  c.validate();
+  return c;
+}
+
+TrainConfig train_config_from_json(const std::string& text, const std::string& source, const TrainConfig& base) {
+  const json j = parse(text, source);
+  LT_CHECK(j.is_object(), "[config] ", source, ": expected a JSON object");
+  const json known = json::parse(to_json(base));
+  for (auto it = j.begin(); it != j.end(); ++it)
+    LT_CHECK(known.contains(it.key()), "[config] ", source, ": unknown key '", it.key(), "'");
+  TrainConfig c = base;
+  if (j.contains("model")) c.model = model_from(j.at("model"), source, base.model);
+  read_key(j, "data", c.data, source);
+  read_key(j, "val_data", c.val_data, source);
+  read_key(j, "steps", c.steps, source);
+  read_key(j, "batch", c.batch, source);
+  read_key(j, "grad_accum", c.grad_accum, source);
+  read_key(j, "lr", c.lr, source);
+  read_key(j, "warmup", c.warmup, source);
+  read_key(j, "min_lr_ratio", c.min_lr_ratio, source);
+  read_key(j, "weight_decay", c.weight_decay, source);
+  read_key(j, "grad_clip", c.grad_clip, source);
+  read_key(j, "seed", c.seed, source);
+  read_key(j, "log_every", c.log_every, source);
+  read_key(j, "val_every", c.val_every, source);
+  read_key(j, "val_batches", c.val_batches, source);
+  read_key(j, "checkpoint_every", c.checkpoint_every, source);
+  read_key(j, "keep_checkpoints", c.keep_checkpoints, source);
+  c.validate();
+  return c;
+}
+
+TrainConfig load_train_config(const std::string& path) {
+  std::ifstream in(path);
+  LT_CHECK(in.good(), "[config] cannot read the config file '", path, "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  return train_config_from_json(text.str(), path);
+}
+
+}  // namespace lintape

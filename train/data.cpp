@@ -1,0 +1,162 @@
+#include "train/data.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "core/error.h"
+
+namespace lintape {
+
+namespace {
+constexpr int32_t kLlmcMagic = 20240520;
+constexpr int64_t kLlmcHeaderInts = 256;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LT_CHECK(in.good(), "[data] cannot read the data file '", path, "'");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+}  // namespace
+
+bool is_llmc_bin(const std::string& path) { return path.size() > 4 && path.substr(path.size() - 4) == ".bin"; }
+
+std::vector<int32_t> load_tokens(const std::string& path) {
+  if (std::filesystem::is_directory(path)) {
+    // A corpus directory (the fortunes package): its plain files in name order, skipping strfile's
+    // .dat indexes and the links it installs.
+    std::vector<std::string> files;
+    for (const auto& entry : std::filesystem::directory_iterator(path)) {
+      const std::string name = entry.path().string();
+      if (entry.is_regular_file() && !entry.is_symlink() && entry.path().extension() != ".dat" &&
+          entry.path().extension() != ".u8")
+        files.push_back(name);
+    }
+    std::sort(files.begin(), files.end());
+    LT_CHECK(!files.empty(), "[data] the data directory '", path, "' holds no text files");
+    std::vector<int32_t> tokens;
+    for (const std::string& f : files) {
+      const std::vector<int32_t> part = load_tokens(f);
+      tokens.insert(tokens.end(), part.begin(), part.end());
+    }
+    return tokens;
+  }
+  const std::string bytes = read_file(path);
+  std::vector<int32_t> tokens;
+  if (!is_llmc_bin(path)) {
+    tokens.reserve(bytes.size());
+    for (char c : bytes) tokens.push_back(int32_t(static_cast<unsigned char>(c)));
+    return tokens;
+  }
+  const size_t header_bytes = kLlmcHeaderInts * sizeof(int32_t);
+  LT_CHECK(bytes.size() >= header_bytes, "[data] '", path, "' is truncated: ", bytes.size(),
+           " bytes, shorter than the llm.c header of ", header_bytes);
+  int32_t header[3];
+  std::memcpy(header, bytes.data(), sizeof(header));
+  LT_CHECK(header[0] == kLlmcMagic, "[data] '", path, "' is not an llm.c token file: magic ", header[0],
+           "; expected ", kLlmcMagic);
+  LT_CHECK(header[1] == 1, "[data] '", path, "': llm.c version ", header[1], "; expected 1");
+  const size_t count = size_t(uint32_t(header[2]));
+  LT_CHECK(bytes.size() >= header_bytes + 2 * count, "[data] '", path, "' is truncated: the header promises ",
+           count, " tokens, the file holds ", (bytes.size() - header_bytes) / 2);
+  tokens.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    uint16_t t;
+    std::memcpy(&t, bytes.data() + header_bytes + 2 * i, 2);
+    tokens[i] = int32_t(t);
+  }
+  return tokens;
+}
+
+TokenData::TokenData(std::vector<int32_t> train, std::vector<int32_t> val, int64_t batch, int64_t seq_len,
+                     int64_t max_val_batches, const std::string& source)
+    : train_(std::move(train)), val_(std::move(val)), batch_(batch), seq_len_(seq_len) {
+  LT_CHECK(batch > 0 && seq_len > 0, "[data] batch and seq must be positive; got batch ", batch, ", seq ", seq_len);
+  LT_CHECK(int64_t(train_.size()) >= seq_len + 1, "[data] --seq ", seq_len, " is longer than the data: '", source,
+           "' has ", train_.size(), " training tokens, and a sequence needs seq + 1");
+  for (int32_t t : train_) vocab_ = std::max<int64_t>(vocab_, int64_t(t) + 1);
+  const int64_t windows = int64_t(val_.size()) / (seq_len + 1);
+  val_batches_ = std::min(max_val_batches, windows / batch);
+  if (val_batches_ == 0 && windows > 0) val_batches_ = 1;
+}
+
+Batch TokenData::window_batch(const std::vector<int32_t>& tokens, int64_t& cursor) const {
+  const int64_t N = seq_len_, total = int64_t(tokens.size());
+  std::vector<int64_t> in(size_t(batch_ * N)), out(size_t(batch_ * N));
+  for (int64_t b = 0; b < batch_; ++b) {
+    if (cursor + N + 1 > total) cursor = 0;
+    for (int64_t j = 0; j < N; ++j) {
+      in[size_t(b * N + j)] = tokens[size_t(cursor + j)];
+      out[size_t(b * N + j)] = tokens[size_t(cursor + j + 1)];
+    }
+    cursor += N;
+  }
+  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
+}
+
+Batch TokenData::next_train() { return window_batch(train_, position_); }
+
+Batch TokenData::validation(int64_t index) const {
+  LT_CHECK(index >= 0 && index < val_batches_, "[data] validation batch ", index, " out of range [0, ", val_batches_,
+           ")");
+  int64_t cursor = index * batch_ * seq_len_;
+  return window_batch(val_, cursor);
+}
+
+void TokenData::seek(int64_t position) {
+  LT_CHECK(position >= 0 && position < int64_t(train_.size()), "[data] position ", position,
+           " is outside the training tokens (", train_.size(), ")");
+  position_ = position;
+}
+
+MqarData::MqarData(int64_t batch, int64_t seq_len, uint64_t seed, int64_t val_batches)
+    : batch_(batch), seq_len_(seq_len), val_batches_(val_batches), seed_(seed) {
+  LT_CHECK(batch > 0, "[mqar] batch must be positive; got ", batch);
+  LT_CHECK(seq_len >= 8, "[mqar] seq must be at least 8; got ", seq_len);
+}
+
+Batch MqarData::make(int64_t index, bool validation) const {
+  // Validation batches come from a stream of their own, never trained on.
+  std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + uint64_t(index) * 2 + (validation ? 1 : 0));
+  const int64_t N = seq_len_, pairs = std::min<int64_t>(N / 4, 64);
+  std::vector<int64_t> in(size_t(batch_ * N)), out(size_t(batch_ * N), -1);
+  std::vector<int64_t> keys(128);
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t k = 0; k < 128; ++k) keys[size_t(k)] = k;
+    std::shuffle(keys.begin(), keys.end(), rng);
+    std::vector<int64_t> values(static_cast<size_t>(pairs));
+    int64_t* row = &in[size_t(b * N)];
+    int64_t* target = &out[size_t(b * N)];
+    for (int64_t p = 0; p < pairs; ++p) {
+      values[size_t(p)] = 128 + int64_t(rng() % 128);
+      row[2 * p] = keys[size_t(p)];
+      row[2 * p + 1] = values[size_t(p)];
+    }
+    for (int64_t j = 2 * pairs; j + 1 < N; j += 2) {
+      const int64_t p = int64_t(rng() % uint64_t(pairs));
+      row[j] = keys[size_t(p)];
+      row[j + 1] = values[size_t(p)];
+      target[j] = values[size_t(p)];
+    }
+    if (N % 2 == 1) row[N - 1] = 0;
+  }
+  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
+}
+
+std::unique_ptr<DataSource> open_data(const std::string& data, const std::string& val_path, int64_t batch,
+                                      int64_t seq_len, uint64_t seed, int64_t val_batches, double val_fraction) {
+  if (data == "mqar") return std::make_unique<MqarData>(batch, seq_len, seed, val_batches);
+  std::vector<int32_t> train = load_tokens(data), val;
+  if (!val_path.empty()) {
+    val = load_tokens(val_path);
+  } else {
+    const size_t held_out = size_t(double(train.size()) * val_fraction);
+    val.assign(train.end() - std::ptrdiff_t(held_out), train.end());
+    train.resize(train.size() - held_out);
+  }
+  return std::make_unique<TokenData>(std::move(train), std::move(val), batch, seq_len, val_batches, data);
+}
+
+}  // namespace lintape

@@ -1,0 +1,106 @@
+#include "train/optimizer.h"
+
+#include <cmath>
+#include <vector>
+
+namespace lintape {
+
+namespace {
+float* cpu_f32(const Tensor& t, const char* what) {
+  LT_CHECK(!t.is_cuda() && t.dtype() == DType::F32, "[AdamW] ", what,
+           " must be float32 on the CPU (the CUDA optimizer is not built yet); got ", dtype_name(t.dtype()), " on ",
+           t.device().name());
+  return t.data_ptr<float>();
+}
+}  // namespace
+
+AdamW::AdamW(Module& module, const AdamWOptions& options) : module_(module), options_(options) {
+  LT_CHECK(module.flattened(), "[AdamW] the module's parameters must be flattened first (flatten_parameters)");
+  const Tensor& flat = module.flat_parameters();
+  m_ = zeros(flat.shape(), flat.dtype(), flat.device());
+  v_ = zeros(flat.shape(), flat.dtype(), flat.device());
+  std::vector<double> mask(size_t(flat.numel()), 0.0);
+  const auto ranges = module.flat_ranges();
+  const NamedTensors params = module.named_parameters();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].second->dim() >= 2)
+      for (int64_t j = 0; j < ranges[i].second; ++j) mask[size_t(ranges[i].first + j)] = 1.0;
+  decay_mask_ = from_vector(mask, flat.shape(), flat.dtype(), flat.device());
+}
+
+void AdamW::step(double lr) {
+  ++steps_;
+  float* p = cpu_f32(module_.flat_parameters(), "parameters");
+  const float* g = cpu_f32(module_.flat_gradients(), "gradients");
+  float* m = cpu_f32(m_, "first moment");
+  float* v = cpu_f32(v_, "second moment");
+  const float* decay = cpu_f32(decay_mask_, "decay mask");
+  const float b1 = float(options_.beta1), b2 = float(options_.beta2), eps = float(options_.eps);
+  const float bias1 = float(1.0 - std::pow(options_.beta1, double(steps_)));
+  const float bias2 = float(1.0 - std::pow(options_.beta2, double(steps_)));
+  const float step_lr = float(lr), shrink = float(lr * options_.weight_decay);
+  const int64_t n = m_.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] -= shrink * decay[i] * p[i];
+    m[i] = b1 * m[i] + (1 - b1) * g[i];
+    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+    p[i] -= step_lr * (m[i] / bias1) / (std::sqrt(v[i] / bias2) + eps);
+  }
+}
+
+std::map<std::string, Tensor> AdamW::state_dict() const {
+  std::map<std::string, Tensor> out;
+  const auto ranges = module_.flat_ranges();
+  const NamedTensors params = module_.named_parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Shape& shape = params[i].second->shape();
+    out["m." + params[i].first] = m_.narrow(0, ranges[i].first, ranges[i].second).view(shape).to(Device::cpu()).clone();
+    out["v." + params[i].first] = v_.narrow(0, ranges[i].first, ranges[i].second).view(shape).to(Device::cpu()).clone();
+  }
+  return out;
+}
+
+void AdamW::load_state_dict(const std::map<std::string, Tensor>& state, int64_t steps_taken,
+                            const std::string& source) {
+  const auto ranges = module_.flat_ranges();
+  const NamedTensors params = module_.named_parameters();
+  LT_CHECK(state.size() == 2 * params.size(), "[AdamW] ", source, " holds ", state.size(), " tensors; expected ",
+           2 * params.size(), " (m. and v. for each parameter)");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Shape& shape = params[i].second->shape();
+    for (const char* prefix : {"m.", "v."}) {
+      const std::string name = prefix + params[i].first;
+      auto it = state.find(name);
+      LT_CHECK(it != state.end(), "[AdamW] ", source, " has no '", name, "'");
+      LT_CHECK(it->second.shape() == shape, "[AdamW] ", source, ": '", name, "' has shape ",
+               shape_str(it->second.shape()), "; expected ", shape_str(shape));
+      Tensor& flat = prefix[0] == 'm' ? m_ : v_;
+      flat.narrow(0, ranges[i].first, ranges[i].second).view(shape).copy_(it->second);
+    }
+  }
+  steps_ = steps_taken;
+}
+
+double learning_rate(int64_t step, int64_t total_steps, int64_t warmup, double peak, double min_ratio) {
+  if (warmup > 0 && step < warmup) return peak * double(step + 1) / double(warmup);
+  const double span = double(std::max<int64_t>(1, total_steps - warmup));
+  const double progress = std::min(1.0, double(step - warmup) / span);
+  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return peak * (min_ratio + (1.0 - min_ratio) * cosine);
+}
+
+double clip_grad_norm(Module& module, double max_norm) {
+  LT_CHECK(module.flattened(), "[clip_grad_norm] the module's parameters must be flattened first");
+  const Tensor& grads = module.flat_gradients();
+  float* g = cpu_f32(grads, "gradients");
+  double sum_sq = 0;
+  for (int64_t i = 0; i < grads.numel(); ++i) sum_sq += double(g[i]) * double(g[i]);
+  const double norm = std::sqrt(sum_sq);
+  if (norm > max_norm && std::isfinite(norm)) {
+    const float scale = float(max_norm / (norm + 1e-6));
+    for (int64_t i = 0; i < grads.numel(); ++i) g[i] *= scale;
+  }
+  return norm;
+}
+
+}  // namespace lintape

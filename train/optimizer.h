@@ -1,0 +1,45 @@
+// AdamW over a module's flat parameter and gradient buffers, the warm-up + cosine schedule and the
+// global gradient-norm clip of MODEL.md. The module must be flattened (Module::flatten_parameters).
+// CPU: float32 loops in a fixed order, so a run is bit-reproducible.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include "../core/tensor.h"
+#include "../layers/module.h"
+
+namespace lintape {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;  // on matrices and embeddings (dim >= 2) only, never on norm weights
+};
+
+class AdamW {
+ public:
+  AdamW(Module& module, const AdamWOptions& options = {});
+  // One update with learning rate lr from the module's flat gradients.
+  void step(double lr);
+  int64_t steps_taken() const { return steps_; }
+  // Moments named m.<param> and v.<param> (CPU float32 copies), and back; errors name `source`.
+  std::map<std::string, Tensor> state_dict() const;
+  void load_state_dict(const std::map<std::string, Tensor>& state, int64_t steps_taken,
+                       const std::string& source = "optimizer state");
+
+ private:
+  Module& module_;
+  AdamWOptions options_;
+  Tensor m_, v_, decay_mask_;  // flat, like the parameters; decay_mask_ is 1 where weight decay applies
+  int64_t steps_ = 0;
+};
+
+// Linear warm-up to peak over `warmup` steps, then cosine down to min_ratio * peak at total_steps.
+double learning_rate(int64_t step, int64_t total_steps, int64_t warmup, double peak, double min_ratio = 0.1);
+
+// Scales the module's flat gradients so that their global L2 norm is at most max_norm; returns the norm
+// before clipping (computed in double).
+double clip_grad_norm(Module& module, double max_norm);
+
+}  // namespace lintape

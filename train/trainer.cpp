@@ -1,0 +1,227 @@
+#include "train/trainer.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <fstream>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <sstream>
+
+#include "autograd/tape.h"
+#include "core/allocator.h"
+#include "ops/elementwise.h"
+#include "ops/reduce.h"
+#include "train/checkpoint.h"
+
+namespace lintape {
+
+using nlohmann::json;
+
+namespace {
+
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_sigint(int) { g_interrupted = true; }
+
+// Installs the SIGINT handler for the trainer's lifetime of run() and restores the previous one.
+struct SigintScope {
+  SigintScope() : previous(std::signal(SIGINT, on_sigint)) { g_interrupted = false; }
+  ~SigintScope() { std::signal(SIGINT, previous); }
+  void (*previous)(int);
+};
+
+std::string sibling(const std::string& log_path, const std::string& suffix) {
+  const size_t dot = log_path.rfind(".jsonl");
+  return (dot == std::string::npos ? log_path : log_path.substr(0, dot)) + suffix;
+}
+
+void write_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train,
+               const std::vector<std::pair<int64_t, double>>& val) {
+  double lo = 1e300, hi = -1e300;
+  int64_t last = 1;
+  for (const auto* series : {&train, &val})
+    for (const auto& [s, l] : *series) {
+      lo = std::min(lo, l);
+      hi = std::max(hi, l);
+      last = std::max(last, s);
+    }
+  if (hi <= lo) hi = lo + 1;
+  const double W = 640, H = 360, pad = 40;
+  auto polyline = [&](const std::vector<std::pair<int64_t, double>>& series, const char* color) {
+    std::ostringstream o;
+    o << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" points=\"";
+    for (const auto& [s, l] : series)
+      o << pad + (W - 2 * pad) * double(s) / double(last) << ',' << H - pad - (H - 2 * pad) * (l - lo) / (hi - lo)
+        << ' ';
+    o << "\"/>\n";
+    return o.str();
+  };
+  std::ofstream out(path);
+  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\">\n"
+      << "<text x=\"" << pad << "\" y=\"20\">loss against step (blue: train, orange: validation); " << lo << " to "
+      << hi << "</text>\n"
+      << polyline(train, "#1f77b4") << polyline(val, "#ff7f0e") << "</svg>\n";
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move(config)), options_(options) {
+  if (options_.resume) {
+    LT_CHECK(!options_.checkpoint_dir.empty(), "[train] --resume needs a checkpoint directory");
+    Checkpoint c = load_checkpoint(options_.checkpoint_dir);
+    const int64_t steps = config_.steps;
+    config_ = c.config;
+    config_.steps = std::max(steps, config_.steps);
+    model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
+    model_->load_state_dict(c.model, c.path + "/model.safetensors");
+    model_->to(options_.device);
+    model_->flatten_parameters();
+    optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
+    optimizer_->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
+    data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
+                      config_.val_batches);
+    data_->seek(c.state.data_position);
+    step_ = c.state.step;
+  } else {
+    config_.validate();
+    data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
+                      config_.val_batches);
+    LT_CHECK(data_->vocab_size() <= config_.model.vocab_size, "[train] the data has tokens up to ",
+             data_->vocab_size() - 1, "; the model's vocab_size is ", config_.model.vocab_size);
+    model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
+    model_->to(options_.device);
+    model_->flatten_parameters();
+    optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
+  }
+}
+
+std::pair<double, double> Trainer::validate() {
+  NoGradGuard no_grad;
+  double loss_sum = 0, correct = 0, answers = 0;
+  const int64_t n = data_->validation_batches();
+  for (int64_t i = 0; i < n; ++i) {
+    const Batch b = data_->validation(i);
+    const Tensor logits = model_->forward(b.tokens.to(options_.device));
+    const int64_t rows = b.tokens.numel(), V = config_.model.vocab_size;
+    const Tensor flat_logits = logits.reshape({rows, V});
+    loss_sum += model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device)).item();
+    if (data_->reports_accuracy()) {
+      const std::vector<int64_t> predicted = max(flat_logits, 1).indices.to_vector<int64_t>();
+      const std::vector<int64_t> targets = b.targets.to_vector<int64_t>();
+      for (size_t r = 0; r < targets.size(); ++r)
+        if (targets[r] >= 0) {
+          answers += 1;
+          correct += predicted[r] == targets[r] ? 1 : 0;
+        }
+    }
+  }
+  return {n > 0 ? loss_sum / double(n) : -1.0, answers > 0 ? correct / answers : -1.0};
+}
+
+void Trainer::checkpoint() {
+  if (options_.checkpoint_dir.empty()) return;
+  save_checkpoint(options_.checkpoint_dir, *model_, *optimizer_, config_, {step_, data_->position()},
+                  config_.keep_checkpoints);
+}
+
+TrainResult Trainer::run() {
+  SigintScope sigint;
+  TrainResult result;
+  result.first_step = step_;
+  std::ofstream log;
+  if (!options_.log_path.empty()) {
+    log.open(options_.log_path, options_.resume ? std::ios::app : std::ios::trunc);
+    LT_CHECK(log.good(), "[train] cannot write the log '", options_.log_path, "'");
+  }
+  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
+  const int64_t tokens_per_step = config_.batch * config_.model.seq_len * config_.grad_accum;
+  const auto run_start = std::chrono::steady_clock::now();
+  int64_t steps_this_run = 0;
+  reset_peak_memory(options_.device);
+  while (step_ < config_.steps) {
+    const auto t0 = std::chrono::steady_clock::now();
+    model_->zero_grad();
+    double loss = 0;
+    for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
+      const Batch b = data_->next_train();
+      Tensor l = model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
+      if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
+      loss += l.item();
+      backward(l);
+    }
+    if (!std::isfinite(loss)) {
+      result.stopped_nonfinite = true;
+      result.message = str("[train] the loss is ", loss, " at step ", step_ + 1,
+                           "; stopped before the update, the last checkpoint is the last good one");
+      if (options_.progress) *options_.progress << result.message << "\n";
+      break;
+    }
+    const double grad_norm = clip_grad_norm(*model_, config_.grad_clip);
+    const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
+    optimizer_->step(lr);
+    ++step_;
+    ++steps_this_run;
+    result.losses.push_back(loss);
+    train_curve.emplace_back(step_, loss);
+    const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double tok_s = double(tokens_per_step) * double(steps_this_run) / std::max(elapsed, 1e-9);
+    const double peak_mib = double(memory_stats(options_.device).peak) / (1024.0 * 1024.0);
+    result.tokens_per_s = tok_s;
+    if (log.is_open())
+      log << json{{"step", step_},         {"loss", loss},       {"lr", lr},
+                  {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"step_ms", step_ms},
+                  {"peak_mem_mib", peak_mib}, {"mfu", nullptr}}.dump()
+          << "\n";
+    if (options_.progress && (step_ % config_.log_every == 0 || step_ == config_.steps)) {
+      const double eta = elapsed / double(steps_this_run) * double(config_.steps - step_);
+      *options_.progress << "step " << step_ << "/" << config_.steps << "  loss " << std::fixed
+                         << std::setprecision(4) << loss << "  " << std::setprecision(0) << tok_s << " tok/s  "
+                         << std::setprecision(1) << step_ms << " ms/step  peak " << peak_mib << " MiB  ETA "
+                         << std::setprecision(0) << eta << " s" << std::defaultfloat << std::endl;
+    }
+    if (step_ % config_.val_every == 0 || step_ == config_.steps) {
+      const auto [val_loss, accuracy] = validate();
+      result.val_loss = val_loss;
+      result.accuracy = accuracy;
+      if (val_loss >= 0) val_curve.emplace_back(step_, val_loss);
+      json row{{"step", step_}, {"val_loss", val_loss}};
+      if (accuracy >= 0) row["accuracy"] = accuracy;
+      if (log.is_open()) log << row.dump() << "\n";
+      if (options_.progress)
+        *options_.progress << "step " << step_ << "  val_loss " << std::setprecision(4) << val_loss
+                           << (accuracy >= 0 ? str("  accuracy ", accuracy) : std::string()) << std::endl;
+    }
+    const bool stop_now = g_interrupted || (options_.stop_after >= 0 && steps_this_run >= options_.stop_after);
+    if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || step_ == config_.steps ||
+        stop_now)
+      checkpoint();
+    if (stop_now) {
+      result.interrupted = g_interrupted;
+      result.message = g_interrupted ? str("[train] interrupted at step ", step_, "; checkpoint written") : "";
+      break;
+    }
+  }
+  result.last_step = step_;
+  if (log.is_open()) {
+    std::ofstream summary(sibling(options_.log_path, ".summary.json"));
+    summary << json{{"config", json::parse(to_json(config_))},
+                    {"steps", step_},
+                    {"first_loss", result.losses.empty() ? 0.0 : result.losses.front()},
+                    {"last_loss", result.losses.empty() ? 0.0 : result.losses.back()},
+                    {"val_loss", result.val_loss},
+                    {"accuracy", result.accuracy},
+                    {"tokens_per_s", result.tokens_per_s},
+                    {"peak_mem_mib", double(memory_stats(options_.device).peak) / (1024.0 * 1024.0)},
+                    {"device", options_.device.name()},
+                    {"stopped", result.message}}
+                   .dump(2)
+            << "\n";
+    write_svg(sibling(options_.log_path, ".svg"), train_curve, val_curve);
+  }
+  return result;
+}
+
+}  // namespace lintape

@@ -1,0 +1,58 @@
+// The training loop: builds the model and data of a TrainConfig, steps AdamW with the schedule, clipping
+// and gradient accumulation, prints progress lines (step/total, loss, tok/s, ms/step, peak MiB, ETA),
+// validates every val_every steps, writes JSONL rows, the summary JSON and the loss SVG, and checkpoints.
+// A NaN or Inf loss stops the run before the update (the last checkpoint stays the last good one);
+// SIGINT finishes the current step, writes a checkpoint and returns.
+#pragma once
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <vector>
+#include "../core/device.h"
+#include "../layers/language_model.h"
+#include "config.h"
+#include "data.h"
+#include "optimizer.h"
+
+namespace lintape {
+
+struct TrainerOptions {
+  Device device = Device::cpu();
+  std::string log_path;        // JSONL; the summary and SVG go next to it (.summary.json, .svg)
+  std::string checkpoint_dir;  // empty: no checkpoints
+  bool resume = false;         // continue from checkpoint_dir's latest checkpoint
+  std::ostream* progress = nullptr;
+  int64_t stop_after = -1;     // stop (with a checkpoint) after this many steps of this run; tests
+};
+
+struct TrainResult {
+  std::vector<double> losses;  // per step of this run
+  int64_t first_step = 0, last_step = 0;
+  double val_loss = -1, accuracy = -1;  // of the last validation (accuracy: mqar only)
+  double tokens_per_s = 0;
+  bool stopped_nonfinite = false, interrupted = false;
+  std::string message;  // why the run stopped early, if it did
+};
+
+class Trainer {
+ public:
+  Trainer(TrainConfig config, TrainerOptions options);
+  TrainResult run();
+  // Mean validation loss and (mqar) accuracy over the data's validation batches.
+  std::pair<double, double> validate();
+  LanguageModel& model() { return *model_; }
+  DataSource& data() { return *data_; }
+  int64_t step() const { return step_; }
+
+ private:
+  void checkpoint();
+  TrainConfig config_;
+  TrainerOptions options_;
+  std::unique_ptr<LanguageModel> model_;
+  std::unique_ptr<DataSource> data_;
+  std::unique_ptr<AdamW> optimizer_;
+  int64_t step_ = 0;
+};
+
+}  // namespace lintape
