@@ -11,11 +11,13 @@
 # OUTDIR receives 7 files: summary.txt (device, test counts, sanitizer verdicts, copy bandwidth, matmul
 # TFLOP/s), build.log, tests.log, sanitizer.log, bench.txt, bench.json and svg.tar.gz (every SVG plot).
 # The build folder is build-gpu/ in the repository (LINTAPE_GPU_BUILD overrides it); a second run
-# rebuilds only what changed.
+# rebuilds only what changed. The sanitizers run the doctest cases matching LINTAPE_SANITIZE_CASES
+# (default '*cuda*'; racecheck over every case takes longer than one device call, so narrow it to the
+# kernels that changed, e.g. '*cuda*fal*,*cuda*tpa*').
 set -uo pipefail
 
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -78,7 +80,7 @@ note "  skipped: $(grep -c '(Skipped)' "$out/tests.log"), CUDA test cases: $("$t
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in memcheck racecheck; do
   step "compute-sanitizer $tool" "$out/sanitizer.log" \
-    "$sanitizer" --tool "$tool" --error-exitcode 99 "$tests" -tc='*cuda*'
+    "$sanitizer" --tool "$tool" --error-exitcode 99 "$tests" -tc="${LINTAPE_SANITIZE_CASES:-*cuda*}"
   case $? in
     0) ;;
     99) note "  the sanitizer found errors" ;;
