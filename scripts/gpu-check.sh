@@ -17,7 +17,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 root=$(cd "$(dirname "$0")/.." && pwd)
