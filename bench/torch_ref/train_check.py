@@ -1,0 +1,147 @@
+"""Trains lintape and the PyTorch model of MODEL.md from the same checkpoint on the same batches, and
+compares the losses step by step.
+
+lintape trains `--start + --steps` steps with a checkpoint at step `--start` and a JSONL row per step;
+PyTorch loads that checkpoint (parameters, AdamW moments, data position) and replays the next `--steps`
+steps: the batches of `lintape train` (windows of seq + 1 tokens from the data position, the last 5% of
+the file held out), its learning-rate schedule, global-norm clipping and AdamW (MODEL.md). The script
+prints both losses per step and exits 1 when one differs by more than --tolerance (relative).
+
+Usage: python3 bench/torch_ref/train_check.py --lintape build/lintape --data FILE [--preset tiny]
+           [--device cpu|cuda] [--dtype f32|bf16] [--batch B] [--seq N] [--mixers fal,tpa] [--workdir DIR]
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_loss import load_tokens  # noqa: E402
+from model import load_lintape_checkpoint  # noqa: E402
+
+
+def learning_rate(step, cfg):
+    """MODEL.md: linear warm-up, then cosine decay to min_lr_ratio of the peak."""
+    peak, warmup, total, floor = cfg["lr"], cfg["warmup"], cfg["steps"], cfg["min_lr_ratio"]
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class Batches:
+    """`lintape train`'s text batches: consecutive windows from a position, wrapping at the end."""
+
+    def __init__(self, tokens, batch, seq_len, position, val_fraction=0.05):
+        held_out = int(len(tokens) * val_fraction)
+        self.train = torch.from_numpy(tokens[:len(tokens) - held_out].copy())
+        self.batch, self.seq_len, self.cursor = batch, seq_len, position
+
+    def next(self):
+        rows = []
+        for _ in range(self.batch):
+            if self.cursor + self.seq_len + 1 > len(self.train):
+                self.cursor = 0
+            rows.append(self.train[self.cursor:self.cursor + self.seq_len + 1])
+            self.cursor += self.seq_len
+        w = torch.stack(rows)
+        return w[:, :-1], w[:, 1:]
+
+
+def run_lintape(args, workdir):
+    ckpt, log = os.path.join(workdir, "ckpt"), os.path.join(workdir, "train.jsonl")
+    cmd = [args.lintape, "train", "--preset", args.preset, "--data", args.data, "--device", args.device,
+           "--steps", str(args.start + args.steps), "--checkpoint-dir", ckpt,
+           "--checkpoint-every", str(args.start), "--log", log, "--seed", "0"]
+    for flag in ("batch", "seq", "mixers", "dtype"):
+        if getattr(args, flag):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    rows = [json.loads(line) for line in open(log) if '"loss"' in line]
+    return os.path.join(ckpt, f"step_{args.start:08d}"), {r["step"]: r for r in rows}
+
+
+def replay(args, step_dir):
+    from safetensors.torch import load_file
+
+    device = torch.device(args.device)
+    model, state = load_lintape_checkpoint(step_dir, "fla" if args.fla else "torch", device)
+    cfg, train = state["config"], state["train"]
+    names = model.lintape_names()
+    moments = load_file(os.path.join(step_dir, "optim.safetensors"))
+    m = {n: moments["m." + n].to(device) for n in names}
+    v = {n: moments["v." + n].to(device) for n in names}
+    decays = {n: p.dim() >= 2 for n, p in names.items()}  # MODEL.md: matrices and wte only
+    batches = Batches(load_tokens(args.data), cfg["batch"], model.cfg["seq_len"], train["data_position"])
+    b1, b2, eps, wd = 0.9, 0.95, 1e-8, cfg["weight_decay"]
+    losses = {}
+    for step in range(train["step"], train["step"] + args.steps):
+        tokens, targets = (t.to(device) for t in batches.next())
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            loss = model.loss(tokens, targets)
+        loss.backward()
+        params = list(names.values())
+        norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params))
+        scale = min(1.0, cfg["grad_clip"] / (norm.item() + 1e-6))
+        lr = learning_rate(step, cfg)
+        t = step + 1
+        with torch.no_grad():
+            for n, p in names.items():
+                g = p.grad * scale
+                if decays[n]:
+                    p.mul_(1.0 - lr * wd)
+                m[n].mul_(b1).add_(g, alpha=1 - b1)
+                v[n].mul_(b2).addcmul_(g, g, value=1 - b2)
+                p.sub_(lr * (m[n] / (1 - b1 ** t)) / (torch.sqrt(v[n] / (1 - b2 ** t)) + eps))
+        losses[step + 1] = (loss.item(), lr, norm.item())
+    return losses
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lintape", required=True)
+    ap.add_argument("--data", required=True, help="a text file or an llm.c .bin")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="", help="f32 or bf16 (passed to lintape train when given)")
+    ap.add_argument("--batch", type=int, default=0)
+    ap.add_argument("--seq", type=int, default=0)
+    ap.add_argument("--mixers", default="")
+    ap.add_argument("--start", type=int, default=5, help="the checkpoint step both start from")
+    ap.add_argument("--steps", type=int, default=10, help="steps compared")
+    ap.add_argument("--fla", action="store_true", help="FAL mixer on flash-linear-attention's kernel")
+    ap.add_argument("--tolerance", type=float, default=0.0, help="relative; default 1e-4 (f32), 2e-2 (bf16)")
+    ap.add_argument("--workdir", default="")
+    args = ap.parse_args()
+    tolerance = args.tolerance or (2e-2 if args.dtype == "bf16" else 1e-4)
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="lintape-train-check-")
+    try:
+        step_dir, theirs = run_lintape(args, workdir)
+        ours = replay(args, step_dir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    worst = 0.0
+    print(f"{'step':>5} {'lintape loss':>13} {'pytorch loss':>13} {'rel diff':>9} {'lr (lintape, pytorch)':>26}")
+    for step, (loss, lr, _) in ours.items():
+        row = theirs[step]
+        rel = abs(loss - row["loss"]) / abs(row["loss"])
+        worst = max(worst, rel)
+        print(f"{step:5d} {row['loss']:13.6f} {loss:13.6f} {rel:9.2e} {row['lr']:12.4e} {lr:12.4e}")
+    ok = worst <= tolerance
+    print(f"largest relative difference {worst:.2e} over {len(ours)} steps: "
+          f"{'within' if ok else 'OUTSIDE'} {tolerance:g}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
