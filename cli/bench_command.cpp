@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include "bench/harness.h"
+#include "bench/train_steps.h"
 #include "cli/commands.h"
 #include "core/tensor.h"
 
@@ -15,6 +16,8 @@ struct BenchArgs {
   std::string op, device, mode = "all", metric = "all", n, dtype = "bf16", json;
   bool list = false, quick = false;
   int reps = 0;
+  bench::TrainBenchOptions train;  // `bench train` only
+  std::vector<std::string> train_flags_given;
 };
 
 std::vector<int64_t> parse_sizes(const std::string& list) {
@@ -42,6 +45,8 @@ void list_benchmarks() {
     for (const std::string& p : b.providers) providers += (providers.empty() ? "" : ", ") + p;
     fmt::print("{:<16} {} [{}]\n", b.name, b.about, providers);
   }
+  fmt::print("{:<16} {}\n", "train",
+             "a training step of the language model: tokens/s, ms/step, MFU, peak MiB (not part of all)");
 }
 
 std::vector<const bench::Benchmark*> pick_benchmarks(const std::string& op) {
@@ -73,6 +78,9 @@ Device pick_device(const std::string& name) {
 
 void bench_command(const BenchArgs& a) {
   if (a.list) return list_benchmarks();
+  if (a.op == "train") return bench_train(a.train, a.device, a.json);
+  if (!a.train_flags_given.empty())
+    throw UsageError(fmt::format("{} applies to bench train only", a.train_flags_given.front()));
   // Every argument is checked here, before the harness measures anything (it checks --json's paths first).
   bench::RunOptions o;
   std::vector<const bench::Benchmark*> which = pick_benchmarks(a.op);
@@ -120,6 +128,23 @@ Command add_bench_command(CLI::App& app) {
   bench->add_flag("--quick", a->quick, "Fewer sizes and repetitions");
   bench->add_option("--reps", a->reps, "Least number of timed calls per measurement (default 20; quick: 10, CPU 5)")
       ->check(at_least_one());
+  // `bench train`: the model's options (bench/train_steps.h).
+  for (auto [flag, what] : {std::pair{"--preset", "train: tiny or small (default small)"},
+                            {"--mixers", "train: comma-separated mixers per layer, fal or tpa"}}) {
+    std::string& slot = std::string(flag) == "--preset" ? a->train.preset : a->train.mixers;
+    bench->add_option(flag, slot, what)->each([a, flag = std::string(flag)](const std::string&) {
+      a->train_flags_given.push_back(flag);
+    });
+  }
+  for (auto [flag, slot, what] :
+       {std::tuple{"--batch", &a->train.batch, "train: sequences per step (default 16)"},
+        {"--seq", &a->train.seq, "train: tokens per sequence (default: the preset's)"},
+        {"--vocab", &a->train.vocab, "train: vocabulary size (default 32768)"},
+        {"--steps", &a->train.steps, "train: timed steps (default 10)"},
+        {"--warmup", &a->train.warmup, "train: untimed steps first (default 3)"}})
+    bench->add_option(flag, *slot, what)->check(at_least_one())->each([a, flag = std::string(flag)](const std::string&) {
+      a->train_flags_given.push_back(flag);
+    });
   return {bench, [a] { bench_command(*a); }};
 }
 

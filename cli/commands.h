@@ -9,6 +9,9 @@
 namespace CLI {
 class App;
 }
+namespace lintape::bench {
+struct TrainBenchOptions;
+}
 
 namespace lintape::cli {
 
@@ -30,6 +33,10 @@ Command add_bench_command(CLI::App& app);  // cli/bench_command.cpp
 Command add_train_command(CLI::App& app);     // cli/train_command.cpp
 Command add_eval_command(CLI::App& app);      // cli/train_command.cpp
 Command add_generate_command(CLI::App& app);  // cli/train_command.cpp
+Command add_profile_command(CLI::App& app);   // cli/profile_command.cpp
+
+// `lintape bench train` (cli/profile_command.cpp, beside `profile`: both time training steps).
+void bench_train(bench::TrainBenchOptions options, const std::string& device, const std::string& json);
 
 // "lintape 0.1.0 (Release; CUDA on, architectures 90a)" or "... (Release; CUDA off)".
 std::string version_string();

@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   bool version = false;
   app.add_flag("--version", version, "Print the version and the build (CUDA, architectures) and exit");
   const std::vector<Command> commands = {add_train_command(app), add_eval_command(app), add_generate_command(app),
+                                         add_profile_command(app),
                                          add_info_command(app), add_bench_command(app)};
 
   std::string names;

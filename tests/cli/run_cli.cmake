@@ -59,3 +59,14 @@ endif()
 
 # A run of several tables ends with the summary; matmul on the CPU speaks GFLOP/s.
 expect(0 "GFLOP/s.*summary \\(ms\\).*matmul +fwd" bench matmul --device cpu --quick --metric speed --n 16)
+
+# Training steps: `bench train` and `profile` on a small model on the CPU; their options are checked.
+expect(0 "tokens/s +ms/step +MFU.*\n +[0-9]+ +[0-9.]+ +n/a" bench train --device cpu --preset tiny --batch 1 --seq 32
+       --vocab 256 --steps 1 --warmup 1 --json "${WORK}/train.json")
+if(NOT EXISTS "${WORK}/train.json")
+  message(SEND_ERROR "bench train --json ${WORK}/train.json wrote no JSON")
+endif()
+expect(2 "--batch applies to bench train only" bench copy --device cpu --batch 4)
+expect(0 "fal +3 .*tpa +1 .*optimizer .*sum of the parts [0-9.]+ ms; a whole step timed alone" profile --device cpu
+       --preset tiny --batch 1 --seq 32 --vocab 256 --steps 1 --warmup 0)
+expect(2 "--preset: huge not in" profile --device cpu --preset huge)

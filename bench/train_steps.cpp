@@ -1,0 +1,298 @@
+#include "bench/train_steps.h"
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <random>
+#include <sstream>
+
+#include "autograd/tape.h"
+#include "bench/harness.h"
+#include "core/allocator.h"
+#include "ops/cross_entropy.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+#if LINTAPE_WITH_CUDA
+#include "core/cuda.h"
+#endif
+
+namespace lintape::bench {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream s(text);
+  for (std::string item; std::getline(s, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// Points in time on the device's queue: CUDA events on the lintape stream, or the host clock on the CPU.
+// Elapsed times are read after one synchronisation at the end, so timing does not stall the queue.
+class Stamps {
+ public:
+  explicit Stamps(Device d) : device_(d) {}
+  Stamps(const Stamps&) = delete;
+  Stamps& operator=(const Stamps&) = delete;
+  ~Stamps() {
+#if LINTAPE_WITH_CUDA
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+#endif
+  }
+  size_t mark() {
+#if LINTAPE_WITH_CUDA
+    if (device_.is_cuda()) {
+      cudaEvent_t e;
+      LT_CUDA_CHECK(cudaEventCreate(&e));
+      LT_CUDA_CHECK(cudaEventRecord(e, cuda::stream(device_.index)));
+      events_.push_back(e);
+      return events_.size() - 1;
+    }
+#endif
+    times_.push_back(std::chrono::steady_clock::now());
+    return times_.size() - 1;
+  }
+  // Milliseconds between two marks; call after synchronize(device).
+  double ms(size_t from, size_t to) const {
+#if LINTAPE_WITH_CUDA
+    if (device_.is_cuda()) {
+      float out = 0;
+      LT_CUDA_CHECK(cudaEventElapsedTime(&out, events_[from], events_[to]));
+      return double(out);
+    }
+#endif
+    return std::chrono::duration<double, std::milli>(times_[to] - times_[from]).count();
+  }
+
+ private:
+  Device device_;
+#if LINTAPE_WITH_CUDA
+  std::vector<cudaEvent_t> events_;
+#endif
+  std::vector<std::chrono::steady_clock::time_point> times_;
+};
+
+// A part of the model as a function of earlier values (by index); value 0 is the token ids.
+struct Part {
+  std::string name, kind;
+  std::vector<size_t> inputs;
+  std::function<Tensor(const std::vector<Tensor>&)> run;
+};
+
+std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, size_t* loss_value) {
+  std::vector<Part> parts;
+  size_t next = 1;  // the next value's index
+  auto add_part = [&](std::string name, std::string kind, std::vector<size_t> in,
+                      std::function<Tensor(const std::vector<Tensor>&)> fn) {
+    parts.push_back({std::move(name), std::move(kind), std::move(in), std::move(fn)});
+    return next++;
+  };
+  size_t x = add_part("embedding", "embedding", {0}, [&m](const std::vector<Tensor>& v) { return embedding(m.wte, v[0]); });
+  for (size_t i = 0; i < m.blocks.size(); ++i) {
+    const Block& b = *m.blocks[i];
+    const std::string p = "blocks." + std::to_string(i) + ".";
+    const std::string mixer = b.fal ? "fal" : "tpa";
+    size_t h = add_part(p + "norm1", "norm", {x}, [&b](const std::vector<Tensor>& v) { return b.norm1.forward(v[0]); });
+    size_t mixed = add_part(p + mixer, mixer, {h}, [&b](const std::vector<Tensor>& v) {
+      return b.fal ? b.fal->forward(v[0]) : b.tpa->forward(v[0]);
+    });
+    size_t y = add_part(p + "residual1", "residual", {x, mixed}, [](const std::vector<Tensor>& v) { return add(v[0], v[1]); });
+    size_t h2 = add_part(p + "norm2", "norm", {y}, [&b](const std::vector<Tensor>& v) { return b.norm2.forward(v[0]); });
+    size_t mlp = add_part(p + "mlp", "mlp", {h2}, [&b](const std::vector<Tensor>& v) { return b.mlp.forward(v[0]); });
+    x = add_part(p + "residual2", "residual", {y, mlp}, [](const std::vector<Tensor>& v) { return add(v[0], v[1]); });
+  }
+  size_t normed = add_part("norm", "final norm", {x}, [&m](const std::vector<Tensor>& v) { return m.norm.forward(v[0]); });
+  *loss_value = add_part("head and loss", "head and loss", {normed}, [&m, targets](const std::vector<Tensor>& v) {
+    const Tensor logits = matmul(v[0], m.wte, false, true);
+    const int64_t rows = targets.numel();
+    return cross_entropy(logits.reshape({rows, m.config().vocab_size}), targets.reshape({rows}), -1);
+  });
+  return parts;
+}
+
+}  // namespace
+
+int64_t TrainSetup::tokens_per_step() const { return options.batch * model->config().seq_len; }
+
+TrainSetup make_train_setup(const TrainBenchOptions& o) {
+  TrainSetup s;
+  s.options = o;
+  ModelConfig c = ModelConfig::preset(o.preset);
+  if (!o.mixers.empty()) c.mixers = split_list(o.mixers);
+  if (o.seq > 0) c.seq_len = o.seq;
+  if (o.vocab > 0) c.vocab_size = o.vocab;
+  LT_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "[bench train] batch and steps must be positive; got batch ",
+           o.batch, ", steps ", o.steps);
+  s.model = std::make_unique<LanguageModel>(c, 0);
+  s.model->to(o.device);
+  s.model->flatten_parameters();
+  s.params = s.model->parameter_count();
+  s.optimizer = std::make_unique<AdamW>(*s.model);
+  std::mt19937_64 rng(0);
+  std::uniform_int_distribution<int64_t> token(0, c.vocab_size - 1);
+  for (int i = 0; i < 2; ++i) {
+    std::vector<int64_t> ids(size_t(o.batch * (c.seq_len + 1)));
+    for (int64_t& t : ids) t = token(rng);
+    const Tensor all = from_vector_i64(ids, {o.batch, c.seq_len + 1});
+    s.batches.emplace_back(all.narrow(1, 0, c.seq_len).contiguous().to(o.device),
+                           all.narrow(1, 1, c.seq_len).contiguous().to(o.device));
+  }
+  return s;
+}
+
+double train_step(TrainSetup& s, size_t i) {
+  const auto& [tokens, targets] = s.batches[i % s.batches.size()];
+  s.model->zero_grad();
+  const Tensor loss = s.model->loss(tokens, targets);
+  backward(loss);
+  clip_grad_norm(*s.model, 1.0);
+  s.optimizer->step(3e-4);
+  return loss.item();
+}
+
+double training_flops(const ModelConfig& c, int64_t params, int64_t batch, int64_t seq) {
+  double mixing = 0;  // forward FLOPs of the token mixing, per sequence
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const double H = double(c.heads), D = double(c.head_dim), N = double(seq);
+    if (c.mixer(i) == "fal")
+      mixing += 2.0 * 2.0 * N * (2.0 * D) * D * H;  // kb^T vb into the state and qb S out of it (D' = 2D)
+    else
+      mixing += 2.0 * 2.0 * (N * N / 2.0) * D * H;  // causal q k^T and p v
+  }
+  return 6.0 * double(params) * double(batch * seq) + 3.0 * mixing * double(batch);
+}
+
+double dense_bf16_peak(Device d, std::string* source) {
+  if (!d.is_cuda()) return 0;
+  const std::string name = device_info(d).name;
+  struct Known {
+    const char* tag;
+    double flops;
+  };
+  // Dense (not sparse) bf16 tensor-core peaks from the vendor's data sheets.
+  const Known known[] = {{"H100 PCIe", 756e12}, {"H100", 989e12}, {"H200", 989e12}, {"H800", 989e12},
+                         {"A100", 312e12},      {"L40S", 362e12}, {"A10", 125e12}};
+  for (const Known& k : known)
+    if (name.find(k.tag) != std::string::npos) {
+      if (source) *source = name + " dense bf16, " + std::to_string(int(k.flops / 1e12)) + " TFLOP/s";
+      return k.flops;
+    }
+  if (source) *source = name + ": peak not known";
+  return 0;
+}
+
+TrainBenchResult bench_train(TrainSetup& s) {
+  const Device d = s.options.device;
+  TrainBenchResult r;
+  for (int64_t i = 0; i < s.options.warmup; ++i) train_step(s, size_t(i));
+  synchronize(d);
+  reset_peak_memory(d);
+  std::vector<double> times;
+  for (int64_t i = 0; i < s.options.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    r.last_loss = train_step(s, size_t(i));  // item() waits for the step's work
+    synchronize(d);
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  r.params = s.params;
+  r.tokens_per_step = s.tokens_per_step();
+  r.step_ms = median(times);
+  r.tokens_per_s = double(r.tokens_per_step) / (r.step_ms / 1e3);
+  r.peak_mib = double(memory_stats(d).peak) / kMiB;
+  const double peak = dense_bf16_peak(d, &r.peak_source);
+  const ModelConfig& c = s.model->config();
+  if (peak > 0) r.mfu = training_flops(c, s.params, s.options.batch, c.seq_len) / (r.step_ms / 1e3) / peak;
+  return r;
+}
+
+ProfileResult profile_train_step(TrainSetup& s) {
+  const Device d = s.options.device;
+  ProfileResult result;
+  for (int64_t i = 0; i < s.options.warmup; ++i) train_step(s, size_t(i));
+  std::vector<double> whole;
+  for (int64_t i = 0; i < s.options.steps; ++i) {
+    synchronize(d);
+    const auto t0 = std::chrono::steady_clock::now();
+    train_step(s, size_t(i));
+    synchronize(d);
+    whole.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  result.step_ms = median(whole);
+
+  const auto& [tokens, targets] = s.batches[0];
+  size_t loss_value = 0;
+  const std::vector<Part> parts = model_parts(*s.model, targets, &loss_value);
+  std::vector<std::vector<double>> fwd(parts.size() + 1), bwd(parts.size() + 1), act(parts.size());
+  reset_peak_memory(d);
+  for (int64_t step = 0; step < s.options.steps; ++step) {
+    Stamps stamps(d);
+    s.model->zero_grad();
+    std::vector<Tensor> values(parts.size() + 1), outputs(parts.size());
+    std::vector<std::vector<Tensor>> leaves(parts.size());
+    std::vector<std::pair<size_t, size_t>> fwd_marks(parts.size()), bwd_marks(parts.size());
+    values[0] = tokens;
+    for (size_t p = 0; p < parts.size(); ++p) {
+      // Each part sees detached copies of its inputs, so that its backward stops at its own boundary.
+      for (size_t in : parts[p].inputs) {
+        Tensor leaf = values[in].detach();
+        if (in != 0) leaf.requires_grad_(true);
+        leaves[p].push_back(leaf);
+      }
+      const int64_t before = int64_t(memory_stats(d).in_use);
+      fwd_marks[p].first = stamps.mark();
+      outputs[p] = parts[p].run(leaves[p]);
+      fwd_marks[p].second = stamps.mark();
+      act[p].push_back(double(int64_t(memory_stats(d).in_use) - before) / kMiB);
+      values[p + 1] = outputs[p];
+    }
+    std::vector<Tensor> grads(parts.size() + 1);
+    for (size_t p = parts.size(); p-- > 0;) {
+      const size_t out = p + 1;
+      if (out != loss_value && !grads[out].defined()) continue;
+      bwd_marks[p].first = stamps.mark();
+      if (out == loss_value)
+        backward(outputs[p]);
+      else
+        backward(outputs[p], grads[out]);
+      bwd_marks[p].second = stamps.mark();
+      outputs[p] = Tensor();
+      for (size_t j = 0; j < parts[p].inputs.size(); ++j) {
+        const size_t in = parts[p].inputs[j];
+        if (in == 0 || !leaves[p][j].grad().defined()) continue;
+        grads[in] = grads[in].defined() ? add(grads[in], leaves[p][j].grad()) : leaves[p][j].grad();
+      }
+      leaves[p].clear();
+      grads[out] = Tensor();
+    }
+    const size_t opt_begin = stamps.mark();
+    clip_grad_norm(*s.model, 1.0);
+    s.optimizer->step(3e-4);
+    const size_t opt_end = stamps.mark();
+    synchronize(d);
+    for (size_t p = 0; p < parts.size(); ++p) {
+      fwd[p].push_back(stamps.ms(fwd_marks[p].first, fwd_marks[p].second));
+      bwd[p].push_back(bwd_marks[p] == std::pair<size_t, size_t>{} ? 0.0
+                                                                   : stamps.ms(bwd_marks[p].first, bwd_marks[p].second));
+    }
+    fwd[parts.size()].push_back(stamps.ms(opt_begin, opt_end));
+    bwd[parts.size()].push_back(0.0);
+  }
+  for (size_t p = 0; p < parts.size(); ++p)
+    result.rows.push_back({parts[p].name, parts[p].kind, median(fwd[p]), median(bwd[p]), median(act[p])});
+  result.rows.push_back({"optimizer", "optimizer (clip + AdamW)", median(fwd[parts.size()]), 0.0, 0.0});
+  for (const ProfileRow& r : result.rows) result.parts_ms += r.fwd_ms + r.bwd_ms;
+  result.peak_mib = double(memory_stats(d).peak) / kMiB;
+  return result;
+}
+
+}  // namespace lintape::bench

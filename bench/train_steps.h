@@ -1,0 +1,70 @@
+// Training steps of the language model, timed and taken apart: what `lintape bench train` and
+// `lintape profile` measure. A step is MODEL.md's: forward, loss, backward, global-norm clip at 1.0,
+// AdamW. Batches are random tokens drawn before timing (speed does not depend on the text).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+#include "core/device.h"
+#include "layers/language_model.h"
+#include "train/optimizer.h"
+
+namespace lintape::bench {
+
+struct TrainBenchOptions {
+  std::string preset = "small";
+  std::string mixers;        // comma-separated; empty: the preset's
+  int64_t batch = 16;
+  int64_t seq = 0;           // 0: the preset's seq_len
+  int64_t vocab = 32768;     // MODEL.md's benchmark vocabulary
+  int64_t steps = 10;        // timed steps
+  int64_t warmup = 3;
+  Device device = Device::cpu();
+};
+
+// A model, its optimizer and pre-drawn batches, ready to step.
+struct TrainSetup {
+  std::unique_ptr<LanguageModel> model;
+  std::unique_ptr<AdamW> optimizer;
+  std::vector<std::pair<Tensor, Tensor>> batches;  // (tokens, targets) on the device
+  TrainBenchOptions options;
+  int64_t params = 0;
+  int64_t tokens_per_step() const;
+};
+TrainSetup make_train_setup(const TrainBenchOptions& o);
+
+// One training step on batch `i` (mod the number drawn); returns the loss (a device sync).
+double train_step(TrainSetup& s, size_t i);
+
+// Model FLOPs of one step: 6 x parameters x tokens plus the mixers' token-mixing products (FAL's
+// chunked products, TPA's causal attention) forward and backward.
+double training_flops(const ModelConfig& c, int64_t params, int64_t batch, int64_t seq);
+// The dense bf16 tensor-core peak of a device in FLOP/s, and its source; 0 when not known (the CPU).
+double dense_bf16_peak(Device d, std::string* source = nullptr);
+
+struct TrainBenchResult {
+  int64_t params = 0, tokens_per_step = 0;
+  double step_ms = 0, tokens_per_s = 0, mfu = -1, peak_mib = 0, last_loss = 0;
+  std::string peak_source;
+};
+TrainBenchResult bench_train(TrainSetup& s);
+
+// One row of a profile: a part of the model (a layer's norm, mixer, MLP, ...) with its forward and
+// backward time and the activation memory it holds between them (its output and saved tensors).
+struct ProfileRow {
+  std::string part;  // "blocks.3.fal", "embedding", "optimizer", ...
+  std::string kind;  // what rows are summed by: "embedding", "norm", "fal", "tpa", "mlp", ...
+  double fwd_ms = 0, bwd_ms = 0, activation_mib = 0;
+};
+struct ProfileResult {
+  std::vector<ProfileRow> rows;  // per layer, in execution order
+  double parts_ms = 0;           // sum of the rows
+  double step_ms = 0;            // a whole step, timed on its own
+  double peak_mib = 0;
+};
+// Runs each part on a detached copy of its input so that its forward and backward can be timed apart
+// (CUDA events on the device's stream), `steps` times after the warm-up; rows hold the medians.
+ProfileResult profile_train_step(TrainSetup& s);
+
+}  // namespace lintape::bench
