@@ -11,7 +11,8 @@ have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok
 have_cmd cmake || missing+=(cmake)
 have_cmd ninja || missing+=(ninja-build)
 have_cmd g++ || missing+=(g++)
-for pkg in libeigen3-dev doctest-dev libcli11-dev nlohmann-json3-dev libfmt-dev; do
+# OpenMPI: `mpirun -np N lintape train` (several ranks; without it every run is a single rank).
+for pkg in libeigen3-dev doctest-dev libcli11-dev nlohmann-json3-dev libfmt-dev libopenmpi-dev openmpi-bin; do
   have_pkg "$pkg" || missing+=("$pkg")
 done
 # The default training corpus of `lintape train`: about 2.5 MB of English text in /usr/share/games/fortunes/.

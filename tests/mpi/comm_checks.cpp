@@ -1,0 +1,105 @@
+// The collectives of train/comm.h across real processes: run by ctest as
+//   mpirun -np 2 lintape_comm_checks [cuda]
+// Every rank checks every result against what it computes alone; the exit status is the number of
+// failed checks on this rank (mpirun reports a nonzero status when any rank fails). With `cuda` the
+// tensors live on each rank's GPU (NCCL); without, on the CPU (MPI).
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+#include "core/tensor.h"
+#include "train/comm.h"
+
+using namespace lintape;
+
+namespace {
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    std::fprintf(stderr, "rank %d: FAILED %s\n", Communicator::world().rank(), what.c_str());
+    ++failures;
+  }
+}
+
+Tensor filled(const std::vector<double>& values, DType dtype, Device device) {
+  return from_vector(values, {int64_t(values.size())}).to(dtype).to(device);
+}
+
+std::vector<double> values_of(const Tensor& t) { return t.to(Device::cpu()).to(DType::F64).to_vector<double>(); }
+}  // namespace
+
+int main(int argc, char** argv) {
+  Communicator& comm = Communicator::world();
+  const int r = comm.rank(), n = comm.size();
+  const Device device = argc > 1 && std::string(argv[1]) == "cuda" ? Device::cuda(comm.local_rank()) : Device::cpu();
+  expect(n >= 2, "the check runs with at least 2 ranks; got " + std::to_string(n));
+
+  for (DType dtype : {DType::F32, DType::F64}) {
+    const std::string tag = std::string(" (") + dtype_name(dtype) + ", " + device.name() + ")";
+    // all_reduce: rank r holds (r + 1) * [1, 2, 3, ...]; the sum is n(n + 1)/2 * [1, 2, 3, ...].
+    const int64_t len = 1000 + 3;
+    std::vector<double> mine(len), sum(len);
+    for (int64_t i = 0; i < len; ++i) {
+      mine[size_t(i)] = double(r + 1) * double(i + 1);
+      sum[size_t(i)] = double(n) * double(n + 1) / 2 * double(i + 1);
+    }
+    Tensor t = filled(mine, dtype, device);
+    comm.all_reduce_sum(t);
+    std::vector<double> got = values_of(t);
+    bool ok = true;
+    for (int64_t i = 0; i < len; ++i) ok = ok && std::fabs(got[size_t(i)] - sum[size_t(i)]) <= 1e-6 * sum[size_t(i)];
+    expect(ok, "all_reduce_sum" + tag);
+
+    Tensor m = filled(mine, dtype, device);
+    comm.all_reduce_mean(m);
+    got = values_of(m);
+    ok = true;
+    for (int64_t i = 0; i < len; ++i)
+      ok = ok && std::fabs(got[size_t(i)] - sum[size_t(i)] / n) <= 1e-6 * sum[size_t(i)];
+    expect(ok, "all_reduce_mean" + tag);
+
+    // broadcast from the last rank.
+    Tensor b = filled({double(r), double(r) + 0.5}, dtype, device);
+    comm.broadcast(b, n - 1);
+    got = values_of(b);
+    expect(got[0] == n - 1 && got[1] == n - 0.5, "broadcast" + tag);
+
+    // reduce_scatter then all_gather gives back the all_reduce.
+    std::vector<double> whole(size_t(4 * n));
+    for (size_t i = 0; i < whole.size(); ++i) whole[i] = double(r + 1) + double(i);
+    Tensor part = zeros({4}, dtype, device), back = zeros({4 * int64_t(n)}, dtype, device);
+    comm.reduce_scatter_sum(filled(whole, dtype, device), part);
+    got = values_of(part);
+    ok = true;
+    for (int64_t i = 0; i < 4; ++i) {
+      const double idx = double(4 * r + i);
+      ok = ok && got[size_t(i)] == double(n) * (double(n + 1) / 2 + idx);
+    }
+    expect(ok, "reduce_scatter_sum" + tag);
+    comm.all_gather(part, back);
+    got = values_of(back);
+    ok = true;
+    for (size_t i = 0; i < got.size(); ++i) ok = ok && got[i] == double(n) * (double(n + 1) / 2 + double(i));
+    expect(ok, "all_gather" + tag);
+  }
+
+  expect(comm.all_reduce_sum(double(r)) == double(n) * (n - 1) / 2, "scalar all_reduce_sum");
+  expect(comm.all_reduce_max(double(r)) == double(n - 1), "scalar all_reduce_max");
+  comm.check_same("the model config", "{\"width\": 128}");
+  bool threw = false;
+  std::string message;
+  try {
+    comm.check_same("the model config", r == 0 ? "{\"width\": 128}" : "{\"width\": 256}");
+  } catch (const Error& e) {
+    threw = true;
+    message = e.what();
+  }
+  expect(threw, "check_same throws on every rank when one rank differs");
+  if (r == 1) expect(message.find("rank 1 has {\"width\": 256}, rank 0 has {\"width\": 128}") != std::string::npos,
+                     "check_same names both values; got: " + message);
+  comm.barrier();
+  if (r == 0) std::printf("comm checks on %d ranks (%s, %s): %s\n", n, comm.backend().c_str(), device.name().c_str(),
+                          failures == 0 ? "all passed" : "FAILED");
+  return failures;
+}

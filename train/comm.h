@@ -1,0 +1,61 @@
+// The ranks of a data-parallel run and what they exchange. One process per device, started by mpirun
+// (`mpirun -np 2 lintape train ...`); each rank takes its GPU from its local rank on the node. Two
+// backends: MPI for CPU tensors, NCCL for CUDA tensors (its id handed out over MPI). A process started
+// without mpirun, or a build without MPI, is a single rank and every collective leaves its input as it is.
+//
+// Failures end the job instead of hanging it: a collective that does not finish within the timeout
+// (default 60 s, LINTAPE_COMM_TIMEOUT_S) aborts the communicator and throws; NCCL's asynchronous errors
+// are polled while waiting. mpirun ends the other ranks when one exits with an error.
+#pragma once
+#include <cstdint>
+#include <string>
+#include "../core/tensor.h"
+
+namespace lintape {
+
+class Communicator {
+ public:
+  // The job's communicator: set up on first use from the launcher's environment.
+  static Communicator& world();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return local_rank_; }  // the device index this rank uses
+  bool distributed() const { return size_ > 1; }
+  // "mpi", "mpi+nccl" or "single".
+  std::string backend() const;
+
+  // In place, over a contiguous float32 or float64 tensor: MPI for CPU tensors, NCCL for CUDA tensors
+  // (on the tensor's device stream, so it is ordered after the work that produced the tensor).
+  void all_reduce_sum(Tensor& t);
+  void all_reduce_mean(Tensor& t);
+  void broadcast(Tensor& t, int root = 0);
+  // out (in.numel() / size, contiguous) = this rank's slice of the sum of every rank's `in`
+  // (in.numel() must be a multiple of size).
+  void reduce_scatter_sum(const Tensor& in, Tensor& out);
+  // out (in.numel() * size, contiguous) = every rank's `in`, in rank order.
+  void all_gather(const Tensor& in, Tensor& out);
+  // Scalars on the host.
+  double all_reduce_sum(double value);
+  double all_reduce_max(double value);
+  void barrier();
+  // Throws, on every rank, when `value` differs between ranks: names `what`, this rank's value and the
+  // value of rank 0 (a config's JSON, a data file's size, the world size a checkpoint was written with).
+  void check_same(const std::string& what, const std::string& value);
+  // Ends every rank of the job (after an error on one of them) with `code`.
+  [[noreturn]] void abort(int code);
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+ private:
+  Communicator();
+  struct Nccl;
+  Nccl* nccl_for(const Tensor& t);
+  int rank_ = 0, size_ = 1, local_rank_ = 0;
+  bool owns_mpi_ = false;
+  Nccl* nccl_ = nullptr;
+};
+
+}  // namespace lintape
