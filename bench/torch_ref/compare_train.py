@@ -1,0 +1,72 @@
+"""One table: lintape's training step beside PyTorch's (eager and torch.compile), same model and shapes.
+
+Runs `lintape bench train --json` and bench_train.py for each mixer kind in one call on one card and
+prints a Markdown table (tokens/s, ms/step, MFU, peak MiB, and lintape's speed-up and memory ratio
+against the compiled PyTorch step); --json writes the rows.
+
+Usage: python3 bench/torch_ref/compare_train.py --lintape build-gpu/lintape [--mixers fal,tpa]
+           [--batch 16] [--seq 2048] [--vocab 32768] [--steps 10] [--json FILE]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_json(cmd, path):
+    print("$ " + " ".join(cmd), flush=True)
+    done = subprocess.run(cmd)
+    if done.returncode != 0 or not os.path.exists(path):
+        print(f"  failed with status {done.returncode}", flush=True)
+        return None
+    return json.load(open(path))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lintape", required=True)
+    ap.add_argument("--mixers", default="fal,tpa", help="the mixer kinds to compare, one model each")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mixer in args.mixers.split(","):
+            ours = run_json([args.lintape, "bench", "train", "--preset", "small", "--mixers", mixer, "--device", "cuda",
+                             "--json", f"{tmp}/lintape-{mixer}.json"] + shape, f"{tmp}/lintape-{mixer}.json")
+            if ours:
+                rows.append({"mixers": mixer, "provider": "lintape", "tokens_per_s": ours["tokens_per_s"],
+                             "step_ms": ours["step_ms"], "mfu": ours["mfu"], "peak_mib": ours["peak_mib"]})
+            theirs = run_json([sys.executable, os.path.join(HERE, "bench_train.py"), "--mixers", mixer,
+                               "--json", f"{tmp}/torch-{mixer}.json"] + shape, f"{tmp}/torch-{mixer}.json")
+            for r in (theirs or {}).get("rows", []):
+                rows.append({k: r[k] for k in ("provider", "tokens_per_s", "step_ms", "mfu", "peak_mib")} |
+                            {"mixers": mixer})
+    print(f"\n| mixers | provider | tokens/s | ms/step | MFU | peak MiB | lintape speed-up | lintape memory |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mixer in args.mixers.split(","):
+        mine = next((r for r in rows if r["mixers"] == mixer and r["provider"] == "lintape"), None)
+        for r in (r for r in rows if r["mixers"] == mixer):
+            speed = memory = ""
+            if mine and r is not mine:
+                speed = f"{mine['tokens_per_s'] / r['tokens_per_s']:.2f}x"
+                memory = f"{mine['peak_mib'] / r['peak_mib']:.2f}x"
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+            print(f"| {mixer} | {r['provider']} | {r['tokens_per_s'] / 1e3:.1f} K | {r['step_ms']:.1f} | {mfu} | "
+                  f"{r['peak_mib']:.0f} | {speed} | {memory} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "seq": args.seq, "vocab": args.vocab, "rows": rows}, f, indent=1)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
