@@ -42,7 +42,7 @@ FalOptions fal_options(const FalMixer& m, int64_t position) {
 }
 }  // namespace
 
-// q, k, v, g of x (B, N, C) as (B, N, H, D) views of one projection.
+// q, k, v, g (B, N, H, D) of x (B, N, C), from one projection.
 std::array<Tensor, 4> FalMixer::project(const Tensor& x) const {
   const int64_t B = x.size(0), N = x.size(1), HD = heads * head_dim;
   const Tensor y = qkvg.forward(x);

@@ -254,3 +254,10 @@ TEST_CASE("SIGINT writes a checkpoint and returns cleanly") {
   CHECK(r.last_step < c.steps);
   CHECK(load_checkpoint(dir.file("ckpt")).state.step == r.last_step);
 }
+
+TEST_CASE("bad input: a model too large for memory reports the request and the allocator's statistics") {
+  TrainConfig c = micro_train_config("mqar");
+  c.model.width = int64_t(1) << 40;  // the final norm's weight alone takes 2^42 bytes
+  check_throws_containing([&] { Trainer t(c, {}); },
+                          {"[allocator] out of memory on cpu", "asked for 4398046511104 bytes", "peak", "reserved"});
+}
