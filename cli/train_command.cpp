@@ -25,7 +25,8 @@ namespace {
 constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
 
 struct TrainArgs {
-  std::string preset = "tiny", config_file, data, val_data, device = "cpu", mixers, log, checkpoint_dir;
+  std::string preset = "auto", config_file, data, val_data, device = "auto", dtype = "auto", mixers, log,
+              checkpoint_dir;
   int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1;
   double lr = 0;
   bool resume = false;
@@ -38,7 +39,9 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+// "auto": the first GPU when there is one, else the CPU.
 Device parse_device_or_usage(const std::string& text) {
+  if (text == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();
   try {
     return parse_device(text);
   } catch (const Error& e) {
@@ -46,10 +49,22 @@ Device parse_device_or_usage(const std::string& text) {
   }
 }
 
+// "auto": bf16 on CUDA, f32 on the CPU (the master weights are f32 either way).
+DType parse_compute_dtype(const std::string& text, Device device) {
+  if (text == "auto") return default_compute_dtype(device);
+  if (text == "bf16") return DType::BF16;
+  if (text == "f32") return DType::F32;
+  throw UsageError(fmt::format("--dtype must be auto, bf16 or f32; got '{}'", text));
+}
+
 void train(const TrainArgs& a) {
+  const Device device = parse_device_or_usage(a.device);
+  const DType dtype = parse_compute_dtype(a.dtype, device);
+  // "auto": small on a GPU, tiny on the CPU.
+  const std::string preset = a.preset != "auto" ? a.preset : (device.is_cuda() ? "small" : "tiny");
   TrainConfig c;
   try {
-    c = a.config_file.empty() ? TrainConfig::preset(a.preset) : load_train_config(a.config_file);
+    c = a.config_file.empty() ? TrainConfig::preset(preset) : load_train_config(a.config_file);
   } catch (const Error& e) {
     if (a.config_file.empty()) throw UsageError(e.what());
     throw;
@@ -69,35 +84,41 @@ void train(const TrainArgs& a) {
     throw UsageError(e.what());
   }
   TrainerOptions o;
-  o.device = parse_device_or_usage(a.device);
+  o.device = device;
+  o.compute_dtype = dtype;
   o.log_path = a.log;
   o.checkpoint_dir = a.checkpoint_dir;
   o.resume = a.resume;
   o.progress = &std::cout;
   if (a.resume && a.checkpoint_dir.empty()) throw UsageError("--resume needs --checkpoint-dir");
   Trainer trainer(c, o);
-  fmt::print("training {} parameters on {} ({}), {} steps of {} x {} tokens\n", trainer.model().parameter_count(),
-             c.data, o.device.name(), c.steps, c.batch, c.model.seq_len);
+  fmt::print("training {} parameters ({}) on {} ({}, {} activations), {} steps of {} x {} tokens\n",
+             trainer.model().parameter_count(), a.config_file.empty() ? preset : a.config_file, c.data,
+             o.device.name(), dtype_name(dtype), c.steps, c.batch, c.model.seq_len);
+  std::cout << std::flush;
   const TrainResult r = trainer.run();
   if (r.stopped_nonfinite) fail(r.message);
   if (!r.message.empty()) fmt::print("{}\n", r.message);
   if (!r.losses.empty())
-    fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s\n", r.losses.front(), r.losses.back(),
-               r.first_step + 1, r.last_step, r.tokens_per_s);
+    fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s, {:.1f} ms/step, peak {:.0f} MiB\n",
+               r.losses.front(), r.losses.back(), r.first_step + 1, r.last_step, r.tokens_per_s, r.step_ms,
+               r.peak_mem_mib);
 }
 
 struct EvalArgs {
-  std::string checkpoint, data, json_path, device = "cpu";
+  std::string checkpoint, data, json_path, device = "auto", dtype = "auto";
   int64_t batches = 16;
 };
 
 void eval(const EvalArgs& a) {
   if (a.batches <= 0) throw UsageError(fmt::format("--batches must be positive; got {}", a.batches));
   const Device device = parse_device_or_usage(a.device);
+  const DType dtype = parse_compute_dtype(a.dtype, device);
   const Checkpoint ckpt = load_checkpoint(a.checkpoint);
   LanguageModel model(ckpt.config.model, ckpt.config.seed);
   model.load_state_dict(ckpt.model, ckpt.path + "/model.safetensors");
   model.to(device);
+  model.set_compute_dtype(dtype);
   std::vector<int32_t> tokens = load_tokens(a.data);
   TokenData data(tokens, tokens, 1, ckpt.config.model.seq_len, a.batches, a.data);
   NoGradGuard no_grad;
@@ -120,7 +141,7 @@ void eval(const EvalArgs& a) {
 }
 
 struct GenerateArgs {
-  std::string checkpoint, prompt, device = "cpu";
+  std::string checkpoint, prompt, device = "auto", dtype = "auto";
   int64_t tokens = 200, top_k = 0;
   double temperature = 0.8;
   uint64_t seed = 0;
@@ -144,16 +165,21 @@ void generate(const GenerateArgs& a) {
   if (a.tokens <= 0) throw UsageError(fmt::format("--tokens must be positive; got {}", a.tokens));
   if (a.prompt.empty()) throw UsageError("--prompt must not be empty");
   const Device device = parse_device_or_usage(a.device);
+  const DType dtype = parse_compute_dtype(a.dtype, device);
   const Checkpoint ckpt = load_checkpoint(a.checkpoint);
   LanguageModel model(ckpt.config.model, ckpt.config.seed);
   model.load_state_dict(ckpt.model, ckpt.path + "/model.safetensors");
   model.to(device);
+  model.set_compute_dtype(dtype);
   const bool bytes = ckpt.config.model.vocab_size == 256;
   std::mt19937_64 rng(a.seed);
   DecodeState state = model.start_decoding(1);
-  // The prompt goes through the decoding path token by token too, filling the states and caches.
-  Tensor logits;
-  for (unsigned char c : a.prompt) logits = model.decode_step(from_vector_i64({int64_t(c)}, {1, 1}).to(device), state);
+  // The prompt goes through the whole-sequence ops at once, filling the states and caches; then one
+  // token at a time.
+  std::vector<int64_t> prompt;
+  for (unsigned char c : a.prompt) prompt.push_back(int64_t(c));
+  const int64_t n = int64_t(prompt.size());
+  Tensor logits = model.prefill(from_vector_i64(prompt, {1, n}).to(device), state).narrow(1, n - 1, 1);
   std::cout << a.prompt << std::flush;
   for (int64_t i = 0; i < a.tokens; ++i) {
     const int64_t next = sample(logits.to(DType::F64).to_vector<double>(), a.temperature, a.top_k, rng);
@@ -171,12 +197,13 @@ void generate(const GenerateArgs& a) {
 Command add_train_command(CLI::App& app) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* sub = app.add_subcommand("train", "Train the language model (MODEL.md) on mqar, a text or .bin file");
-  sub->add_option("--preset", args->preset, "tiny (CPU, about a minute) or small (one GPU)");
+  sub->add_option("--preset", args->preset, "tiny (CPU, about a minute), small (one GPU), or auto: small on a GPU, tiny on the CPU");
   sub->add_option("--config", args->config_file, "a TrainConfig JSON file (instead of a preset)");
   sub->add_option("--data", args->data, std::string("mqar, a text file, a directory of text, or an llm.c .bin; default ") +
                                             kDefaultCorpus);
   sub->add_option("--val-data", args->val_data, "validation file (default: the held-out tail of --data)");
-  sub->add_option("--device", args->device, "cpu or cuda[:N]");
+  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)");
+  sub->add_option("--dtype", args->dtype, "activations and matrix products: bf16, f32 or auto (bf16 on CUDA, f32 on the CPU); weights stay f32");
   sub->add_option("--steps", args->steps, "optimizer steps");
   sub->add_option("--batch", args->batch, "sequences per step");
   sub->add_option("--seq", args->seq, "tokens per sequence");
@@ -197,7 +224,8 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--data", args->data, "text file, directory of text or llm.c .bin")->required();
   sub->add_option("--batches", args->batches, "sequences to evaluate");
   sub->add_option("--json", args->json_path, "write the result as JSON");
-  sub->add_option("--device", args->device, "cpu or cuda[:N]");
+  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)");
+  sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)");
   return {sub, [args] { eval(*args); }};
 }
 
@@ -214,7 +242,8 @@ Command add_generate_command(CLI::App& app) {
   sub->add_option("--temperature", args->temperature, "sampling temperature (0: greedy)");
   sub->add_option("--top-k", args->top_k, "sample among the k most likely (0: all)");
   sub->add_option("--seed", args->seed, "sampling seed");
-  sub->add_option("--device", args->device, "cpu or cuda[:N]");
+  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)");
+  sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)");
   return {sub, [args] { generate(*args); }};
 }
 

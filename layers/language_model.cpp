@@ -80,6 +80,13 @@ Tensor Block::forward(const Tensor& x) const {
   return add(y, mlp.forward(norm2.forward(y)));
 }
 
+Tensor Block::prefill(const Tensor& x, DecodeState& state, size_t layer) const {
+  const Tensor h = norm1.forward(x);
+  const Tensor y =
+      add(x, fal ? fal->prefill(h, state.fal_states[layer], state.position) : tpa->prefill(h, *state.caches[layer]));
+  return add(y, mlp.forward(norm2.forward(y)));
+}
+
 Tensor Block::step(const Tensor& x_t, DecodeState& state, size_t layer) const {
   const Tensor h = norm1.forward(x_t);
   const Tensor y =
@@ -104,17 +111,28 @@ LanguageModel::LanguageModel(const ModelConfig& config, uint64_t seed)
   register_module("norm", norm);
 }
 
+void LanguageModel::set_compute_dtype(DType dtype) {
+  LT_CHECK(is_floating(dtype), "[LanguageModel] the compute dtype must be a float type; got ", dtype_name(dtype));
+  has_compute_dtype_ = true;
+  compute_dtype_ = dtype;
+}
+
+DType LanguageModel::compute_dtype() const { return has_compute_dtype_ ? compute_dtype_ : wte.dtype(); }
+
 Tensor LanguageModel::forward(const Tensor& tokens) const {
   LT_CHECK(tokens.dim() == 2, "[LanguageModel] tokens must be (B, N); got ", shape_str(tokens.shape()));
-  Tensor x = embedding(wte, tokens);
+  const Tensor w = wte.to(compute_dtype());
+  Tensor x = embedding(w, tokens);
   for (const auto& block : blocks) x = block->forward(x);
-  return matmul(norm.forward(x), wte, false, true);
+  return matmul(norm.forward(x), w, false, true);
 }
 
 Tensor LanguageModel::loss(const Tensor& tokens, const Tensor& targets) const {
   LT_CHECK(targets.shape() == tokens.shape(), "[LanguageModel] targets must have the tokens' shape ",
            shape_str(tokens.shape()), "; got ", shape_str(targets.shape()));
-  const Tensor logits = forward(tokens);
+  Tensor logits = forward(tokens);
+  // The loss and its softmax statistics in float32 even under 16-bit activations.
+  if (dtype_size(logits.dtype()) < 4) logits = logits.to(DType::F32);
   const int64_t rows = tokens.numel(), V = config_.vocab_size;
   return cross_entropy(logits.reshape({rows, V}), targets.reshape({rows}), -1);
 }
@@ -130,20 +148,34 @@ DecodeState LanguageModel::start_decoding(int64_t batch) const {
       s.caches.push_back(nullptr);
     } else {
       s.fal_states.emplace_back();
-      s.caches.push_back(std::make_unique<TpaCache>(block->tpa->make_cache(batch)));
+      s.caches.push_back(std::make_unique<TpaCache>(block->tpa->make_cache(batch, compute_dtype())));
     }
   }
   return s;
+}
+
+Tensor LanguageModel::prefill(const Tensor& tokens, DecodeState& state) const {
+  LT_CHECK(tokens.dim() == 2 && tokens.size(1) >= 1, "[LanguageModel] prefill takes tokens (B, N); got ",
+           shape_str(tokens.shape()));
+  LT_CHECK(state.position == 0, "[LanguageModel] prefill starts a sequence; this state has consumed ",
+           state.position, " tokens (continue with decode_step)");
+  NoGradGuard no_grad;
+  const Tensor w = wte.to(compute_dtype());
+  Tensor x = embedding(w, tokens);
+  for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->prefill(x, state, i);
+  state.position += tokens.size(1);
+  return matmul(norm.forward(x), w, false, true);
 }
 
 Tensor LanguageModel::decode_step(const Tensor& tokens_t, DecodeState& state) const {
   LT_CHECK(tokens_t.dim() == 2 && tokens_t.size(1) == 1, "[LanguageModel] decode_step takes tokens (B, 1); got ",
            shape_str(tokens_t.shape()));
   NoGradGuard no_grad;
-  Tensor x = embedding(wte, tokens_t);
+  const Tensor w = wte.to(compute_dtype());
+  Tensor x = embedding(w, tokens_t);
   for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->step(x, state, i);
   ++state.position;
-  return matmul(norm.forward(x), wte, false, true);
+  return matmul(norm.forward(x), w, false, true);
 }
 
 void LanguageModel::set_impl(Impl impl) {

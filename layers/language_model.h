@@ -43,7 +43,8 @@ class Block : public Module {
  public:
   Block(const ModelConfig& config, int64_t layer, uint64_t seed);
   Tensor forward(const Tensor& x) const;
-  Tensor step(const Tensor& x_t, DecodeState& state, size_t layer) const;  // x_t (B, 1, C)
+  Tensor prefill(const Tensor& x, DecodeState& state, size_t layer) const;  // x (B, N, C), from position 0
+  Tensor step(const Tensor& x_t, DecodeState& state, size_t layer) const;   // x_t (B, 1, C)
   void set_impl(Impl impl);
   RMSNorm norm1, norm2;
   SwiGluMlp mlp;
@@ -54,13 +55,24 @@ class Block : public Module {
 class LanguageModel : public Module {
  public:
   explicit LanguageModel(const ModelConfig& config, uint64_t seed = 0);
-  // tokens (B, N) integer ids -> logits (B, N, V) in the parameters' dtype.
+  // tokens (B, N) integer ids -> logits (B, N, V) in the compute dtype.
   Tensor forward(const Tensor& tokens) const;
-  // Mean cross-entropy over the targets (B, N) that are not -1.
+  // Mean cross-entropy over the targets (B, N) that are not -1; float32 (float64 for f64 parameters),
+  // whatever the compute dtype.
   Tensor loss(const Tensor& tokens, const Tensor& targets) const;
-  // Token-by-token decoding (fal_step, tpa_decode over a TpaCache): tokens_t (B, 1) -> logits (B, 1, V),
-  // equal to the full forward's logits at those positions. No gradient is recorded.
+
+  // Mixed precision: the parameters stay as they are (the float32 master weights the optimizer updates);
+  // forward casts wte to `dtype` once (a recorded cast, used by the embedding and the tied head), so the
+  // activations and every layer's matrix products run in `dtype` (layers.h). Unset: the parameters' dtype.
+  void set_compute_dtype(DType dtype);
+  DType compute_dtype() const;
+
+  // Decoding. start_decoding makes the empty per-layer states; prefill runs the first tokens (B, N)
+  // through the whole-sequence ops (fal_with_state, tpa_attention filling the TpaCache) and decode_step
+  // one more token (B, 1) through fal_step and tpa_decode. Both return the logits of their tokens,
+  // equal to the full forward's at those positions. No gradient is recorded.
   DecodeState start_decoding(int64_t batch) const;
+  Tensor prefill(const Tensor& tokens, DecodeState& state) const;
   Tensor decode_step(const Tensor& tokens_t, DecodeState& state) const;
   // Which implementation the mixers' ops run (tests: Composed against the reference).
   void set_impl(Impl impl);
@@ -72,6 +84,8 @@ class LanguageModel : public Module {
 
  private:
   ModelConfig config_;
+  bool has_compute_dtype_ = false;
+  DType compute_dtype_ = DType::F32;
 };
 
 }  // namespace lintape

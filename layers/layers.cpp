@@ -11,6 +11,8 @@ Tensor normal_init(const Shape& shape, double std, uint64_t seed) {
   return mul(randn(shape, DType::F32, Device::cpu(), seed), std);
 }
 
+Tensor weight_as(const Tensor& weight, const Tensor& x) { return weight.to(x.dtype()); }
+
 Linear::Linear(int64_t in_features, int64_t out_features, double init_std, uint64_t seed) {
   LT_CHECK(in_features > 0 && out_features > 0, "[Linear] sizes must be positive; got in_features ",
            in_features, ", out_features ", out_features);
@@ -21,7 +23,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, double init_std, uint6
 Tensor Linear::forward(const Tensor& x) const {
   LT_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "[Linear] x must end in in_features = ", weight.size(1),
            "; got ", shape_str(x.shape()));
-  return matmul(x, weight, false, true);
+  return matmul(x, weight_as(weight, x), false, true);
 }
 
 Embedding::Embedding(int64_t vocab, int64_t width, double init_std, uint64_t seed) {
@@ -38,7 +40,7 @@ RMSNorm::RMSNorm(int64_t width, double eps) : eps(eps) {
   register_parameter("weight", weight);
 }
 
-Tensor RMSNorm::forward(const Tensor& x) const { return rms_norm(x, weight, eps); }
+Tensor RMSNorm::forward(const Tensor& x) const { return rms_norm(x, weight_as(weight, x), eps); }
 
 SwiGluMlp::SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_std, uint64_t seed)
     : up(width, 2 * hidden, init_std, seed), down(hidden, width, out_std, seed + 1), hidden(hidden) {

@@ -1,5 +1,8 @@
 // The basic layers: Linear (x @ W^T), Embedding, RMSNorm and the SwiGLU MLP of MODEL.md.
 // Weights are created float32 on the CPU with MODEL.md's seeded initialisation; move them with to().
+// Mixed precision: a layer computes in its input's dtype. Weights of another float dtype (the float32
+// master copy under bf16 activations) are cast to it first by a recorded cast, so their gradients come
+// back to the master weights in its dtype.
 #pragma once
 #include <cstdint>
 #include "../core/tensor.h"
@@ -9,6 +12,9 @@ namespace lintape {
 
 // N(0, std) float32 values of `shape`, from (seed, element index) only.
 Tensor normal_init(const Shape& shape, double std, uint64_t seed);
+
+// `weight` in x's dtype (itself when it already is): a recorded cast.
+Tensor weight_as(const Tensor& weight, const Tensor& x);
 
 class Linear : public Module {
  public:

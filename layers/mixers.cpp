@@ -1,5 +1,6 @@
 #include "layers/mixers.h"
 
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -27,36 +28,51 @@ FalMixer::FalMixer(int64_t width, int64_t heads, int64_t head_dim, double eps, d
   register_buffer("decay", decay);
 }
 
-Tensor FalMixer::forward(const Tensor& x) const {
-  LT_CHECK(x.dim() == 3, "[FalMixer] x must be (B, N, C); got ", shape_str(x.shape()));
-  const int64_t B = x.size(0), N = x.size(1), HD = heads * head_dim;
-  const Tensor y = qkvg.forward(x);
-  auto part = [&](int64_t i) { return y.narrow(-1, i * HD, HD).reshape({B, N, heads, head_dim}); };
+namespace {
+// MODEL.md's FAL: silu on q, k and g, LRPE cosine, causal with the per-head decay.
+FalOptions fal_options(const FalMixer& m, int64_t position) {
   FalOptions o;
   o.q = o.k = o.g = ActSpec{Act::Silu, ActDim::None};
   o.lrpe = FalLrpe::Cosine;
-  o.theta = theta;
+  o.theta = m.theta;
+  o.offset = position;
   o.causal = true;
-  o.decay = decay;
-  const Tensor mixed = fal(part(0), part(1), part(2), part(3), o, impl);
-  return out.forward(norm.forward(mixed).reshape({B, N, HD}));
+  o.decay = m.decay;
+  return o;
+}
+}  // namespace
+
+// q, k, v, g (B, N, H, D) of x (B, N, C), from one projection.
+std::array<Tensor, 4> FalMixer::project(const Tensor& x) const {
+  const int64_t B = x.size(0), N = x.size(1), HD = heads * head_dim;
+  const Tensor y = qkvg.forward(x);
+  auto part = [&](int64_t i) { return y.narrow(-1, i * HD, HD).reshape({B, N, heads, head_dim}); };
+  return {part(0), part(1), part(2), part(3)};
+}
+
+Tensor FalMixer::finish(const Tensor& mixed) const {
+  return out.forward(norm.forward(mixed).reshape({mixed.size(0), mixed.size(1), heads * head_dim}));
+}
+
+Tensor FalMixer::forward(const Tensor& x) const {
+  LT_CHECK(x.dim() == 3, "[FalMixer] x must be (B, N, C); got ", shape_str(x.shape()));
+  const auto [q, k, v, g] = project(x);
+  return finish(fal(q, k, v, g, fal_options(*this, 0), impl));
+}
+
+Tensor FalMixer::prefill(const Tensor& x, Tensor& state, int64_t position) const {
+  LT_CHECK(x.dim() == 3, "[FalMixer] prefill takes x (B, N, C); got ", shape_str(x.shape()));
+  const auto [q, k, v, g] = project(x);
+  auto [mixed, next] = fal_with_state(q, k, v, g, state, fal_options(*this, position), impl);
+  state = next;
+  return finish(mixed);
 }
 
 Tensor FalMixer::step(const Tensor& x_t, Tensor& state, int64_t position) const {
   LT_CHECK(x_t.dim() == 3 && x_t.size(1) == 1, "[FalMixer] a decoding step takes x_t (B, 1, C); got ",
            shape_str(x_t.shape()));
-  const int64_t B = x_t.size(0), HD = heads * head_dim;
-  const Tensor y = qkvg.forward(x_t);
-  auto part = [&](int64_t i) { return y.narrow(-1, i * HD, HD).reshape({B, 1, heads, head_dim}); };
-  FalOptions o;
-  o.q = o.k = o.g = ActSpec{Act::Silu, ActDim::None};
-  o.lrpe = FalLrpe::Cosine;
-  o.theta = theta;
-  o.offset = position;
-  o.causal = true;
-  o.decay = decay;
-  const Tensor mixed = fal_step(state, part(0), part(1), part(2), part(3), o);
-  return out.forward(norm.forward(mixed).reshape({B, 1, HD}));
+  const auto [q, k, v, g] = project(x_t);
+  return finish(fal_step(state, q, k, v, g, fal_options(*this, position)));
 }
 
 TpaMixer::TpaMixer(int64_t width, int64_t heads, int64_t head_dim, int64_t rank_q, int64_t rank_k, int64_t rank_v,
@@ -79,46 +95,56 @@ TpaMixer::TpaMixer(int64_t width, int64_t heads, int64_t head_dim, int64_t rank_
   register_buffer("theta", theta);
 }
 
-Tensor TpaMixer::forward(const Tensor& x) const {
-  LT_CHECK(x.dim() == 3, "[TpaMixer] x must be (B, N, C); got ", shape_str(x.shape()));
+std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position) const {
   const int64_t B = x.size(0), N = x.size(1), R = rank_q + rank_k + rank_v;
   const Tensor fa = a.forward(x).view({B, N, heads, R});
   const Tensor fb = b.forward(x).view({B, N, R, head_dim});
   auto a_part = [&](int64_t start, int64_t len) { return fa.narrow(3, start, len).contiguous(); };
   auto b_part = [&](int64_t start, int64_t len) { return fb.narrow(2, start, len).contiguous(); };
-  const Tensor bq = lrpe_rotate(b_part(0, rank_q), theta, {}, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
-  const Tensor bk =
-      lrpe_rotate(b_part(rank_q, rank_k), theta, {}, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
-  TpaOptions o;
-  o.causal = true;
-  const Tensor mixed = tpa_attention(a_part(0, rank_q), bq, a_part(rank_q, rank_k), bk,
-                                     a_part(rank_q + rank_k, rank_v), b_part(rank_q + rank_k, rank_v), o, impl);
-  return out.forward(mixed.reshape({B, N, heads * head_dim}));
+  LrpeOptions at;
+  at.offset = position;
+  const Tensor bq = lrpe_rotate(b_part(0, rank_q), theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
+  return {a_part(0, rank_q),      bq, a_part(rank_q, rank_k), b_part(rank_q, rank_k), a_part(rank_q + rank_k, rank_v),
+          b_part(rank_q + rank_k, rank_v)};
 }
 
-}  // namespace lintape
+// Causal attention over the tokens of x alone (B, N) and the output projection.
+Tensor TpaMixer::attend(const std::array<Tensor, 6>& f) const {
+  const auto& [aq, bq, ak, bk, av, bv] = f;
+  const Tensor bk_rotated = lrpe_rotate(bk, theta, {}, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
+  TpaOptions o;
+  o.causal = true;
+  const Tensor mixed = tpa_attention(aq, bq, ak, bk_rotated, av, bv, o, impl);
+  return out.forward(mixed.reshape({aq.size(0), aq.size(1), heads * head_dim}));
+}
 
-namespace lintape {
+Tensor TpaMixer::forward(const Tensor& x) const {
+  LT_CHECK(x.dim() == 3, "[TpaMixer] x must be (B, N, C); got ", shape_str(x.shape()));
+  return attend(factors(x, 0));
+}
 
-TpaCache TpaMixer::make_cache(int64_t batch) const {
-  return TpaCache(batch, heads, rank_k, rank_v, head_dim, head_dim, out.weight.dtype(), out.weight.device(), theta);
+Tensor TpaMixer::prefill(const Tensor& x, TpaCache& cache) const {
+  LT_CHECK(x.dim() == 3, "[TpaMixer] prefill takes x (B, N, C); got ", shape_str(x.shape()));
+  LT_CHECK(cache.max_length() == 0, "[TpaMixer] prefill starts a sequence: the cache must be empty; it holds ",
+           cache.max_length(), " tokens");
+  const std::array<Tensor, 6> f = factors(x, 0);
+  // The cache takes one token per append and rotates bk itself, at each token's position.
+  for (int64_t t = 0; t < x.size(1); ++t)
+    cache.append(f[2].narrow(1, t, 1), f[3].narrow(1, t, 1), f[4].narrow(1, t, 1), f[5].narrow(1, t, 1));
+  return attend(f);
+}
+
+TpaCache TpaMixer::make_cache(int64_t batch, DType dtype) const {
+  return TpaCache(batch, heads, rank_k, rank_v, head_dim, head_dim, dtype, out.weight.device(), theta);
 }
 
 Tensor TpaMixer::step(const Tensor& x_t, TpaCache& cache) const {
   LT_CHECK(x_t.dim() == 3 && x_t.size(1) == 1, "[TpaMixer] a decoding step takes x_t (B, 1, C); got ",
            shape_str(x_t.shape()));
-  const int64_t B = x_t.size(0), R = rank_q + rank_k + rank_v;
-  const Tensor fa = a.forward(x_t).view({B, 1, heads, R});
-  const Tensor fb = b.forward(x_t).view({B, 1, R, head_dim});
-  auto a_part = [&](int64_t start, int64_t len) { return fa.narrow(3, start, len).contiguous(); };
-  auto b_part = [&](int64_t start, int64_t len) { return fb.narrow(2, start, len).contiguous(); };
-  LrpeOptions at_position;
-  at_position.offset = cache.max_length();
-  const Tensor bq = lrpe_rotate(b_part(0, rank_q), theta, at_position);
-  cache.append(a_part(rank_q, rank_k), b_part(rank_q, rank_k), a_part(rank_q + rank_k, rank_v),
-               b_part(rank_q + rank_k, rank_v));
-  const Tensor mixed = tpa_decode(a_part(0, rank_q), bq, cache);
-  return out.forward(mixed.reshape({B, 1, heads * head_dim}));
+  const auto [aq, bq, ak, bk, av, bv] = factors(x_t, cache.max_length());
+  cache.append(ak, bk, av, bv);
+  const Tensor mixed = tpa_decode(aq, bq, cache);
+  return out.forward(mixed.reshape({x_t.size(0), 1, heads * head_dim}));
 }
 
 }  // namespace lintape

@@ -229,3 +229,48 @@ TEST_CASE("decoding token by token gives the full forward's logits") {
     }
   }
 }
+
+TEST_CASE("prefill then step by step gives the full forward's logits") {
+  for (DType dtype : {DType::F64, DType::F32}) {
+    CAPTURE(dtype_name(dtype));
+    const double tol = dtype == DType::F64 ? 1e-10 : 1e-5;
+    LanguageModel model(micro_config(), 15);
+    model.to(dtype);
+    const Tensor tokens = tokens_of({1, 5, 9, 15, 2, 0, 7, 7, 3, 4, 11, 12, 13, 14}, 2, 7);
+    const Tensor full = model.forward(tokens);
+    DecodeState state = model.start_decoding(2);
+    const Tensor prompt = model.prefill(tokens.narrow(1, 0, 4).contiguous(), state);
+    CHECK(state.position == 4);
+    CHECK(state.caches[1]->max_length() == 4);  // the tpa layer's cache holds the prompt
+    CHECK(rel_error(prompt, full.narrow(1, 0, 4)) < tol);
+    for (int64_t t = 4; t < 7; ++t) {
+      CAPTURE(t);
+      const Tensor step = model.decode_step(tokens.narrow(1, t, 1).contiguous(), state);
+      CHECK(rel_error(step, full.narrow(1, t, 1)) < tol);
+    }
+    check_throws_containing([&] { model.prefill(tokens, state); }, {"[LanguageModel] prefill", "7 tokens"});
+  }
+}
+
+TEST_CASE("mixed precision: bf16 activations over f32 master weights") {
+  LanguageModel model(micro_config(), 16);
+  model.flatten_parameters();
+  const Tensor tokens = tokens_of({1, 5, 9, 15, 2, 0, 7, 7, 3, 4}, 2, 5);
+  const Tensor targets = tokens_of({5, 9, 15, 2, -1, 7, 7, 3, 4, 1}, 2, 5);
+  const Tensor l32 = model.loss(tokens, targets);
+  backward(l32);
+  const Tensor g32 = model.flat_gradients().clone();
+  model.zero_grad();
+  model.set_compute_dtype(DType::BF16);
+  CHECK(model.compute_dtype() == DType::BF16);
+  CHECK(model.forward(tokens).dtype() == DType::BF16);
+  const Tensor l16 = model.loss(tokens, targets);
+  CHECK(l16.dtype() == DType::F32);  // the loss and its statistics stay f32
+  CHECK(l16.item() == doctest::Approx(l32.item()).epsilon(2e-2));
+  backward(l16);
+  // The gradients reach the f32 master weights (through the recorded casts), close to the f32 ones.
+  CHECK(model.flat_gradients().dtype() == DType::F32);
+  CHECK(model.wte.dtype() == DType::F32);
+  CHECK(rel_error(model.flat_gradients(), g32) < 5e-2);
+  check_throws_containing([&] { model.set_compute_dtype(DType::I32); }, {"compute dtype", "i32"});
+}

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 #include "helpers.h"
+#include "train_helpers.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "train/checkpoint.h"
@@ -30,48 +31,6 @@ using namespace lintape::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A fresh empty directory under the system's temp dir, removed at scope exit.
-struct TempDir {
-  explicit TempDir(const std::string& tag)
-      : path(fs::temp_directory_path() / ("lintape_" + tag + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  fs::path path;
-};
-
-TrainConfig micro_train_config(const std::string& data) {
-  TrainConfig c;
-  c.model.width = 32;
-  c.model.layers = 2;
-  c.model.mixers = {"fal", "tpa"};
-  c.model.heads = 2;
-  c.model.head_dim = 16;
-  c.model.mlp_hidden = 64;
-  c.model.tpa_ranks = {2, 1, 1};
-  c.model.seq_len = 32;
-  c.data = data;
-  c.batch = 4;
-  c.steps = 12;
-  c.warmup = 2;
-  c.lr = 3e-3;
-  c.log_every = 1000;
-  c.val_every = 1000;
-  c.val_batches = 1;
-  return c;
-}
-
-std::string write_text_corpus(const TempDir& dir) {
-  const std::string path = dir.file("corpus.txt");
-  std::ofstream out(path);
-  const char* lines[] = {"the quick brown fox jumps over the lazy dog. ", "a stitch in time saves nine. ",
-                         "all that glitters is not gold. ", "where there is smoke there is fire. "};
-  for (int i = 0; i < 300; ++i) out << lines[(i * 7 + i / 3) % 4];
-  return path;
-}
 
 void write_bin(const std::string& path, int32_t magic, int32_t count, int32_t written) {
   std::vector<int32_t> header(256, 0);
@@ -294,4 +253,11 @@ TEST_CASE("SIGINT writes a checkpoint and returns cleanly") {
   CHECK(r.interrupted);
   CHECK(r.last_step < c.steps);
   CHECK(load_checkpoint(dir.file("ckpt")).state.step == r.last_step);
+}
+
+TEST_CASE("bad input: a model too large for memory reports the request and the allocator's statistics") {
+  TrainConfig c = micro_train_config("mqar");
+  c.model.width = int64_t(1) << 40;  // the final norm's weight alone takes 2^42 bytes
+  check_throws_containing([&] { Trainer t(c, {}); },
+                          {"[allocator] out of memory on cpu", "asked for 4398046511104 bytes", "peak", "reserved"});
 }

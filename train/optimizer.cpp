@@ -3,13 +3,16 @@
 #include <cmath>
 #include <vector>
 
+#if LINTAPE_WITH_CUDA
+#include "train/optimizer_cuda.h"
+#endif
+
 namespace lintape {
 
 namespace {
 float* cpu_f32(const Tensor& t, const char* what) {
-  LT_CHECK(!t.is_cuda() && t.dtype() == DType::F32, "[AdamW] ", what,
-           " must be float32 on the CPU (the CUDA optimizer is not built yet); got ", dtype_name(t.dtype()), " on ",
-           t.device().name());
+  LT_CHECK(!t.is_cuda() && t.dtype() == DType::F32, "[AdamW] ", what, " must be float32; got ",
+           dtype_name(t.dtype()), " on ", t.device().name());
   return t.data_ptr<float>();
 }
 }  // namespace
@@ -30,14 +33,23 @@ AdamW::AdamW(Module& module, const AdamWOptions& options) : module_(module), opt
 
 void AdamW::step(double lr) {
   ++steps_;
+  const float bias1 = float(1.0 - std::pow(options_.beta1, double(steps_)));
+  const float bias2 = float(1.0 - std::pow(options_.beta2, double(steps_)));
+  const Tensor& params = module_.flat_parameters();
+#if LINTAPE_WITH_CUDA
+  if (params.is_cuda()) {
+    cuda_train::adamw_step_cuda(params, module_.flat_gradients(), m_, v_, decay_mask_,
+                                {float(lr), float(lr * options_.weight_decay), float(options_.beta1),
+                                 float(options_.beta2), float(options_.eps), bias1, bias2});
+    return;
+  }
+#endif
   float* p = cpu_f32(module_.flat_parameters(), "parameters");
   const float* g = cpu_f32(module_.flat_gradients(), "gradients");
   float* m = cpu_f32(m_, "first moment");
   float* v = cpu_f32(v_, "second moment");
   const float* decay = cpu_f32(decay_mask_, "decay mask");
   const float b1 = float(options_.beta1), b2 = float(options_.beta2), eps = float(options_.eps);
-  const float bias1 = float(1.0 - std::pow(options_.beta1, double(steps_)));
-  const float bias2 = float(1.0 - std::pow(options_.beta2, double(steps_)));
   const float step_lr = float(lr), shrink = float(lr * options_.weight_decay);
   const int64_t n = m_.numel();
   for (int64_t i = 0; i < n; ++i) {
@@ -46,6 +58,7 @@ void AdamW::step(double lr) {
     v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
     p[i] -= step_lr * (m[i] / bias1) / (std::sqrt(v[i] / bias2) + eps);
   }
+  params.storage().version++;
 }
 
 std::map<std::string, Tensor> AdamW::state_dict() const {
@@ -92,6 +105,9 @@ double learning_rate(int64_t step, int64_t total_steps, int64_t warmup, double p
 double clip_grad_norm(Module& module, double max_norm) {
   LT_CHECK(module.flattened(), "[clip_grad_norm] the module's parameters must be flattened first");
   const Tensor& grads = module.flat_gradients();
+#if LINTAPE_WITH_CUDA
+  if (grads.is_cuda()) return cuda_train::clip_grad_norm_cuda(grads, max_norm);
+#endif
   float* g = cpu_f32(grads, "gradients");
   double sum_sq = 0;
   for (int64_t i = 0; i < grads.numel(); ++i) sum_sq += double(g[i]) * double(g[i]);

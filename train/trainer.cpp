@@ -4,17 +4,23 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
+#include <tuple>
 
 #include "autograd/tape.h"
 #include "core/allocator.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "train/checkpoint.h"
+
+#if LINTAPE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace lintape {
 
@@ -65,7 +71,35 @@ void write_svg(const std::string& path, const std::vector<std::pair<int64_t, dou
       << polyline(train, "#1f77b4") << polyline(val, "#ff7f0e") << "</svg>\n";
 }
 
+// The dense bf16 peak of the card, for MFU; 0 when the card is not one we know.
+std::pair<double, std::string> peak_bf16_flops(Device device) {
+#if LINTAPE_WITH_CUDA
+  if (device.is_cuda()) {
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, device.index) != cudaSuccess) return {0.0, ""};
+    const std::string name = p.name;
+    // H100 SXM and H200: 989 TFLOP/s dense bf16 (the datasheets' sparse figure halved).
+    if (name.find("H100") != std::string::npos && name.find("PCIe") == std::string::npos)
+      return {989e12, "989 TFLOP/s dense bf16 (" + name + ")"};
+    if (name.find("H200") != std::string::npos) return {989e12, "989 TFLOP/s dense bf16 (" + name + ")"};
+    if (name.find("H100") != std::string::npos) return {756e12, "756 TFLOP/s dense bf16 (" + name + ")"};
+  }
+#else
+  (void)device;
+#endif
+  return {0.0, ""};
+}
+
 }  // namespace
+
+DType default_compute_dtype(Device device) { return device.is_cuda() ? DType::BF16 : DType::F32; }
+
+double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
+  double flops = 6.0 * double(parameters);
+  const double H = double(c.heads), D = double(c.head_dim), N = double(c.seq_len);
+  for (int64_t i = 0; i < c.layers; ++i) flops += c.mixer(i) == "fal" ? 24.0 * H * D * D : 6.0 * H * D * N;
+  return flops;
+}
 
 Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move(config)), options_(options) {
   if (options_.resume) {
@@ -95,6 +129,8 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
     model_->flatten_parameters();
     optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
   }
+  model_->set_compute_dtype(options_.compute_dtype.value_or(default_compute_dtype(options_.device)));
+  std::tie(peak_flops_, peak_name_) = peak_bf16_flops(options_.device);
 }
 
 std::pair<double, double> Trainer::validate() {
@@ -132,11 +168,17 @@ TrainResult Trainer::run() {
   result.first_step = step_;
   std::ofstream log;
   if (!options_.log_path.empty()) {
+    const std::filesystem::path parent = std::filesystem::path(options_.log_path).parent_path();
+    if (!parent.empty()) {
+      std::error_code ignored;  // an unwritable place shows as the open failure below
+      std::filesystem::create_directories(parent, ignored);
+    }
     log.open(options_.log_path, options_.resume ? std::ios::app : std::ios::trunc);
     LT_CHECK(log.good(), "[train] cannot write the log '", options_.log_path, "'");
   }
   std::vector<std::pair<int64_t, double>> train_curve, val_curve;
   const int64_t tokens_per_step = config_.batch * config_.model.seq_len * config_.grad_accum;
+  const double flops_per_token = train_flops_per_token(config_.model, model_->parameter_count());
   const auto run_start = std::chrono::steady_clock::now();
   int64_t steps_this_run = 0;
   reset_peak_memory(options_.device);
@@ -148,8 +190,8 @@ TrainResult Trainer::run() {
       const Batch b = data_->next_train();
       Tensor l = model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
       if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
-      loss += l.item();
       backward(l);
+      loss += l.item();  // after backward: on CUDA the forward and backward are queued without a wait
     }
     if (!std::isfinite(loss)) {
       result.stopped_nonfinite = true;
@@ -170,10 +212,13 @@ TrainResult Trainer::run() {
     const double tok_s = double(tokens_per_step) * double(steps_this_run) / std::max(elapsed, 1e-9);
     const double peak_mib = double(memory_stats(options_.device).peak) / (1024.0 * 1024.0);
     result.tokens_per_s = tok_s;
+    result.step_ms = step_ms;
+    result.peak_mem_mib = peak_mib;
+    const json mfu = peak_flops_ > 0 ? json(tok_s * flops_per_token / peak_flops_) : json(nullptr);
     if (log.is_open())
       log << json{{"step", step_},         {"loss", loss},       {"lr", lr},
                   {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"step_ms", step_ms},
-                  {"peak_mem_mib", peak_mib}, {"mfu", nullptr}}.dump()
+                  {"peak_mem_mib", peak_mib}, {"mfu", mfu}}.dump()
           << "\n";
     if (options_.progress && (step_ % config_.log_every == 0 || step_ == config_.steps)) {
       const double eta = elapsed / double(steps_this_run) * double(config_.steps - step_);
@@ -216,6 +261,8 @@ TrainResult Trainer::run() {
                     {"tokens_per_s", result.tokens_per_s},
                     {"peak_mem_mib", double(memory_stats(options_.device).peak) / (1024.0 * 1024.0)},
                     {"device", options_.device.name()},
+                    {"compute_dtype", dtype_name(model_->compute_dtype())},
+                    {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
                     {"stopped", result.message}}
                    .dump(2)
             << "\n";

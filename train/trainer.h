@@ -2,11 +2,13 @@
 // and gradient accumulation, prints progress lines (step/total, loss, tok/s, ms/step, peak MiB, ETA),
 // validates every val_every steps, writes JSONL rows, the summary JSON and the loss SVG, and checkpoints.
 // A NaN or Inf loss stops the run before the update (the last checkpoint stays the last good one);
-// SIGINT finishes the current step, writes a checkpoint and returns.
+// SIGINT finishes the current step, writes a checkpoint and returns. On CUDA the parameters, their
+// gradients and the AdamW moments are float32 on the device and the forward runs in the compute dtype.
 #pragma once
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include "../core/device.h"
@@ -24,13 +26,24 @@ struct TrainerOptions {
   bool resume = false;         // continue from checkpoint_dir's latest checkpoint
   std::ostream* progress = nullptr;
   int64_t stop_after = -1;     // stop (with a checkpoint) after this many steps of this run; tests
+  // The activations' and matrix products' dtype; the master weights and AdamW moments stay float32.
+  // Unset: default_compute_dtype(device).
+  std::optional<DType> compute_dtype;
 };
+
+// bfloat16 on CUDA (MODEL.md's mixed precision), float32 on the CPU.
+DType default_compute_dtype(Device device);
+
+// Training FLOPs per token of a config: 6 x parameters plus the mixers' attention (FAL: the state
+// update and read, 24 H D^2 per layer; TPA: causal scores and values, 6 H D N per layer).
+double train_flops_per_token(const ModelConfig& config, int64_t parameters);
 
 struct TrainResult {
   std::vector<double> losses;  // per step of this run
   int64_t first_step = 0, last_step = 0;
   double val_loss = -1, accuracy = -1;  // of the last validation (accuracy: mqar only)
-  double tokens_per_s = 0;
+  double tokens_per_s = 0;       // over this run so far
+  double step_ms = 0, peak_mem_mib = 0;  // of the last step
   bool stopped_nonfinite = false, interrupted = false;
   std::string message;  // why the run stopped early, if it did
 };
@@ -53,6 +66,8 @@ class Trainer {
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<AdamW> optimizer_;
   int64_t step_ = 0;
+  double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
+  std::string peak_name_;
 };
 
 }  // namespace lintape

@@ -1,0 +1,111 @@
+// Fused AdamW and the global gradient-norm clip over flat float32 buffers. The norm is a two-pass
+// reduction (per-block float64 partial sums of squares, then one block over the partials) whose block
+// count depends on n only, so it gives the same bits every run; the clip scale is read on the device.
+#include <algorithm>
+#include "core/cuda_types.cuh"
+#include "train/optimizer_cuda.h"
+
+namespace lintape::cuda_train {
+using namespace lintape::cuda;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxNormBlocks = 1024;
+
+__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                             float* __restrict__ v, const float* __restrict__ decay, int64_t n, AdamWScalars s) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float pi = p[i];
+    const float gi = g[i];
+    pi -= s.shrink * decay[i] * pi;
+    const float mi = s.beta1 * m[i] + (1 - s.beta1) * gi;
+    const float vi = s.beta2 * v[i] + (1 - s.beta2) * gi * gi;
+    pi -= s.lr * (mi / s.bias1) / (sqrtf(vi / s.bias2) + s.eps);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi;
+  }
+}
+
+__device__ __forceinline__ double block_sum(double x) {
+  __shared__ double warp_sums[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = x;
+  __syncthreads();
+  double total = 0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  return total;  // valid in thread 0
+}
+
+__global__ void sum_squares_kernel(const float* __restrict__ g, int64_t n, double* __restrict__ partials) {
+  double acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const double x = g[i];
+    acc += x * x;
+  }
+  const double total = block_sum(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// One block: norm = sqrt(sum of the partials), written after them.
+__global__ void finish_norm_kernel(double* partials, int count) {
+  double acc = 0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+  const double total = block_sum(acc);
+  if (threadIdx.x == 0) partials[count] = sqrt(total);
+}
+
+__global__ void clip_kernel(float* __restrict__ g, int64_t n, const double* __restrict__ norm_at, double max_norm) {
+  const double norm = *norm_at;
+  if (!(norm > max_norm) || !isfinite(norm)) return;
+  const float scale = float(max_norm / (norm + 1e-6));
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    g[i] *= scale;
+}
+
+void check_flat(const Tensor& t, const Tensor& like, const char* what) {
+  LT_CHECK(t.is_cuda() && t.dtype() == DType::F32 && t.is_contiguous() && t.numel() == like.numel() &&
+               t.device() == like.device(),
+           "[AdamW] ", what, " must be a contiguous float32 CUDA buffer of ", like.numel(), " elements on ",
+           like.device().name(), "; got ", dtype_name(t.dtype()), " ", shape_str(t.shape()), " on ", t.device().name());
+}
+
+unsigned elementwise_blocks(int64_t n) { return unsigned(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 132 * 16)); }
+
+}  // namespace
+
+void adamw_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
+                     const Tensor& decay_mask, const AdamWScalars& s) {
+  check_flat(params, params, "parameters");
+  check_flat(grads, params, "gradients");
+  check_flat(m, params, "first moment");
+  check_flat(v, params, "second moment");
+  check_flat(decay_mask, params, "decay mask");
+  const int64_t n = params.numel();
+  adamw_kernel<<<elementwise_blocks(n), kThreads, 0, stream(params.device().index)>>>(
+      params.data_ptr<float>(), grads.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+      decay_mask.data_ptr<float>(), n, s);
+  LT_CUDA_CHECK_LAUNCH();
+  params.storage().version++;
+}
+
+double clip_grad_norm_cuda(const Tensor& grads, double max_norm) {
+  check_flat(grads, grads, "gradients");
+  const int64_t n = grads.numel();
+  const int blocks = int(std::clamp<int64_t>((n + kThreads * 8 - 1) / (kThreads * 8), 1, kMaxNormBlocks));
+  Tensor partials = empty({blocks + 1}, DType::F64, grads.device());
+  cudaStream_t st = stream(grads.device().index);
+  double* part = partials.data_ptr<double>();
+  sum_squares_kernel<<<blocks, kThreads, 0, st>>>(grads.data_ptr<float>(), n, part);
+  LT_CUDA_CHECK_LAUNCH();
+  finish_norm_kernel<<<1, kThreads, 0, st>>>(part, blocks);
+  LT_CUDA_CHECK_LAUNCH();
+  clip_kernel<<<elementwise_blocks(n), kThreads, 0, st>>>(grads.data_ptr<float>(), n, part + blocks, max_norm);
+  LT_CUDA_CHECK_LAUNCH();
+  grads.storage().version++;
+  return partials.narrow(0, blocks, 1).item();
+}
+
+}  // namespace lintape::cuda_train
