@@ -18,6 +18,7 @@ struct BenchArgs {
   int reps = 0;
   bench::TrainBenchOptions train;  // `bench train` only
   std::vector<std::string> train_flags_given;
+  bool dtype_given = false;  // bench train: else the training default (bf16 on CUDA, f32 on the CPU)
 };
 
 std::vector<int64_t> parse_sizes(const std::string& list) {
@@ -78,7 +79,11 @@ Device pick_device(const std::string& name) {
 
 void bench_command(const BenchArgs& a) {
   if (a.list) return list_benchmarks();
-  if (a.op == "train") return bench_train(a.train, a.device, a.json);
+  if (a.op == "train") {
+    bench::TrainBenchOptions train = a.train;
+    if (a.dtype_given) train.compute_dtype = dtype_from_name(a.dtype);
+    return bench_train(train, a.device, a.json);
+  }
   if (!a.train_flags_given.empty())
     throw UsageError(fmt::format("{} applies to bench train only", a.train_flags_given.front()));
   // Every argument is checked here, before the harness measures anything (it checks --json's paths first).
@@ -123,7 +128,9 @@ Command add_bench_command(CLI::App& app) {
   bench->add_option("--mode", a->mode, "fwd, bwd or all")->check(CLI::IsMember({"fwd", "bwd", "all"}));
   bench->add_option("--metric", a->metric, "speed, memory or all")->check(CLI::IsMember({"speed", "memory", "all"}));
   bench->add_option("--n", a->n, "Comma-separated sizes replacing every table's n (or sides), e.g. 256,1024");
-  bench->add_option("--dtype", a->dtype, "bf16 or f32")->check(CLI::IsMember({"bf16", "f32"}));
+  bench->add_option("--dtype", a->dtype, "bf16 or f32 (train: the compute dtype; default bf16 on CUDA, f32 on the CPU)")
+      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->each([a](const std::string&) { a->dtype_given = true; });
   bench->add_option("--json", a->json, "Write JSON rows to FILE and an SVG plot per table into FILE.plots/");
   bench->add_flag("--quick", a->quick, "Fewer sizes and repetitions");
   bench->add_option("--reps", a->reps, "Least number of timed calls per measurement (default 20; quick: 10, CPU 5)")

@@ -16,7 +16,7 @@ namespace {
 
 struct ProfileArgs {
   bench::TrainBenchOptions train;
-  std::string device, json;
+  std::string device, json, dtype;
   bool per_layer = false;
 };
 
@@ -37,9 +37,9 @@ std::string describe(const bench::TrainSetup& s) {
   std::string mixers;
   for (const std::string& m : c.mixers) mixers += (mixers.empty() ? "" : ",") + m;
   const bench::DeviceInfo info = bench::device_info(s.options.device);
-  return fmt::format("{} ({:.1f} M parameters, mixers {}), batch {} x {}, vocab {}, on {} ({})", s.options.preset,
+  return fmt::format("{} ({:.1f} M parameters, mixers {}), batch {} x {}, vocab {}, {} on {} ({})", s.options.preset,
                      double(s.params) / 1e6, mixers, s.options.batch, c.seq_len, c.vocab_size,
-                     s.options.device.name(), info.name);
+                     dtype_name(s.model->compute_dtype()), s.options.device.name(), info.name);
 }
 
 void write_json(const std::string& path, const nlohmann::json& doc) {
@@ -50,6 +50,7 @@ void write_json(const std::string& path, const nlohmann::json& doc) {
 
 void profile(ProfileArgs a) {
   a.train.device = device_or_usage(a.device);
+  if (!a.dtype.empty()) a.train.compute_dtype = dtype_from_name(a.dtype);
   if (!a.json.empty()) {  // checked before the measurement
     std::ofstream probe(a.json);
     LT_CHECK(probe.is_open(), "[profile] cannot write --json ", a.json, ": ", std::strerror(errno));
@@ -139,6 +140,8 @@ Command add_profile_command(CLI::App& app) {
   add_model_options(sub, a->train, a->device);
   sub->add_option("--json", a->json, "write the tables as JSON");
   sub->add_flag("--per-layer", a->per_layer, "also print every layer's row");
+  sub->add_option("--dtype", a->dtype, "the compute dtype: bf16 or f32 (default bf16 on CUDA, f32 on the CPU)")
+      ->check(CLI::IsMember({"bf16", "f32"}));
   return {sub, [a] { profile(*a); }};
 }
 

@@ -13,6 +13,7 @@
 #include "autograd/tape.h"
 #include "cli/commands.h"
 #include "train/checkpoint.h"
+#include "train/comm.h"
 #include "train/config.h"
 #include "train/data.h"
 #include "train/trainer.h"
@@ -92,12 +93,19 @@ void train(const TrainArgs& a) {
   o.progress = &std::cout;
   if (a.resume && a.checkpoint_dir.empty()) throw UsageError("--resume needs --checkpoint-dir");
   Trainer trainer(c, o);
-  fmt::print("training {} parameters ({}) on {} ({}, {} activations), {} steps of {} x {} tokens\n",
-             trainer.model().parameter_count(), a.config_file.empty() ? preset : a.config_file, c.data,
-             o.device.name(), dtype_name(dtype), c.steps, c.batch, c.model.seq_len);
+  const Communicator& comm = Communicator::world();
+  const bool leader = comm.rank() == 0;  // rank 0 prints for the job
+  if (leader)
+    fmt::print("training {} parameters ({}) on {} ({}, {} activations), {} steps of {} x {} tokens{}\n",
+               trainer.model().parameter_count(), a.config_file.empty() ? preset : a.config_file, c.data,
+               comm.distributed() ? fmt::format("{} ranks, {} each", comm.size(), o.device.is_cuda() ? "a GPU" : "the CPU")
+                                  : o.device.name(),
+               dtype_name(dtype), c.steps, c.batch, c.model.seq_len,
+               comm.distributed() ? fmt::format(" (global batch; {} sequences a rank)", c.batch / comm.size()) : "");
   std::cout << std::flush;
   const TrainResult r = trainer.run();
   if (r.stopped_nonfinite) fail(r.message);
+  if (!leader) return;
   if (!r.message.empty()) fmt::print("{}\n", r.message);
   if (!r.losses.empty())
     fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s, {:.1f} ms/step, peak {:.0f} MiB\n",

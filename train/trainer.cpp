@@ -17,6 +17,7 @@
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "train/checkpoint.h"
+#include "train/comm.h"
 
 #if LINTAPE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -37,6 +38,23 @@ struct SigintScope {
   ~SigintScope() { std::signal(SIGINT, previous); }
   void (*previous)(int);
 };
+
+// This rank's rows of a global batch: rank r of R takes rows [r B / R, (r + 1) B / R).
+Batch rank_slice(const Batch& global, Communicator& comm) {
+  if (!comm.distributed()) return global;
+  const int64_t rows = global.tokens.size(0) / comm.size(), first = rows * comm.rank();
+  return {global.tokens.narrow(0, first, rows).contiguous(), global.targets.narrow(0, first, rows).contiguous()};
+}
+
+// `value` of every rank, in rank order (one value each: a small sum over the ranks).
+std::vector<double> every_rank(double value, Communicator& comm) {
+  if (!comm.distributed()) return {value};
+  std::vector<double> slots(size_t(comm.size()), 0.0);
+  slots[size_t(comm.rank())] = value;
+  Tensor t = from_vector(slots, {comm.size()}, DType::F64);
+  comm.all_reduce_sum(t);
+  return t.to_vector<double>();
+}
 
 std::string sibling(const std::string& log_path, const std::string& suffix) {
   const size_t dot = log_path.rfind(".jsonl");
@@ -71,7 +89,8 @@ void write_svg(const std::string& path, const std::vector<std::pair<int64_t, dou
       << polyline(train, "#1f77b4") << polyline(val, "#ff7f0e") << "</svg>\n";
 }
 
-// The dense bf16 peak of the card, for MFU; 0 when the card is not one we know.
+}  // namespace
+
 std::pair<double, std::string> peak_bf16_flops(Device device) {
 #if LINTAPE_WITH_CUDA
   if (device.is_cuda()) {
@@ -90,8 +109,6 @@ std::pair<double, std::string> peak_bf16_flops(Device device) {
   return {0.0, ""};
 }
 
-}  // namespace
-
 DType default_compute_dtype(Device device) { return device.is_cuda() ? DType::BF16 : DType::F32; }
 
 double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
@@ -102,6 +119,9 @@ double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
 }
 
 Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move(config)), options_(options) {
+  Communicator& comm = Communicator::world();
+  // Several ranks: each drives the GPU of its local rank on the node.
+  if (comm.distributed() && options_.device.is_cuda()) options_.device = Device::cuda(comm.local_rank());
   if (options_.resume) {
     LT_CHECK(!options_.checkpoint_dir.empty(), "[train] --resume needs a checkpoint directory");
     Checkpoint c = load_checkpoint(options_.checkpoint_dir);
@@ -131,6 +151,15 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
   }
   model_->set_compute_dtype(options_.compute_dtype.value_or(default_compute_dtype(options_.device)));
   std::tie(peak_flops_, peak_name_) = peak_bf16_flops(options_.device);
+  if (comm.distributed()) {
+    LT_CHECK(config_.batch % comm.size() == 0, "[train] the batch (", config_.batch,
+             " sequences) must be a multiple of the number of ranks (", comm.size(), ")");
+    comm.check_same("the training config", to_json(config_));
+    comm.check_same("the step to start from", std::to_string(step_));
+    // Every rank starts from rank 0's weights (the same seed gives the same ones; this makes it so).
+    Tensor params = model_->flat_parameters();
+    comm.broadcast(params, 0);
+  }
 }
 
 std::pair<double, double> Trainer::validate() {
@@ -158,16 +187,24 @@ std::pair<double, double> Trainer::validate() {
 
 void Trainer::checkpoint() {
   if (options_.checkpoint_dir.empty()) return;
-  save_checkpoint(options_.checkpoint_dir, *model_, *optimizer_, config_, {step_, data_->position()},
-                  config_.keep_checkpoints);
+  // The state is the same on every rank: rank 0 writes it, the others wait, so that a checkpoint is
+  // complete before any rank goes on (and a later run with any number of ranks can resume from it).
+  Communicator& comm = Communicator::world();
+  if (comm.rank() == 0)
+    save_checkpoint(options_.checkpoint_dir, *model_, *optimizer_, config_, {step_, data_->position()},
+                    config_.keep_checkpoints);
+  comm.barrier();
 }
 
 TrainResult Trainer::run() {
   SigintScope sigint;
   TrainResult result;
   result.first_step = step_;
+  Communicator& comm = Communicator::world();
+  const bool leader = comm.rank() == 0;  // logs, prints and writes checkpoints
+  std::ostream* progress = leader ? options_.progress : nullptr;
   std::ofstream log;
-  if (!options_.log_path.empty()) {
+  if (leader && !options_.log_path.empty()) {
     const std::filesystem::path parent = std::filesystem::path(options_.log_path).parent_path();
     if (!parent.empty()) {
       std::error_code ignored;  // an unwritable place shows as the open failure below
@@ -187,17 +224,23 @@ TrainResult Trainer::run() {
     model_->zero_grad();
     double loss = 0;
     for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-      const Batch b = data_->next_train();
+      const Batch b = rank_slice(data_->next_train(), comm);
       Tensor l = model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
       if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
       backward(l);
       loss += l.item();  // after backward: on CUDA the forward and backward are queued without a wait
     }
+    if (comm.distributed()) {
+      // The mean over the global batch: every rank's slice has the same number of targets.
+      Tensor grads = model_->flat_gradients();
+      comm.all_reduce_mean(grads);
+      loss = comm.all_reduce_sum(loss) / double(comm.size());
+    }
     if (!std::isfinite(loss)) {
       result.stopped_nonfinite = true;
       result.message = str("[train] the loss is ", loss, " at step ", step_ + 1,
                            "; stopped before the update, the last checkpoint is the last good one");
-      if (options_.progress) *options_.progress << result.message << "\n";
+      if (progress) *progress << result.message << "\n";
       break;
     }
     const double grad_norm = clip_grad_norm(*model_, config_.grad_clip);
@@ -211,18 +254,21 @@ TrainResult Trainer::run() {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     const double tok_s = double(tokens_per_step) * double(steps_this_run) / std::max(elapsed, 1e-9);
     const double peak_mib = double(memory_stats(options_.device).peak) / (1024.0 * 1024.0);
+    const std::vector<double> rank_peaks = every_rank(peak_mib, comm);
     result.tokens_per_s = tok_s;
     result.step_ms = step_ms;
     result.peak_mem_mib = peak_mib;
     const json mfu = peak_flops_ > 0 ? json(tok_s * flops_per_token / peak_flops_) : json(nullptr);
-    if (log.is_open())
-      log << json{{"step", step_},         {"loss", loss},       {"lr", lr},
-                  {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"step_ms", step_ms},
-                  {"peak_mem_mib", peak_mib}, {"mfu", mfu}}.dump()
-          << "\n";
-    if (options_.progress && (step_ % config_.log_every == 0 || step_ == config_.steps)) {
+    if (log.is_open()) {
+      json row{{"step", step_},         {"loss", loss},       {"lr", lr},
+               {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"step_ms", step_ms},
+               {"peak_mem_mib", peak_mib}, {"mfu", mfu}};
+      if (comm.distributed()) row["peak_mem_mib_per_rank"] = rank_peaks;
+      log << row.dump() << std::endl;  // a row per line as it happens: the log can be followed
+    }
+    if (progress && (step_ % config_.log_every == 0 || step_ == config_.steps)) {
       const double eta = elapsed / double(steps_this_run) * double(config_.steps - step_);
-      *options_.progress << "step " << step_ << "/" << config_.steps << "  loss " << std::fixed
+      *progress << "step " << step_ << "/" << config_.steps << "  loss " << std::fixed
                          << std::setprecision(4) << loss << "  " << std::setprecision(0) << tok_s << " tok/s  "
                          << std::setprecision(1) << step_ms << " ms/step  peak " << peak_mib << " MiB  ETA "
                          << std::setprecision(0) << eta << " s" << std::defaultfloat << std::endl;
@@ -235,17 +281,21 @@ TrainResult Trainer::run() {
       json row{{"step", step_}, {"val_loss", val_loss}};
       if (accuracy >= 0) row["accuracy"] = accuracy;
       if (log.is_open()) log << row.dump() << "\n";
-      if (options_.progress)
-        *options_.progress << "step " << step_ << "  val_loss " << std::setprecision(4) << val_loss
+      if (progress)
+        *progress << "step " << step_ << "  val_loss " << std::setprecision(4) << val_loss
                            << (accuracy >= 0 ? str("  accuracy ", accuracy) : std::string()) << std::endl;
     }
-    const bool stop_now = g_interrupted || (options_.stop_after >= 0 && steps_this_run >= options_.stop_after);
+    const bool counted_out = options_.stop_after >= 0 && steps_this_run >= options_.stop_after;
+    bool interrupted = g_interrupted;
+    // A Ctrl-C reaches the ranks at slightly different times: they stop together, at the same step.
+    if (comm.distributed()) interrupted = comm.all_reduce_max(interrupted ? 1.0 : 0.0) > 0;
+    const bool stop_now = interrupted || counted_out;
     if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || step_ == config_.steps ||
         stop_now)
       checkpoint();
     if (stop_now) {
-      result.interrupted = g_interrupted;
-      result.message = g_interrupted ? str("[train] interrupted at step ", step_, "; checkpoint written") : "";
+      result.interrupted = interrupted;
+      result.message = result.interrupted ? str("[train] interrupted at step ", step_, "; checkpoint written") : "";
       break;
     }
   }
@@ -261,6 +311,7 @@ TrainResult Trainer::run() {
                     {"tokens_per_s", result.tokens_per_s},
                     {"peak_mem_mib", double(memory_stats(options_.device).peak) / (1024.0 * 1024.0)},
                     {"device", options_.device.name()},
+                    {"ranks", comm.size()},
                     {"compute_dtype", dtype_name(model_->compute_dtype())},
                     {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
                     {"stopped", result.message}}

@@ -9,6 +9,7 @@
 #include <iosfwd>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 #include "../core/device.h"
@@ -37,6 +38,9 @@ DType default_compute_dtype(Device device);
 // Training FLOPs per token of a config: 6 x parameters plus the mixers' attention (FAL: the state
 // update and read, 24 H D^2 per layer; TPA: causal scores and values, 6 H D N per layer).
 double train_flops_per_token(const ModelConfig& config, int64_t parameters);
+// The card's dense bf16 tensor-core peak in FLOP/s for MFU, and how it was chosen ("989 TFLOP/s dense
+// bf16 (NVIDIA H100 80GB HBM3)"); 0 and "" for a device not known (the CPU).
+std::pair<double, std::string> peak_bf16_flops(Device device);
 
 struct TrainResult {
   std::vector<double> losses;  // per step of this run

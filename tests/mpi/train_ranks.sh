@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Data-parallel training over MPI ranks on the CPU, run by ctest:
+#   tests/mpi/train_ranks.sh LINTAPE WORKDIR SOURCE_DIR
+# 1. Two ranks train `tiny` (a small shape) with the global batch of one rank: the losses match one
+#    rank's within 1e-5 (relative), step by step.
+# 2. Resume: a 2-rank checkpoint continues on 1 rank and a 1-rank checkpoint on 2 ranks; both give the
+#    uninterrupted run's next losses.
+# 3. A rank killed (SIGKILL) mid-run, and a rank stopped (SIGSTOP, so the other waits in a collective
+#    until its timeout), make the job exit nonzero within 60 s.
+set -uo pipefail
+lintape=$1
+work=$2
+src=$3
+mpirun=(mpirun --allow-run-as-root --oversubscribe)
+rm -rf "$work" && mkdir -p "$work"
+cat "$src"/README.md "$src"/docs/*.md "$src"/../shared/spec/*.md 2>/dev/null >"$work/text.txt"
+failures=0
+fail() {
+  echo "FAILED: $*"
+  failures=$((failures + 1))
+}
+train=(train --preset tiny --data "$work/text.txt" --batch 4 --seq 64 --seed 3)
+
+# step_losses LOG: "step loss" for each training row of a JSONL log
+step_losses() {
+  grep '"loss"' "$1" | while read -r row; do
+    step=$(grep -o '"step":[0-9]*' <<<"$row" | cut -d: -f2)
+    loss=$(grep -o '"loss":[-0-9.e+]*' <<<"$row" | cut -d: -f2)
+    echo "$step $loss"
+  done
+}
+# same A B FIRST LAST: the losses of steps FIRST..LAST agree within 1e-5 (relative)
+same() {
+  awk -v first="$3" -v last="$4" '
+    NR == FNR { a[$1] = $2; next }
+    { b[$1] = $2 }
+    END {
+      bad = 0
+      for (s = first; s <= last; ++s) {
+        d = a[s] - b[s]; if (d < 0) d = -d
+        ok = (s in a) && (s in b) && d <= 1e-5 * (a[s] < 0 ? -a[s] : a[s])
+        printf "  step %d: %s %s%s\n", s, a[s], b[s], ok ? "" : "  <- differs"
+        if (!ok) bad = 1
+      }
+      exit bad
+    }' <(step_losses "$1") <(step_losses "$2")
+}
+
+echo "== one rank and two ranks, the same global batch"
+"$lintape" "${train[@]}" --steps 6 --log "$work/one/log.jsonl" --checkpoint-dir "$work/one/ck" \
+  --checkpoint-every 3 >"$work/one.out" 2>&1 || fail "one rank: $(tail -n3 "$work/one.out")"
+"${mpirun[@]}" -np 2 "$lintape" "${train[@]}" --steps 6 --log "$work/two/log.jsonl" --checkpoint-dir "$work/two/ck" \
+  --checkpoint-every 3 >"$work/two.out" 2>&1 || fail "two ranks: $(tail -n3 "$work/two.out")"
+grep -q "2 ranks" "$work/two.out" || fail "the two-rank run does not say it runs on 2 ranks"
+grep -q '"peak_mem_mib_per_rank":\[[0-9.]*,[0-9.]*\]' "$work/two/log.jsonl" || fail "no per-rank peak memory in the log"
+same "$work/one/log.jsonl" "$work/two/log.jsonl" 1 6 || fail "two ranks differ from one rank"
+
+echo "== resume with another number of ranks"
+mkdir -p "$work/two-on-one" "$work/one-on-two"
+cp -r "$work/two/ck" "$work/two-on-one/ck" && printf 'step_00000003' >"$work/two-on-one/ck/latest"
+cp -r "$work/one/ck" "$work/one-on-two/ck" && printf 'step_00000003' >"$work/one-on-two/ck/latest"
+"$lintape" train --resume --checkpoint-dir "$work/two-on-one/ck" --steps 6 --log "$work/two-on-one/log.jsonl" \
+  >"$work/two-on-one.out" 2>&1 || fail "resume on one rank: $(tail -n3 "$work/two-on-one.out")"
+"${mpirun[@]}" -np 2 "$lintape" train --resume --checkpoint-dir "$work/one-on-two/ck" --steps 6 \
+  --log "$work/one-on-two/log.jsonl" >"$work/one-on-two.out" 2>&1 || fail "resume on two ranks: $(tail -n3 "$work/one-on-two.out")"
+same "$work/one/log.jsonl" "$work/two-on-one/log.jsonl" 4 6 || fail "a 2-rank checkpoint resumed on 1 rank differs"
+same "$work/one/log.jsonl" "$work/one-on-two/log.jsonl" 4 6 || fail "a 1-rank checkpoint resumed on 2 ranks differs"
+
+echo "== a rank that dies or stops ends the job"
+for signal in KILL STOP; do
+  LINTAPE_COMM_TIMEOUT_S=10 "${mpirun[@]}" -np 2 "$lintape" "${train[@]}" --steps 100000 \
+    --log "$work/$signal/log.jsonl" >"$work/$signal.out" 2>&1 &
+  job=$!
+  for _ in $(seq 1 300); do  # until a few steps are logged
+    [ "$(cat "$work/$signal/log.jsonl" 2>/dev/null | grep -c '"loss"')" -ge 2 ] && break
+    sleep 0.2
+  done
+  victim=$(pgrep -f -n -- "--log $work/$signal/log.jsonl" | head -n1)
+  # the newest process of the job is one of its ranks, not mpirun
+  start=$(date +%s)
+  kill -s "$signal" "$victim"
+  wait "$job"
+  rc=$?
+  took=$(($(date +%s) - start))
+  kill -s KILL "$victim" 2>/dev/null
+  echo "  SIG$signal to rank process $victim: job exit status $rc after ${took} s"
+  [ "$rc" -ne 0 ] || fail "SIG$signal: the job exited with status 0"
+  [ "$took" -le 60 ] || fail "SIG$signal: the job took ${took} s to end"
+done
+
+[ "$failures" -eq 0 ] && echo "all passed" || echo "$failures FAILED"
+exit "$failures"
