@@ -13,6 +13,7 @@
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
+#include "train/trainer.h"
 #if LINTAPE_WITH_CUDA
 #include "core/cuda.h"
 #endif
@@ -97,7 +98,11 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, siz
     parts.push_back({std::move(name), std::move(kind), std::move(in), std::move(fn)});
     return next++;
   };
-  size_t x = add_part("embedding", "embedding", {0}, [&m](const std::vector<Tensor>& v) { return embedding(m.wte, v[0]); });
+  // As LanguageModel::forward: wte cast to the compute dtype feeds the embedding and the tied head (the
+  // head casts its own copy here, so that the parts stay apart), the loss in float32.
+  size_t x = add_part("embedding", "embedding", {0}, [&m](const std::vector<Tensor>& v) {
+    return embedding(m.wte.to(m.compute_dtype()), v[0]);
+  });
   for (size_t i = 0; i < m.blocks.size(); ++i) {
     const Block& b = *m.blocks[i];
     const std::string p = "blocks." + std::to_string(i) + ".";
@@ -113,7 +118,8 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, siz
   }
   size_t normed = add_part("norm", "final norm", {x}, [&m](const std::vector<Tensor>& v) { return m.norm.forward(v[0]); });
   *loss_value = add_part("head and loss", "head and loss", {normed}, [&m, targets](const std::vector<Tensor>& v) {
-    const Tensor logits = matmul(v[0], m.wte, false, true);
+    Tensor logits = matmul(v[0], m.wte.to(m.compute_dtype()), false, true);
+    if (dtype_size(logits.dtype()) < 4) logits = logits.to(DType::F32);
     const int64_t rows = targets.numel();
     return cross_entropy(logits.reshape({rows, m.config().vocab_size}), targets.reshape({rows}), -1);
   });
@@ -136,6 +142,7 @@ TrainSetup make_train_setup(const TrainBenchOptions& o) {
   s.model = std::make_unique<LanguageModel>(c, 0);
   s.model->to(o.device);
   s.model->flatten_parameters();
+  s.model->set_compute_dtype(o.compute_dtype.value_or(default_compute_dtype(o.device)));
   s.params = s.model->parameter_count();
   s.optimizer = std::make_unique<AdamW>(*s.model);
   std::mt19937_64 rng(0);
@@ -160,37 +167,6 @@ double train_step(TrainSetup& s, size_t i) {
   return loss.item();
 }
 
-double training_flops(const ModelConfig& c, int64_t params, int64_t batch, int64_t seq) {
-  double mixing = 0;  // forward FLOPs of the token mixing, per sequence
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const double H = double(c.heads), D = double(c.head_dim), N = double(seq);
-    if (c.mixer(i) == "fal")
-      mixing += 2.0 * 2.0 * N * (2.0 * D) * D * H;  // kb^T vb into the state and qb S out of it (D' = 2D)
-    else
-      mixing += 2.0 * 2.0 * (N * N / 2.0) * D * H;  // causal q k^T and p v
-  }
-  return 6.0 * double(params) * double(batch * seq) + 3.0 * mixing * double(batch);
-}
-
-double dense_bf16_peak(Device d, std::string* source) {
-  if (!d.is_cuda()) return 0;
-  const std::string name = device_info(d).name;
-  struct Known {
-    const char* tag;
-    double flops;
-  };
-  // Dense (not sparse) bf16 tensor-core peaks from the vendor's data sheets.
-  const Known known[] = {{"H100 PCIe", 756e12}, {"H100", 989e12}, {"H200", 989e12}, {"H800", 989e12},
-                         {"A100", 312e12},      {"L40S", 362e12}, {"A10", 125e12}};
-  for (const Known& k : known)
-    if (name.find(k.tag) != std::string::npos) {
-      if (source) *source = name + " dense bf16, " + std::to_string(int(k.flops / 1e12)) + " TFLOP/s";
-      return k.flops;
-    }
-  if (source) *source = name + ": peak not known";
-  return 0;
-}
-
 TrainBenchResult bench_train(TrainSetup& s) {
   const Device d = s.options.device;
   TrainBenchResult r;
@@ -209,9 +185,9 @@ TrainBenchResult bench_train(TrainSetup& s) {
   r.step_ms = median(times);
   r.tokens_per_s = double(r.tokens_per_step) / (r.step_ms / 1e3);
   r.peak_mib = double(memory_stats(d).peak) / kMiB;
-  const double peak = dense_bf16_peak(d, &r.peak_source);
-  const ModelConfig& c = s.model->config();
-  if (peak > 0) r.mfu = training_flops(c, s.params, s.options.batch, c.seq_len) / (r.step_ms / 1e3) / peak;
+  const auto [peak, source] = peak_bf16_flops(d);
+  r.peak_source = source;
+  if (peak > 0) r.mfu = r.tokens_per_s * train_flops_per_token(s.model->config(), s.params) / peak;
   return r;
 }
 

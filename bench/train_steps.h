@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include "core/device.h"
@@ -21,6 +22,7 @@ struct TrainBenchOptions {
   int64_t steps = 10;        // timed steps
   int64_t warmup = 3;
   Device device = Device::cpu();
+  std::optional<DType> compute_dtype;  // unset: default_compute_dtype(device), bf16 on CUDA
 };
 
 // A model, its optimizer and pre-drawn batches, ready to step.
@@ -36,12 +38,6 @@ TrainSetup make_train_setup(const TrainBenchOptions& o);
 
 // One training step on batch `i` (mod the number drawn); returns the loss (a device sync).
 double train_step(TrainSetup& s, size_t i);
-
-// Model FLOPs of one step: 6 x parameters x tokens plus the mixers' token-mixing products (FAL's
-// chunked products, TPA's causal attention) forward and backward.
-double training_flops(const ModelConfig& c, int64_t params, int64_t batch, int64_t seq);
-// The dense bf16 tensor-core peak of a device in FLOP/s, and its source; 0 when not known (the CPU).
-double dense_bf16_peak(Device d, std::string* source = nullptr);
 
 struct TrainBenchResult {
   int64_t params = 0, tokens_per_step = 0;
