@@ -28,7 +28,7 @@ constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
 struct TrainArgs {
   std::string preset = "auto", config_file, data, val_data, device = "auto", dtype = "auto", mixers, log,
               checkpoint_dir;
-  int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1;
+  int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0;
   double lr = 0;
   bool resume = false;
 };
@@ -91,6 +91,7 @@ void train(const TrainArgs& a) {
   o.checkpoint_dir = a.checkpoint_dir;
   o.resume = a.resume;
   o.progress = &std::cout;
+  o.zero = int(a.zero);
   if (a.resume && a.checkpoint_dir.empty()) throw UsageError("--resume needs --checkpoint-dir");
   Trainer trainer(c, o);
   const Communicator& comm = Communicator::world();
@@ -222,6 +223,8 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--checkpoint-every", args->checkpoint_every, "steps between checkpoints (0: at the end)");
   sub->add_flag("--resume", args->resume, "continue from the checkpoint directory's latest checkpoint");
   sub->add_option("--seed", args->seed, "seed of the initialisation and the data");
+  sub->add_option("--zero", args->zero, "under mpirun: 1 shards the AdamW moments over the ranks (ZeRO-1)")
+      ->check(CLI::IsMember({0, 1}));
   return {sub, [args] { train(*args); }};
 }
 

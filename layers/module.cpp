@@ -41,7 +41,7 @@ void Module::to(Device device) {
   for (auto& [name, p] : named_parameters()) *p = p->detach().to(device).contiguous().requires_grad_();
   for (auto& [name, b] : named_buffers()) *b = b->to(device);
   flat_params_ = flat_grads_ = Tensor();
-  if (was_flat) flatten_parameters();
+  if (was_flat) flatten_parameters(flat_multiple_);
 }
 
 void Module::to(DType dtype) {
@@ -50,7 +50,7 @@ void Module::to(DType dtype) {
   for (auto& [name, b] : named_buffers())
     if (is_floating(b->dtype())) *b = b->to(dtype);
   flat_params_ = flat_grads_ = Tensor();
-  if (was_flat) flatten_parameters();
+  if (was_flat) flatten_parameters(flat_multiple_);
 }
 
 std::map<std::string, Tensor> Module::state_dict(DType dtype) {
@@ -85,9 +85,11 @@ std::vector<std::pair<int64_t, int64_t>> Module::flat_ranges() {
   return ranges;
 }
 
-void Module::flatten_parameters() {
+void Module::flatten_parameters(int64_t multiple_of) {
   NamedTensors params = named_parameters();
   LT_CHECK(!params.empty(), "[flatten_parameters] the module has no parameters");
+  LT_CHECK(multiple_of >= 1, "[flatten_parameters] multiple_of must be >= 1; got ", multiple_of);
+  flat_multiple_ = multiple_of;
   const DType dtype = params[0].second->dtype();
   const Device device = params[0].second->device();
   for (auto& [name, p] : params)
@@ -95,8 +97,9 @@ void Module::flatten_parameters() {
              dtype_name(p->dtype()), " on ", p->device().name(), "; expected ", dtype_name(dtype), " on ",
              device.name(), " like the first");
   const auto ranges = flat_ranges();
-  const int64_t total = ranges.back().first + ranges.back().second;
-  Tensor flat = empty({total}, dtype, device), grads = zeros({total}, dtype, device);
+  const int64_t used = ranges.back().first + ranges.back().second;
+  const int64_t total = (used + multiple_of - 1) / multiple_of * multiple_of;
+  Tensor flat = zeros({total}, dtype, device), grads = zeros({total}, dtype, device);
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor& p = *params[i].second;
     const Shape shape = p.shape();

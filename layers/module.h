@@ -42,7 +42,9 @@ class Module {
   // Errors name `source` (a file, for checkpoints) and the parameter.
   void load_state_dict(const std::map<std::string, Tensor>& state, const std::string& source = "state");
 
-  void flatten_parameters();
+  // `multiple_of`: the buffers' length is padded (with zeros that no parameter sees) to a multiple of
+  // it, so that they split into equal shards (ZeRO-1 over that many ranks); to() keeps the padding.
+  void flatten_parameters(int64_t multiple_of = 1);
   bool flattened() const { return flat_params_.defined(); }
   const Tensor& flat_parameters() const { return flat_params_; }
   const Tensor& flat_gradients() const { return flat_grads_; }
@@ -58,6 +60,7 @@ class Module {
  private:
   void collect(const std::string& prefix, bool parameters, NamedTensors& out);
   std::vector<std::pair<std::string, Tensor*>> parameters_, buffers_;
+  int64_t flat_multiple_ = 1;
   std::vector<std::pair<std::string, Module*>> children_;
   Tensor flat_params_, flat_grads_;
 };

@@ -44,7 +44,8 @@ const char* const kTensorFiles[] = {"model.safetensors", "optim.safetensors"};
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& dir, Module& model, const AdamW& optimizer,
+std::string save_checkpoint(const std::string& dir, Module& model,
+                            const std::map<std::string, Tensor>& optimizer_state,
                             const TrainConfig& config, const TrainState& state, int64_t keep) {
   const fs::path root(dir);
   fs::create_directories(root);
@@ -53,7 +54,7 @@ std::string save_checkpoint(const std::string& dir, Module& model, const AdamW& 
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   save_safetensors((tmp / kTensorFiles[0]).string(), model.state_dict());
-  save_safetensors((tmp / kTensorFiles[1]).string(), optimizer.state_dict());
+  save_safetensors((tmp / kTensorFiles[1]).string(), optimizer_state);
   json files;
   for (const char* f : kTensorFiles) files[f] = sha256_file((tmp / f).string());
   const json train{{"step", state.step},

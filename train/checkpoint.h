@@ -20,8 +20,10 @@ struct TrainState {
 
 // Writes the checkpoint of `step`, points `latest` at it and removes all but the newest `keep` step
 // directories. Returns the step directory's path.
-std::string save_checkpoint(const std::string& dir, Module& model, const AdamW& optimizer,
-                            const TrainConfig& config, const TrainState& state, int64_t keep);
+// `optimizer_state` is AdamW::state_dict() (the moments m.<param>, v.<param>).
+std::string save_checkpoint(const std::string& dir, Module& model,
+                            const std::map<std::string, Tensor>& optimizer_state, const TrainConfig& config,
+                            const TrainState& state, int64_t keep);
 
 struct Checkpoint {
   std::string path;  // the step directory

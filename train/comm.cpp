@@ -333,6 +333,69 @@ void Communicator::all_gather(const Tensor& in, Tensor& out) {
 #endif
 }
 
+void Communicator::reduce_scatter_sum_in_place(Tensor& buffer) {
+  check_tensor(buffer, "reduce_scatter");
+  LT_CHECK(buffer.numel() % size_ == 0, "[comm] reduce_scatter: the buffer's ", buffer.numel(),
+           " elements do not split into ", size_, " equal slices");
+  if (!distributed()) return;
+  buffer.storage().version++;
+  const int64_t n = buffer.numel() / size_;
+  const size_t bytes = dtype_size(buffer.dtype());
+  char* base = static_cast<char*>(buffer.data());
+#if LINTAPE_WITH_NCCL
+  if (buffer.is_cuda()) {
+    Nccl* c = nccl_for(buffer);
+    cudaStream_t s = cuda::stream(buffer.device().index);
+    LT_NCCL_CHECK(ncclReduceScatter(base, base + size_t(rank_ * n) * bytes, size_t(n), nccl_type(buffer), ncclSum,
+                                    c->comm, s));
+    return nccl_wait(c->comm, s, "reduce_scatter", rank_);
+  }
+#endif
+#if LINTAPE_WITH_MPI
+  // MPI's in-place form leaves the result at the buffer's start: move it to this rank's slice.
+  LT_CHECK(!buffer.is_cuda(), "[comm] reduce_scatter over ", buffer.device().name(), " needs NCCL");
+  with_watchdog("reduce_scatter", rank_, [&] {
+    LT_MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, base, int(n), mpi_type(buffer, "reduce_scatter"), MPI_SUM,
+                                          MPI_COMM_WORLD));
+  });
+  if (rank_ != 0) std::memmove(base + size_t(rank_ * n) * bytes, base, size_t(n) * bytes);
+#else
+  (void)n;
+  (void)bytes;
+  (void)base;
+#endif
+}
+
+void Communicator::all_gather_in_place(Tensor& buffer) {
+  check_tensor(buffer, "all_gather");
+  LT_CHECK(buffer.numel() % size_ == 0, "[comm] all_gather: the buffer's ", buffer.numel(),
+           " elements do not split into ", size_, " equal slices");
+  if (!distributed()) return;
+  buffer.storage().version++;
+  const int64_t n = buffer.numel() / size_;
+  const size_t bytes = dtype_size(buffer.dtype());
+  char* base = static_cast<char*>(buffer.data());
+#if LINTAPE_WITH_NCCL
+  if (buffer.is_cuda()) {
+    Nccl* c = nccl_for(buffer);
+    cudaStream_t s = cuda::stream(buffer.device().index);
+    LT_NCCL_CHECK(ncclAllGather(base + size_t(rank_ * n) * bytes, base, size_t(n), nccl_type(buffer), c->comm, s));
+    return nccl_wait(c->comm, s, "all_gather", rank_);
+  }
+#endif
+#if LINTAPE_WITH_MPI
+  LT_CHECK(!buffer.is_cuda(), "[comm] all_gather over ", buffer.device().name(), " needs NCCL");
+  with_watchdog("all_gather", rank_, [&] {
+    LT_MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, base, int(n), mpi_type(buffer, "all_gather"),
+                               MPI_COMM_WORLD));
+  });
+#else
+  (void)n;
+  (void)bytes;
+  (void)base;
+#endif
+}
+
 double Communicator::all_reduce_sum(double value) {
 #if LINTAPE_WITH_MPI
   if (distributed())

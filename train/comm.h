@@ -35,6 +35,11 @@ class Communicator {
   void reduce_scatter_sum(const Tensor& in, Tensor& out);
   // out (in.numel() * size, contiguous) = every rank's `in`, in rank order.
   void all_gather(const Tensor& in, Tensor& out);
+  // In place over a buffer of size x n elements, this rank's slice being [rank n, (rank + 1) n):
+  // reduce_scatter leaves the sum of every rank's slice in this rank's slice (the rest is scratch);
+  // all_gather fills every slice from its rank.
+  void reduce_scatter_sum_in_place(Tensor& buffer);
+  void all_gather_in_place(Tensor& buffer);
   // Scalars on the host.
   double all_reduce_sum(double value);
   double all_reduce_max(double value);

@@ -3,6 +3,10 @@
 #include <cmath>
 #include <vector>
 
+#include "autograd/tape.h"
+#include "ops/elementwise.h"
+#include "ops/reduce.h"
+#include "train/comm.h"
 #if LINTAPE_WITH_CUDA
 #include "train/optimizer_cuda.h"
 #endif
@@ -31,21 +35,52 @@ AdamW::AdamW(Module& module, const AdamWOptions& options) : module_(module), opt
   decay_mask_ = from_vector(mask, flat.shape(), flat.dtype(), flat.device());
 }
 
+Tensor AdamW::slice(const Tensor& flat) const {
+  if (!comm_) return flat;
+  const int64_t n = flat.numel() / comm_->size();
+  return flat.narrow(0, n * comm_->rank(), n);
+}
+
+void AdamW::shard(Communicator& comm) {
+  const int64_t total = module_.flat_parameters().numel();
+  LT_CHECK(total % comm.size() == 0, "[AdamW] ZeRO-1: the flat buffers' ", total, " elements do not split into ",
+           comm.size(), " equal slices; flatten the parameters with multiple_of = ", comm.size());
+  comm_ = &comm;
+  m_ = slice(m_).clone();  // the full moments are freed here: only this rank's slice stays
+  v_ = slice(v_).clone();
+  decay_mask_ = slice(decay_mask_).clone();
+}
+
+double AdamW::reduce_and_clip_gradients(double max_norm) {
+  LT_CHECK(comm_, "[AdamW] reduce_and_clip_gradients is for a sharded optimizer (AdamW::shard)");
+  Tensor grads = module_.flat_gradients();
+  comm_->reduce_scatter_sum_in_place(grads);
+  Tensor mine = slice(grads);
+  NoGradGuard no_grad;
+  mine.copy_(mul(mine, 1.0 / double(comm_->size())));
+  const double local = sum(mul(mine, mine)).to(DType::F64).item();
+  const double norm = std::sqrt(comm_->all_reduce_sum(local));
+  if (norm > max_norm && std::isfinite(norm)) mine.copy_(mul(mine, max_norm / (norm + 1e-6)));
+  return norm;
+}
+
 void AdamW::step(double lr) {
   ++steps_;
   const float bias1 = float(1.0 - std::pow(options_.beta1, double(steps_)));
   const float bias2 = float(1.0 - std::pow(options_.beta2, double(steps_)));
-  const Tensor& params = module_.flat_parameters();
+  Tensor all_params = module_.flat_parameters();
+  const Tensor params = slice(all_params), grads = slice(module_.flat_gradients());
 #if LINTAPE_WITH_CUDA
   if (params.is_cuda()) {
-    cuda_train::adamw_step_cuda(params, module_.flat_gradients(), m_, v_, decay_mask_,
+    cuda_train::adamw_step_cuda(params, grads, m_, v_, decay_mask_,
                                 {float(lr), float(lr * options_.weight_decay), float(options_.beta1),
                                  float(options_.beta2), float(options_.eps), bias1, bias2});
+    if (comm_) comm_->all_gather_in_place(all_params);
     return;
   }
 #endif
-  float* p = cpu_f32(module_.flat_parameters(), "parameters");
-  const float* g = cpu_f32(module_.flat_gradients(), "gradients");
+  float* p = cpu_f32(params, "parameters");
+  const float* g = cpu_f32(grads, "gradients");
   float* m = cpu_f32(m_, "first moment");
   float* v = cpu_f32(v_, "second moment");
   const float* decay = cpu_f32(decay_mask_, "decay mask");
@@ -59,9 +94,18 @@ void AdamW::step(double lr) {
     p[i] -= step_lr * (m[i] / bias1) / (std::sqrt(v[i] / bias2) + eps);
   }
   params.storage().version++;
+  if (comm_) comm_->all_gather_in_place(all_params);
 }
 
 std::map<std::string, Tensor> AdamW::state_dict() const {
+  if (comm_) {  // the full moments for a moment: gathered from every rank's slice
+    AdamW whole(module_, options_);
+    slice(whole.m_).copy_(m_);
+    slice(whole.v_).copy_(v_);
+    comm_->all_gather_in_place(whole.m_);
+    comm_->all_gather_in_place(whole.v_);
+    return whole.state_dict();
+  }
   std::map<std::string, Tensor> out;
   const auto ranges = module_.flat_ranges();
   const NamedTensors params = module_.named_parameters();
@@ -75,6 +119,7 @@ std::map<std::string, Tensor> AdamW::state_dict() const {
 
 void AdamW::load_state_dict(const std::map<std::string, Tensor>& state, int64_t steps_taken,
                             const std::string& source) {
+  LT_CHECK(!comm_, "[AdamW] load the state before sharding (AdamW::shard)");
   const auto ranges = module_.flat_ranges();
   const NamedTensors params = module_.named_parameters();
   LT_CHECK(state.size() == 2 * params.size(), "[AdamW] ", source, " holds ", state.size(), " tensors; expected ",

@@ -11,6 +11,8 @@
 
 namespace lintape {
 
+class Communicator;
+
 struct AdamWOptions {
   double beta1 = 0.9;
   double beta2 = 0.95;
@@ -25,15 +27,28 @@ class AdamW {
   void step(double lr);
   int64_t steps_taken() const { return steps_; }
   // Moments named m.<param> and v.<param> (CPU float32 copies), and back; errors name `source`.
+  // Sharded, state_dict gathers the moments from every rank: every rank must call it.
   std::map<std::string, Tensor> state_dict() const;
   void load_state_dict(const std::map<std::string, Tensor>& state, int64_t steps_taken,
                        const std::string& source = "optimizer state");
 
+  // ZeRO-1 over the ranks of `comm`: this rank keeps the moments of its 1 / ranks of the flat buffers
+  // only (their length must split evenly: Module::flatten_parameters(ranks)). Then
+  // reduce_and_clip_gradients() replaces the all-reduce and clip_grad_norm: it reduce-scatters the
+  // gradients' mean into this rank's slice and clips it by the global norm (returned); step() updates
+  // this rank's slice of the parameters and all-gathers them.
+  void shard(Communicator& comm);
+  bool sharded() const { return comm_ != nullptr; }
+  double reduce_and_clip_gradients(double max_norm);
+
  private:
+  Tensor slice(const Tensor& flat) const;  // this rank's slice of a flat buffer (all of it unsharded)
   Module& module_;
   AdamWOptions options_;
-  Tensor m_, v_, decay_mask_;  // flat, like the parameters; decay_mask_ is 1 where weight decay applies
+  // Flat like the parameters (this rank's slice when sharded); decay_mask_ is 1 where weight decay applies.
+  Tensor m_, v_, decay_mask_;
   int64_t steps_ = 0;
+  Communicator* comm_ = nullptr;
 };
 
 // Linear warm-up to peak over `warmup` steps, then cosine down to min_ratio * peak at total_steps.

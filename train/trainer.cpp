@@ -131,7 +131,7 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
     model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
     model_->load_state_dict(c.model, c.path + "/model.safetensors");
     model_->to(options_.device);
-    model_->flatten_parameters();
+    model_->flatten_parameters(comm.size());  // shards of equal length for ZeRO-1
     optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
     optimizer_->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
     data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
@@ -146,7 +146,7 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
              data_->vocab_size() - 1, "; the model's vocab_size is ", config_.model.vocab_size);
     model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
     model_->to(options_.device);
-    model_->flatten_parameters();
+    model_->flatten_parameters(comm.size());  // shards of equal length for ZeRO-1
     optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
   }
   model_->set_compute_dtype(options_.compute_dtype.value_or(default_compute_dtype(options_.device)));
@@ -156,10 +156,13 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
              " sequences) must be a multiple of the number of ranks (", comm.size(), ")");
     comm.check_same("the training config", to_json(config_));
     comm.check_same("the step to start from", std::to_string(step_));
+    comm.check_same("--zero", std::to_string(options_.zero));
     // Every rank starts from rank 0's weights (the same seed gives the same ones; this makes it so).
     Tensor params = model_->flat_parameters();
     comm.broadcast(params, 0);
   }
+  LT_CHECK(options_.zero == 0 || options_.zero == 1, "[train] --zero must be 0 or 1; got ", options_.zero);
+  if (options_.zero == 1) optimizer_->shard(comm);
 }
 
 std::pair<double, double> Trainer::validate() {
@@ -190,8 +193,9 @@ void Trainer::checkpoint() {
   // The state is the same on every rank: rank 0 writes it, the others wait, so that a checkpoint is
   // complete before any rank goes on (and a later run with any number of ranks can resume from it).
   Communicator& comm = Communicator::world();
+  const std::map<std::string, Tensor> moments = optimizer_->state_dict();  // sharded: gathered, by every rank
   if (comm.rank() == 0)
-    save_checkpoint(options_.checkpoint_dir, *model_, *optimizer_, config_, {step_, data_->position()},
+    save_checkpoint(options_.checkpoint_dir, *model_, moments, config_, {step_, data_->position()},
                     config_.keep_checkpoints);
   comm.barrier();
 }
@@ -230,12 +234,8 @@ TrainResult Trainer::run() {
       backward(l);
       loss += l.item();  // after backward: on CUDA the forward and backward are queued without a wait
     }
-    if (comm.distributed()) {
-      // The mean over the global batch: every rank's slice has the same number of targets.
-      Tensor grads = model_->flat_gradients();
-      comm.all_reduce_mean(grads);
-      loss = comm.all_reduce_sum(loss) / double(comm.size());
-    }
+    // The mean over the global batch: every rank's slice has the same number of targets.
+    if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
     if (!std::isfinite(loss)) {
       result.stopped_nonfinite = true;
       result.message = str("[train] the loss is ", loss, " at step ", step_ + 1,
@@ -243,7 +243,14 @@ TrainResult Trainer::run() {
       if (progress) *progress << result.message << "\n";
       break;
     }
-    const double grad_norm = clip_grad_norm(*model_, config_.grad_clip);
+    double grad_norm = 0;
+    if (optimizer_->sharded()) {
+      grad_norm = optimizer_->reduce_and_clip_gradients(config_.grad_clip);
+    } else {
+      Tensor grads = model_->flat_gradients();
+      comm.all_reduce_mean(grads);
+      grad_norm = clip_grad_norm(*model_, config_.grad_clip);
+    }
     const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
     optimizer_->step(lr);
     ++step_;
@@ -312,6 +319,7 @@ TrainResult Trainer::run() {
                     {"peak_mem_mib", double(memory_stats(options_.device).peak) / (1024.0 * 1024.0)},
                     {"device", options_.device.name()},
                     {"ranks", comm.size()},
+                    {"zero", options_.zero},
                     {"compute_dtype", dtype_name(model_->compute_dtype())},
                     {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
                     {"stopped", result.message}}

@@ -30,6 +30,8 @@ struct TrainerOptions {
   // The activations' and matrix products' dtype; the master weights and AdamW moments stay float32.
   // Unset: default_compute_dtype(device).
   std::optional<DType> compute_dtype;
+  // Several ranks: 1 shards the AdamW moments over them (ZeRO-1); 0 keeps them whole on every rank.
+  int zero = 0;
 };
 
 // bfloat16 on CUDA (MODEL.md's mixed precision), float32 on the CPU.
