@@ -619,15 +619,16 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
 
 std::pair<Tensor, Tensor> run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& S0,
                               const FalOptions& o, Impl impl, const char* op) {
-  // On CUDA the fused forward is faster than the composed one and takes a fraction of its memory, but the fused
-  // backward is slower (docs/BENCHMARKS.md): Auto runs Fused when no gradient will be recorded (prefill,
-  // evaluation) and Composed otherwise.
+  // On CUDA (docs/BENCHMARKS.md) the fused causal forward is faster than the composed one and takes a ninth of
+  // its memory, but the fused backwards are slower, and the fused noncausal forward is about as fast as the
+  // composed one: Auto runs Fused for causal calls that record no gradient (prefill, evaluation) and
+  // Composed otherwise.
   if (impl == Impl::Auto) {
     const bool records = autograd::grad_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                       g.requires_grad() || (S0.defined() && S0.requires_grad()));
     impl = !q.is_cuda() ? Impl::Reference
-           : !records && fused_unsupported(q, v, o) == nullptr ? Impl::Fused
-                                                                : Impl::Composed;
+           : o.causal && !records && fused_unsupported(q, v, o) == nullptr ? Impl::Fused
+                                                                            : Impl::Composed;
   }
   switch (impl) {
     case Impl::Reference: return run_reference(q, k, v, g, S0, o, op);
