@@ -7,7 +7,6 @@
 // Backward: the query sweep (dq, dg) reruns 1-3 forward; the key sweep (dk, dv) runs them the other way on
 // dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The segment states
 // (B, H, G, D', E) in f32 are the only extra memory.
-#include <algorithm>
 #include "ops/fal_sweep.cuh"
 
 namespace lintape::fal_cuda {

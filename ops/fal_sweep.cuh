@@ -49,7 +49,6 @@ struct SweepArgs {
   int act_q, act_k, act_v, act_g, lrpe;
   int pass;
   bool causal;
-  int chunk;               // C
   int64_t tokens_per_block;  // the token range of grid.y's blocks
   bool block_states;         // state_in holds one state per block (a causal segment's incoming state)
 };
@@ -526,7 +525,6 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
 
 // Launches sweep_kernel<T> for a's dtype.
 inline void launch_sweep(SweepArgs a, DType dtype, dim3 grid, cudaStream_t st, const char* op) {
-  a.chunk = kSweepChunk;
   const size_t smem = sweep_smem_floats(a.D, a.P, a.E) * sizeof(float);
   LT_CHECK(smem <= size_t(kMaxSharedBytes), "[", op, "] the fused kernel's state of D' = ", a.P, ", E = ", a.E,
            " does not fit in shared memory");
