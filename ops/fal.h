@@ -14,9 +14,12 @@
 //
 // Impl::Fused runs the fused CUDA kernels of fal and fal_with_state for f32/bf16/f16 inputs with LRPE none,
 // cosine or rotate, acts other than softmax over the sequence and D, E <= 256 (D' x E up to 256 x 128); for
-// md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). The
-// kernels still run on CUDA cores and are slower than Composed, so Impl::Auto runs Reference on the CPU and
-// Composed on CUDA for now. fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
+// md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). Their
+// products run on the tensor cores (tf32; f32 inputs in split tf32 at f32 accuracy). Impl::Auto runs Reference
+// on the CPU; on CUDA it runs Fused for causal calls that record no gradient (its forward is the faster one and
+// saves no intermediates) and Composed otherwise (the fused backwards are still slower than the composed ones,
+// and the noncausal forward no faster).
+// fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,22 +1,112 @@
-// Fused FAL, causal with decay and state: one block per (b, h) walks the sequence in chunks, the f32 state in
-// shared memory (ops/fal_sweep.cuh): inside a chunk the masked, decayed product, across chunks the carried
-// state. Backward runs two sweeps: forward again for dq and dg (the states recomputed, never stored), and
-// backward from the final state's gradient for dk, dv and dS0.
+// Fused FAL, causal with decay and state, on the chunk sweep of ops/fal_sweep.cuh (16-token chunks on the
+// tensor cores, the f32 state in shared memory). The sequence is cut into G segments so that B x H x G blocks
+// fill the GPU (G = 1 when B x H alone does):
+//   1. each segment's local state, from zero: sum over its tokens of lambda^(end - 1 - t) kb_t^T vb_t;
+//   2. a scan over the segments turns them into the state entering each segment (from S0) and the final state;
+//   3. each segment's outputs from its entering state, inside its chunks the masked, decayed product.
+// Backward: the query sweep (dq, dg) reruns 1-3 forward; the key sweep (dk, dv) runs them the other way on
+// dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The segment states
+// (B, H, G, D', E) in f32 are the only extra memory.
 #include "ops/fal_sweep.cuh"
 
 namespace lintape::fal_cuda {
+
+namespace {
+
+constexpr int64_t kMinSegmentTokens = 64;
+constexpr int kMaxSegments = 32;
+
+// In place over states (BH, G, n): each segment's local sum in, the state entering it out; forward from start
+// (S0, or zeros when null) through segments 0 ... G-1, reverse from start (dS_final) through G-1 ... 0. last
+// (BH, n) or null receives the state past the final segment (S_final, or dS0 in reverse).
+__global__ void scan_segments(float* __restrict__ states, const float* __restrict__ start, float* __restrict__ last,
+                              const float* __restrict__ decay, int H, int G, int64_t n, int64_t total,
+                              int64_t tokens, int64_t per, bool reverse) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int64_t bh = i / n, j = i % n;
+  const float lam = decay ? decay[bh % H] : 1.0f;
+  float s = start ? start[i] : 0.0f;
+  for (int step = 0; step < G; ++step) {
+    const int seg = reverse ? G - 1 - step : step;
+    float* cell = states + (bh * G + seg) * n + j;
+    const float local = *cell;
+    *cell = s;
+    const int64_t len = min(per, tokens - seg * per);
+    s = (lam == 1.0f ? 1.0f : powf(lam, float(len))) * s + local;
+  }
+  if (last) last[i] = s;
+}
+
+// One causal sweep (rows pass `pass`) over the whole sequence, or over G segments with their entering states
+// computed first (reduce pass `reduce`, then the scan). start/last as in scan_segments.
+void causal_sweep(SweepArgs a, int pass, int reduce, bool reverse, const float* start, float* last, int64_t BH,
+                  int64_t G, DType dtype, cudaStream_t st, Device dev) {
+  a.causal = true;
+  if (G == 1) {
+    a.pass = pass;
+    a.tokens_per_block = a.N;
+    a.block_states = false;
+    a.state_in = start;
+    a.state_out = last;
+    launch_sweep(a, dtype, dim3(unsigned(BH), 1), st, "fal");
+    return;
+  }
+  const int64_t per = causal_segment_tokens(a.N, G), n = int64_t(a.P) * a.E;
+  Tensor states = empty({BH, G, a.P, a.E}, DType::F32, dev);
+  a.tokens_per_block = per;
+  a.pass = reduce;
+  a.block_states = false;
+  a.state_in = nullptr;
+  a.state_out = states.data_ptr<float>();
+  launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
+  const int64_t total = BH * n;
+  scan_segments<<<unsigned((total + 255) / 256), 256, 0, st>>>(states.data_ptr<float>(), start, last, a.decay, a.H,
+                                                               int(G), n, total, a.N, per, reverse);
+  LT_CUDA_CHECK_LAUNCH();
+  a.pass = pass;
+  a.block_states = true;
+  a.state_in = states.data_ptr<float>();
+  a.state_out = nullptr;
+  launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
+}
+
+}  // namespace
+
+int sm_count(Device dev) {
+  int sms = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
+  return sms;
+}
+
+int64_t causal_segment_tokens(int64_t N, int64_t G) {
+  return ((N + G - 1) / G + kSweepChunk - 1) / kSweepChunk * kSweepChunk;  // whole chunks
+}
+
+// One block per SM (the state fills shared memory): the time goes as the waves of blocks times the tokens a
+// block walks, and a split adds the local-state pass (about half a sweep) to each segment. A split must gain
+// 20% to be taken (each segment's state is memory).
+int64_t causal_segments(int64_t BH, int64_t N, int sms) {
+  int64_t best = 1;
+  double best_cost = double((BH + sms - 1) / sms) * double(N);
+  for (int64_t G = 2; G <= kMaxSegments && N / G >= kMinSegmentTokens; G *= 2) {
+    const int64_t per = causal_segment_tokens(N, G), used = (N + per - 1) / per;
+    const double cost = double((BH * used + sms - 1) / sms) * double(per) * 1.5;
+    if (cost < 0.8 * best_cost) best = used, best_cost = cost;
+  }
+  return best;
+}
 
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                     const Tensor& S0, const Tensor& out, const Tensor& S_final) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0 || v.size(3) == 0) return;
+  const Device dev = q.device();
   SweepArgs a = sweep_args(q, k, v, g, spec);
-  a.pass = kForward;
-  a.causal = true;
-  a.state_in = S0.defined() ? S0.data_ptr<float>() : nullptr;
-  a.state_out = S_final.data_ptr<float>();
   a.out = out.data();
-  launch_sweep(a, q.dtype(), dim3(unsigned(BH), 1), cuda::stream(q.device().index), "fal");
+  const int64_t G = causal_segments(BH, q.size(1), sm_count(dev));
+  causal_sweep(a, kForward, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr,
+               S_final.data_ptr<float>(), BH, G, q.dtype(), cuda::stream(dev.index), dev);
 }
 
 void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
@@ -24,21 +114,19 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0) return;
-  cudaStream_t st = cuda::stream(q.device().index);
+  const Device dev = q.device();
+  cudaStream_t st = cuda::stream(dev.index);
   SweepArgs a = sweep_args(q, k, v, g, spec);
-  a.causal = true;
   a.dout = dout.data();
   a.dq = dq.data();
   a.dk = dk.data();
   a.dv = dv.data();
   a.dg = dg.data();
-  a.pass = kQueryGrad;
-  a.state_in = S0.defined() ? S0.data_ptr<float>() : nullptr;
-  launch_sweep(a, q.dtype(), dim3(unsigned(BH), 1), st, "fal");
-  a.pass = kKeyGrad;
-  a.state_in = dS_final.defined() ? dS_final.data_ptr<float>() : nullptr;
-  a.state_out = dS0.defined() ? dS0.data_ptr<float>() : nullptr;
-  launch_sweep(a, q.dtype(), dim3(unsigned(BH), 1), st, "fal");
+  const int64_t G = causal_segments(BH, q.size(1), sm_count(dev));
+  causal_sweep(a, kQueryGrad, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr, nullptr, BH, G,
+               q.dtype(), st, dev);
+  causal_sweep(a, kKeyGrad, kReduceDKV, true, dS_final.defined() ? dS_final.data_ptr<float>() : nullptr,
+               dS0.defined() ? dS0.data_ptr<float>() : nullptr, BH, G, q.dtype(), st, dev);
 }
 
 }  // namespace lintape::fal_cuda

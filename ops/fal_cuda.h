@@ -40,6 +40,13 @@ void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& kv, const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dg);
 
+// Causal, N == M: the number of segments the sweeps cut the sequence into for B x H = BH on a GPU of `sms`
+// SMs (each keeps one (B, H, D', E) f32 state while the kernels run; 1: none), and the tokens of each but the
+// last segment; sm_count gives the device's SMs.
+int64_t causal_segments(int64_t BH, int64_t N, int sms);
+int64_t causal_segment_tokens(int64_t N, int64_t G);
+int sm_count(Device dev);
+
 // Causal, N == M. S0 (B, H, D', E) f32 or undefined (zeros); writes out and S_final (B, H, D', E) f32.
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                     const Tensor& S0, const Tensor& out, const Tensor& S_final);

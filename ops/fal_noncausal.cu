@@ -59,7 +59,7 @@ void rows(SweepArgs a, int pass, int64_t tokens, int64_t BH, DType dtype, cudaSt
 }  // namespace
 
 bool sequence_supported(int64_t D, int64_t P, int64_t E) {
-  return D <= kMaxHeadDim && E <= kMaxHeadDim && sweep_smem_floats(D, P, E, 1) * sizeof(float) <= kMaxSharedBytes;
+  return D <= kMaxHeadDim && E <= kMaxHeadDim && sweep_smem_floats(D, P, E) * sizeof(float) <= kMaxSharedBytes;
 }
 
 void noncausal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,

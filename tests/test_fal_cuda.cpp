@@ -189,9 +189,11 @@ const std::vector<StepConfig> kSequenceConfigs = {
 
 // Fused (launchers on poisoned outputs, then Impl::Auto through the tape) against the f64 reference: the
 // output, the final state, the four input gradients and dS0, with the final state's gradient fed in.
-void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t seed) {
+// N and M default to odd lengths of a few 16-token chunks; long runs carry the state over many chunks.
+void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t seed, int64_t n = 0, int64_t B = 2) {
 #if LINTAPE_WITH_CUDA
-  const int64_t B = 2, H = 3, N = causal ? 41 : 37, M = causal ? N : 45, P = fal_state_rows(c.lrpe, c.D);
+  const int64_t H = 3, N = n > 0 ? n : causal ? 41 : 37, M = causal ? N : n > 0 ? n + 8 : 45;
+  const int64_t P = fal_state_rows(c.lrpe, c.D);
   std::vector<Tensor> in;  // q, k, v, g on the device, rounded to dt
   for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, M, H, c.D}, Shape{B, M, H, c.E}, Shape{B, N, H, c.E}})
     in.push_back(randn(s, dt, gpu(), seed++));
@@ -266,7 +268,7 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   }
   if (causal) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
 #else
-  (void)c, (void)causal, (void)dt, (void)seed;
+  (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B;
 #endif
 }
 
@@ -294,6 +296,19 @@ TEST_CASE("cuda fal fused causal matches the reference" * LT_CUDA_CASE) {
     }
 }
 
+// Hundreds of tokens: the carried state (and its gradient, carried backward) crosses many chunks; decay and
+// softmax keep the sums of the long cases in range.
+TEST_CASE("cuda fal fused long sequences match the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  uint64_t seed = 600;
+  for (bool causal : {true, false})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      CAPTURE(causal);
+      CAPTURE(dtype_name(dt));
+      check_fused_sequence(kSequenceConfigs[2], causal, dt, seed += 10, 333, 1);
+    }
+}
+
 TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const int64_t B = 2, N = 40, H = 3;
@@ -318,6 +333,22 @@ TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
   CHECK_CLOSE_TENSOR(state.to(Device::cpu()), S_whole.to(Device::cpu()).to(DType::F64), DType::F32);
 }
 
+TEST_CASE("cuda fal causal segments follow the shape" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  CHECK(fal_cuda::causal_segments(144, 8192, 132) == 1);  // B x H fills the SMs: one sweep per (b, h)
+  CHECK(fal_cuda::causal_segments(12, 8192, 132) > 1);    // few heads: the sequence is cut
+  CHECK(fal_cuda::causal_segments(12, 100, 132) == 1);    // too short to cut
+  for (int64_t N : {333, 1000, 4099}) {
+    const int64_t G = fal_cuda::causal_segments(3, N, 132), per = fal_cuda::causal_segment_tokens(N, G);
+    CAPTURE(N);
+    CHECK(per % 16 == 0);
+    CHECK((G - 1) * per < N);  // no empty segment
+    CHECK(G * per >= N);
+  }
+#endif
+}
+
 // Forward through the op: the output and the states. Backward through the launchers (the tape adds its own
 // buffers for the incoming gradients): the states only, the gradients being allocated by the caller.
 TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
@@ -338,8 +369,11 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     if (!causal) o.decay = Tensor();
     const Tensor dout = randn({B, N, H, c.E}, DType::BF16, gpu(), seed++);
     const int64_t state_bytes = B * H * P * c.E * 4, out_bytes = B * N * H * c.E * 2;
-    // Noncausal reductions keep one partial state per slice of the sequence (64 tokens or more each).
-    const int64_t partials = causal ? 0 : (N + 63) / 64;
+    // Noncausal reductions keep one partial state per slice of the sequence (64 tokens or more each); causal
+    // sweeps one state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do).
+    const int64_t segments = fal_cuda::causal_segments(B * H, N, fal_cuda::sm_count(gpu()));
+    if (causal) CHECK(segments > 1);
+    const int64_t partials = causal ? (segments > 1 ? segments : 0) : (N + 63) / 64;
 
     int64_t base = int64_t(memory_stats(gpu()).in_use);
     reset_peak_memory(gpu());
@@ -361,7 +395,7 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     else
       fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
                                    grads[3]);
-    const int64_t states = causal ? 0 : 1 + partials;  // noncausal: dkv and its partials
+    const int64_t states = causal ? partials : 1 + partials;  // noncausal: dkv and its partials
     CHECK(int64_t(memory_stats(gpu()).peak) - base <= states * state_bytes + slack);
   }
 #endif

@@ -6,8 +6,8 @@ causal:    torch.compile for the acts, cosine LRPE and gate around the `chunk_si
            and that kernel alone on q, k of width 2D.
 
 Shapes and acts as bench/bench_fal.cpp: B = H = 12, D = E = 128, bf16. Medians of CUDA-event timings
-after a warm-up; the inputs of backward runs keep their graph, as lintape's harness does.
-Usage: python3 bench/peers/fal_peer.py [--quick] [--json FILE]
+after a warm-up; backward is timed alone, on a fresh graph per run (an untimed forward before each).
+Usage: python3 bench/peers/fal_peer.py [--quick] [--causal-only] [--json FILE]
 """
 import argparse
 import json
@@ -60,18 +60,33 @@ def epilogue(g, o):
     return F.silu(g) * o
 
 
-def time_case(fn, inputs, mode):
+def time_case(fn, inputs, mode, reps=20, warmup=3):
     if mode == "fwd":
         return median_ms(lambda: fn(*inputs))
-    out = fn(*inputs)
-    do = torch.randn_like(out)
-    return median_ms(lambda: torch.autograd.grad(out, inputs, do, retain_graph=True))
+    # Backward alone: a fresh graph for every timed backward (untimed forward), since torch.compile's
+    # backward frees its saved tensors and cannot run twice on one graph (retain_graph is not honoured).
+    do = torch.randn_like(fn(*inputs))
+    times = []
+    for i in range(warmup + reps):
+        out = fn(*inputs)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.autograd.grad(out, inputs, do)
+        b.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(a.elapsed_time(b))
+        del out
+    times.sort()
+    return times[len(times) // 2]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument("--causal-only", action="store_true", help="skip the noncausal tables")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -95,7 +110,7 @@ def main():
     # -- noncausal
     compiled = torch.compile(fal_noncausal)
     ns = [1024, 4096, 8192] if args.quick else [256, 1024, 4096, 8192, 16384, 32768]
-    for q_softmax in (False, True):
+    for q_softmax in () if args.causal_only else (False, True):
         table = "fal " + ("q softmax" if q_softmax else "silu")
         for n in ns:
             mk = lambda w: torch.randn(B, n, H, w, device=dev, dtype=DT, requires_grad=True)  # noqa: E731
