@@ -335,7 +335,7 @@ Tensor run_fused_decode(const Factors& f, double scale, const std::vector<int64_
   a.bk = rows_contiguous(f.bk.detach());
   a.av = rows_contiguous(f.av.detach());
   a.bv = rows_contiguous(f.bv.detach());
-  a.lengths = from_vector_i64(lengths, {f.B}, f.aq.device());
+  a.lengths = lengths;
   a.scale = scale;
   Tensor out = empty({f.B, 1, f.H, f.E}, f.aq.dtype(), f.aq.device());
   tpa_cuda::decode(a, out);

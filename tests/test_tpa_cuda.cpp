@@ -1,5 +1,6 @@
 // TPA fused CUDA decode: the launcher on poisoned outputs vs the f64 CPU reference at several shapes,
-// split counts, dtypes and cache lengths; a TpaCache read in place; peak memory.
+// split counts, dtypes and cache lengths, for the general and the tensor-core kernel; a TpaCache read in
+// place; peak memory.
 #include <cmath>
 #include <vector>
 #include "core/allocator.h"
@@ -40,9 +41,38 @@ Tensor cpu_decode(const Inputs& in, const std::vector<int64_t>& lengths) {
   return tpa_decode(c[0], c[1], c[2], c[3], c[4], c[5], o, Impl::Reference);
 }
 
+// Runs the launcher on a poisoned output and compares with the reference.
+void check_decode(const DecodeShape& s, DType dt, const std::vector<int64_t>& lengths, int64_t split_rows,
+                  bool tensor_cores, uint64_t seed) {
+  const Inputs in = decode_inputs(s, dt, seed);
+#if LINTAPE_WITH_CUDA
+  tpa_cuda::DecodeArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], lengths};
+  a.scale = 1.0 / std::sqrt(double(s.D));
+  a.split_rows = split_rows;
+  a.allow_tensor_cores = tensor_cores;
+  CHECK(tpa_cuda::decode_uses_tensor_cores(a) == tensor_cores);
+  Tensor out = empty({s.B, 1, s.H, s.E}, dt, gpu());
+  poison_(out);
+  tpa_cuda::decode(a, out);
+  CHECK_CLOSE_TENSOR(out.to(Device::cpu()), cpu_decode(in, lengths), dt);
+#else
+  (void)in;
+  (void)lengths;
+  (void)split_rows;
+  (void)tensor_cores;
+#endif
+}
+
+std::vector<int64_t> mixed_lengths(const DecodeShape& s) {
+  std::vector<int64_t> lengths(size_t(s.B), s.M);
+  if (s.B > 1) lengths[1] = (s.M + 1) / 2;
+  if (s.B > 2) lengths[2] = 1;
+  return lengths;
+}
+
 }  // namespace
 
-TEST_CASE("cuda tpa decode fused matches the CPU reference" * LT_CUDA_CASE) {
+TEST_CASE("cuda tpa decode general kernel matches the CPU reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const DecodeShape shapes[] = {{2, 37, 3, 2, 1, 1, 8, 8},      {1, 1, 2, 3, 2, 2, 64, 64},
                                 {3, 301, 4, 4, 3, 2, 64, 48},   {2, 1000, 32, 16, 1, 1, 128, 128},
@@ -54,20 +84,42 @@ TEST_CASE("cuda tpa decode fused matches the CPU reference" * LT_CUDA_CASE) {
         CAPTURE(s.H);
         CAPTURE(dtype_name(dt));
         CAPTURE(split_rows);
-        const Inputs in = decode_inputs(s, dt, uint64_t(s.M));
-        std::vector<int64_t> lengths(size_t(s.B), s.M);
-        if (s.B > 1) lengths[1] = (s.M + 1) / 2;
-#if LINTAPE_WITH_CUDA
-        tpa_cuda::DecodeArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5],
-                               from_vector_i64(lengths, {s.B}, gpu())};
-        a.scale = 1.0 / std::sqrt(double(s.D));
-        a.split_rows = split_rows;
-        Tensor out = empty({s.B, 1, s.H, s.E}, dt, gpu());
-        poison_(out);
-        tpa_cuda::decode(a, out);
-        CHECK_CLOSE_TENSOR(out.to(Device::cpu()), cpu_decode(in, lengths), dt);
-#endif
+        check_decode(s, dt, mixed_lengths(s), split_rows, false, uint64_t(s.M));
       }
+}
+
+TEST_CASE("cuda tpa decode tensor-core kernel matches the CPU reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // Head counts for each m-tile count (12, 32, 64), E = 64 and 128, ranks up to (16, 4, 4), caches
+  // shorter than a tile, not a multiple of it, and a batch past the inline lengths (300).
+  const DecodeShape shapes[] = {{2, 1000, 32, 16, 1, 1, 128, 128}, {1, 4097, 8, 6, 2, 2, 128, 128},
+                                {3, 77, 12, 6, 2, 2, 64, 64},      {2, 300, 64, 16, 1, 1, 64, 128},
+                                {3, 5, 16, 4, 4, 4, 32, 64},       {300, 40, 8, 2, 1, 1, 64, 64},
+                                {1, 1, 32, 16, 1, 1, 128, 128}};
+  for (const DecodeShape& s : shapes)
+    for (DType dt : {DType::BF16, DType::F16})
+      for (int64_t split_rows : {int64_t(0), int64_t(32), int64_t(100)}) {
+        CAPTURE(s.B);
+        CAPTURE(s.M);
+        CAPTURE(s.H);
+        CAPTURE(dtype_name(dt));
+        CAPTURE(split_rows);
+        check_decode(s, dt, mixed_lengths(s), split_rows, true, uint64_t(s.M + s.B));
+      }
+}
+
+TEST_CASE("cuda tpa decode tensor-core kernel error at the seeds' shape" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // B = 8, H = 32, R_q = 16, D = E = 128, bf16, a long cache: relative error vs f64 within 5e-3.
+  const DecodeShape s{8, 8192, 32, 16, 1, 1, 128, 128};
+  const Inputs in = decode_inputs(s, DType::BF16, 11);
+  const std::vector<int64_t> lengths(size_t(s.B), s.M);
+  const Tensor out = tpa_decode(in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5]);
+  const double err = rel_error(out.to(Device::cpu()), cpu_decode(in, lengths));
+  CHECK(err <= 5e-3);
+  // The same call again: the split counters were reset by the first.
+  const Tensor again = tpa_decode(in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5]);
+  CHECK(rel_error(again.to(Device::cpu()), out.to(Device::cpu())) == 0.0);
 }
 
 TEST_CASE("cuda tpa decode over a TpaCache reads it in place" * LT_CUDA_CASE) {
