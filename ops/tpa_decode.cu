@@ -250,10 +250,10 @@ void decode(const DecodeArgs& a, Tensor& out) {
   cudaStream_t st = stream(dev.index);
   LT_DISPATCH_FLOAT_CUDA(a.aq.dtype(), op, T, {
     auto kernel = decode_split<T>;
-    static bool configured = false;  // the largest size once: a call per launch costs microseconds
-    if (!configured) {
-      LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-      configured = true;
+    static size_t allowed = 0;  // raised only when a call needs more, not on every launch
+    if (allowed < smem) {
+      LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      allowed = smem;
     }
     float* pa = g.splits > 1 ? part_acc.data_ptr<float>() : nullptr;
     float* ps = g.splits > 1 ? part_stat.data_ptr<float>() : nullptr;

@@ -79,13 +79,24 @@ Geo make_geo(const DecodeArgs& a, int mt) {
 }
 
 // cp.async of a tile's rows: kRows * per_token rows of `width` elements, contiguous in global memory,
-// `dst_stride` apart in shared memory; rows of tokens at or past `valid` are zero-filled.
+// `dst_stride` apart in shared memory; rows of tokens at or past `valid` are zero-filled. When the
+// 16-byte chunks of a row divide the block, a thread keeps one column and steps over rows (no division
+// per chunk); this is the case for the usual dims.
 template <class T>
 __device__ __forceinline__ void copy_rows(unsigned char* dst, const T* src, int width, int dst_stride, int per_token,
                                           int valid) {
   const int chunks = width / 8;
-  const int total = kRows * per_token * chunks;
-  for (int i = threadIdx.x; i < total; i += kThreads) {
+  const int rows = kRows * per_token;
+  if (kThreads % chunks == 0) {
+    const int ch = threadIdx.x % chunks, step = kThreads / chunks;
+    for (int row = threadIdx.x / chunks; row < rows; row += step) {
+      const bool ok = (per_token == 1 ? row : row / per_token) < valid;
+      cp_async16(dst + (row * dst_stride + ch * 8) * int(sizeof(T)),
+                 ok ? src + int64_t(row) * width + ch * 8 : src, ok);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
     const int row = i / chunks, ch = i - row * chunks;
     const bool ok = row / per_token < valid;
     cp_async16(dst + (row * dst_stride + ch * 8) * int(sizeof(T)), ok ? src + int64_t(row) * width + ch * 8 : src,
@@ -423,10 +434,10 @@ template <class T, int MT, int NT>
 void launch(const DecodeArgs& a, const Geo& g, const DecodeLengths& lengths, Tensor& out, float* pa, float* ps,
             int* counters, int device) {
   auto kernel = decode_tc<T, MT, NT>;
-  static bool configured[kMaxDevices] = {};
-  if (!configured[device]) {
-    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-    configured[device] = true;
+  static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
+  if (allowed[device] < g.total) {
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, g.total));
+    allowed[device] = g.total;
   }
   kernel<<<dim3(unsigned(g.splits), unsigned(a.aq.size(0))), kThreads, size_t(g.total), stream(device)>>>(
       static_cast<const T*>(a.aq.data()), static_cast<const T*>(a.bq.data()), static_cast<const T*>(a.ak.data()),
@@ -462,8 +473,7 @@ bool decode_uses_tensor_cores(const DecodeArgs& a) {
   if ((H * Rk) % 8 != 0 || (H * Rv) % 8 != 0) return false;
   for (const Tensor* t : {&a.ak, &a.bk, &a.av, &a.bv})
     if (t->strides()[0] % 8 != 0 || reinterpret_cast<uintptr_t>(t->data()) % 16 != 0) return false;
-  DecodeArgs probe = a;
-  return make_geo(probe, m_tiles(H)).total <= 227 * 1024;
+  return make_geo(a, m_tiles(H)).total <= 200 * 1024;
 }
 
 void decode_tensor_cores(const DecodeArgs& a, Tensor& out) {

@@ -7,7 +7,8 @@ attention: batch 8, head 16, dim 128, ranks (6, 2, 2), causal: einsum for q, k, 
            scaled_dot_product_attention, forward and forward + backward (reported as backward alone).
 
 Medians of CUDA-event timings after a warm-up; peak memory from torch.cuda.max_memory_allocated.
-Usage: python3 bench/peers/tpa_peer.py [--quick] [--json FILE]
+Usage: python3 bench/peers/tpa_peer.py [--quick] [--decode-ms 2048,32768] [--attention-ns 2048,8192] [--json FILE]
+(torch.compile recompiles for every decode shape, so a short --decode-ms list keeps the run short.)
 """
 import argparse
 import json
@@ -68,6 +69,8 @@ def einsum_sdpa(aq, bq, ak, bk, av, bv):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-ms", help="comma-separated cache lengths (default: 256 ... 32768)")
+    ap.add_argument("--attention-ns", help="comma-separated sequence lengths (default: 1024 ... 8192)")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
@@ -75,6 +78,8 @@ def main():
 
     compiled = torch.compile(naive_decode, dynamic=False)
     ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    if args.decode_ms:
+        ms = [int(x) for x in args.decode_ms.split(",")]
     for B in (8, 32):
         H, Rq, D = 32, 16, 128
         print(f"\ntpa_decode batch{B}-head{H}-rank{Rq}-dim{D}-bf16 (ms, MiB)")
@@ -94,6 +99,8 @@ def main():
 
     B, H, D = 8, 16, 128
     ns = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
+    if args.attention_ns:
+        ns = [int(x) for x in args.attention_ns.split(",")]
     print(f"\ntpa_attention batch{B}-head{H}-dim{D}-rank6_2_2-causal-bf16: einsum + SDPA")
     print(f"{'n':>6} {'fwd ms':>9} {'bwd ms':>9} {'fwd MiB':>9} {'fwd+bwd MiB':>12}")
     for n in ns:
