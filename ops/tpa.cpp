@@ -18,9 +18,6 @@ using autograd::record;
 
 namespace {
 
-// Whether Impl::Auto takes the fused CUDA attention where it applies.
-constexpr bool kAutoFusedAttention = false;
-
 // The six factors with every rank axis present: aq (B, N, H, Rq), bq (B, N, Rq, D), ak (B, M, H, Rk),
 // bk (B, M, Rk, D), av (B, M, H, Rv), bv (B, M, Rv, E).
 struct Factors {
@@ -417,7 +414,7 @@ Impl resolve(Impl impl, const Factors& f, bool decode) {
   if (impl != Impl::Auto) return impl;
   if (!f.aq.is_cuda()) return Impl::Reference;
   if (decode) return f.aq.dtype() != DType::F64 ? Impl::Fused : Impl::Composed;
-  return kAutoFusedAttention && fused_attention_unsupported(f).empty() ? Impl::Fused : Impl::Composed;
+  return fused_attention_unsupported(f).empty() ? Impl::Fused : Impl::Composed;
 }
 
 }  // namespace

@@ -27,8 +27,9 @@ struct TpaOptions {
 };
 
 // Training and prefill; out (B, N, H, E) in the factors' dtype. Recorded by autograd: gradients flow to
-// all six factors. Impl::Auto runs Reference on the CPU and Composed on CUDA (the fused CUDA attention
-// kernels are not built yet).
+// all six factors. Impl::Auto runs Reference on the CPU and on CUDA the fused tensor-core kernels
+// (flash-style: q, k, v tiles built from the factors on chip, only the output and the log-sum-exp
+// saved) for bf16/f16 factors with D == E in {64, 128} and ranks up to 16, else Composed.
 Tensor tpa_attention(const Tensor& aq, const Tensor& bq, const Tensor& ak, const Tensor& bk, const Tensor& av,
                      const Tensor& bv, const TpaOptions& options = {}, Impl impl = Impl::Auto);
 

@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
   for (int i = tid; i < quads; i += kThreads) {
     const int h = i * 4 / E;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
+#pragma unroll 16
     for (int s = 0; s < S; ++s) {
       const float w = wm[s * H + h];
       const float4 v = __ldcg(pa + int64_t(s) * quads + i);
@@ -379,25 +379,26 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
   if (tid == 0) counters[b] = 0;  // ready for the next call
 }
 
-// Splits from a cost model in tile-times of a block sharing its SM with another: waves of blocks times
-// (tiles per split + 1 for the pipeline's fill), plus the combine's reads of every split's partial sums.
+// Splits from a cost model in microseconds. Blocks stream their tiles at the SM's share of the copy
+// bandwidth (a lone block on an SM keeps too few bytes in flight: 3/4 of it); with several splits the
+// last block of a sequence reads every split's partial sums from L2, plus a fixed wait.
 int choose_splits(int64_t B, int64_t M, int sms, const Geo& g) {
   const int64_t tiles = (M + kRows - 1) / kRows;
-  const double slots = 2.0 * sms;
-  const double tile_bytes = double(g.stage);
-  const double per_split = 0.12 * double(g.H) * g.E * 4 / tile_bytes;
-  int best = 1;
-  double best_cost = 1e300;
-  for (int s = 1; s <= std::min<int64_t>(tiles, kMaxSplits); ++s) {
-    const double waves = std::ceil(double(B) * s / slots);
-    const double per = double((tiles + s - 1) / s);
-    const double cost = waves * (per + 1) + (s > 1 ? per_split * s : 0.0);
-    if (cost < best_cost - 1e-9) {
-      best_cost = cost;
-      best = s;
-    }
+  const double tile_us = double(g.stage) / (3.0e6 / sms);  // bytes / (bytes per us per SM)
+  const double split_us = double(g.H) * g.E * 4 / 1.2e5;   // one split's partial sums at ~120 GB/s
+  const int most = int(std::min<int64_t>(tiles, kMaxSplits));
+  std::vector<double> cost(size_t(most) + 1);
+  double best = 1e300;
+  for (int s = 1; s <= most; ++s) {
+    const double per_sm = std::ceil(double(B) * s / sms);  // blocks sharing an SM
+    const double share = per_sm >= 2 ? 1.0 : 0.75;
+    const double stream = per_sm * double((tiles + s - 1) / s) * tile_us / share;
+    cost[size_t(s)] = stream + (s > 1 ? 1.0 + split_us * s : 0.0);
+    best = std::min(best, cost[size_t(s)]);
   }
-  return best;
+  for (int s = 1; s <= most; ++s)  // the fewest splits within 2% of the best: less partial memory
+    if (cost[size_t(s)] <= 1.02 * best) return s;
+  return most;
 }
 
 int sm_count(int device) {

@@ -76,27 +76,6 @@ def main():
     rows = []
     print("device:", torch.cuda.get_device_name())
 
-    compiled = torch.compile(naive_decode, dynamic=False)
-    ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-    if args.decode_ms:
-        ms = [int(x) for x in args.decode_ms.split(",")]
-    for B in (8, 32):
-        H, Rq, D = 32, 16, 128
-        print(f"\ntpa_decode batch{B}-head{H}-rank{Rq}-dim{D}-bf16 (ms, MiB)")
-        print(f"{'m':>6} {'naive':>9} {'compiled':>9} {'naive MiB':>10}")
-        for m in ms:
-            aq = torch.randn(B, H, Rq, device="cuda", dtype=DT)
-            bq = torch.randn(B, Rq, D, device="cuda", dtype=DT)
-            ak, av = (torch.randn(B, m, H, device="cuda", dtype=DT) for _ in range(2))
-            bk, bv = (torch.randn(B, m, D, device="cuda", dtype=DT) for _ in range(2))
-            a = (aq, bq, ak, bk, av, bv)
-            t_naive = median_ms(lambda: naive_decode(*a))
-            t_comp = median_ms(lambda: compiled(*a))
-            mem = peak_mib(lambda: naive_decode(*a))
-            print(f"{m:>6} {t_naive:>9.4f} {t_comp:>9.4f} {mem:>10.1f}")
-            rows.append({"op": "tpa_decode", "batch": B, "m": m, "naive_ms": t_naive, "compiled_ms": t_comp,
-                         "naive_mib": mem})
-
     B, H, D = 8, 16, 128
     ns = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
     if args.attention_ns:
@@ -118,6 +97,27 @@ def main():
         print(f"{n:>6} {fwd:>9.3f} {both - fwd:>9.3f} {mem_f:>9.1f} {mem_b:>12.1f}")
         rows.append({"op": "tpa_attention", "n": n, "fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_mib": mem_f,
                      "fwd_bwd_mib": mem_b})
+
+    compiled = torch.compile(naive_decode, dynamic=False)
+    ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    if args.decode_ms:
+        ms = [int(x) for x in args.decode_ms.split(",")]
+    for B in (8, 32):
+        H, Rq, D = 32, 16, 128
+        print(f"\ntpa_decode batch{B}-head{H}-rank{Rq}-dim{D}-bf16 (ms, MiB)")
+        print(f"{'m':>6} {'naive':>9} {'compiled':>9} {'naive MiB':>10}")
+        for m in ms:
+            aq = torch.randn(B, H, Rq, device="cuda", dtype=DT)
+            bq = torch.randn(B, Rq, D, device="cuda", dtype=DT)
+            ak, av = (torch.randn(B, m, H, device="cuda", dtype=DT) for _ in range(2))
+            bk, bv = (torch.randn(B, m, D, device="cuda", dtype=DT) for _ in range(2))
+            a = (aq, bq, ak, bk, av, bv)
+            t_naive = median_ms(lambda: naive_decode(*a))
+            t_comp = median_ms(lambda: compiled(*a))
+            mem = peak_mib(lambda: naive_decode(*a))
+            print(f"{m:>6} {t_naive:>9.4f} {t_comp:>9.4f} {mem:>10.1f}")
+            rows.append({"op": "tpa_decode", "batch": B, "m": m, "naive_ms": t_naive, "compiled_ms": t_comp,
+                         "naive_mib": mem})
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
