@@ -408,13 +408,21 @@ Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
 #endif
 }
 
-// Auto: Reference on the CPU; on CUDA the fused decode (Composed for f64), and the fused attention where
-// its kernels apply (bf16/f16, D == E in {64, 128}, ranks up to 16), else the composed attention.
+// Composed attention's (B, H, N, M) scores above this size make Auto take the fused attention. The
+// fused kernels (WMMA, tiles built from global memory) are correct but measured 3-3.5x slower than the
+// composed form where both fit (H100, B 8, H 16, D 128, N 1024-4096), while holding 12-40x less memory;
+// below the limit speed wins.
+constexpr double kComposedScoresLimit = 4.0 * (1 << 30);
+
+// Auto: Reference on the CPU; on CUDA the fused decode (Composed for f64), and for attention the fused
+// kernels where they apply (bf16/f16, D == E in {64, 128}, ranks up to 16) and the composed scores would
+// pass kComposedScoresLimit, else the composed attention.
 Impl resolve(Impl impl, const Factors& f, bool decode) {
   if (impl != Impl::Auto) return impl;
   if (!f.aq.is_cuda()) return Impl::Reference;
   if (decode) return f.aq.dtype() != DType::F64 ? Impl::Fused : Impl::Composed;
-  return fused_attention_unsupported(f).empty() ? Impl::Fused : Impl::Composed;
+  const double scores = double(f.B) * double(f.H) * double(f.N) * double(f.M) * double(dtype_size(f.aq.dtype()));
+  return fused_attention_unsupported(f).empty() && scores > kComposedScoresLimit ? Impl::Fused : Impl::Composed;
 }
 
 }  // namespace

@@ -136,9 +136,10 @@ TEST_CASE("cuda tpa decode over a TpaCache reads it in place" * LT_CUDA_CASE) {
   reset_peak_memory(gpu());
   const size_t before = memory_stats(gpu()).in_use;
   const Tensor out = tpa_decode(in.gpu[0], in.gpu[1], cache);
-  // The output, the lengths and the splits' partial sums only: no copy of the cache, no k or v.
+  // The output and the splits' partial sums (up to 64 splits x H x E f32 per sequence) only: no copy
+  // of the cache, no k or v (over 4x the cache here).
   const size_t extra = memory_stats(gpu()).peak - before;
-  CHECK(extra < size_t(cache.bytes()) / 8);
+  CHECK(extra < size_t(cache.bytes()) / 2);
   CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref, DType::BF16);
 }
 
