@@ -409,8 +409,8 @@ Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
 }
 
 // Composed attention's (B, H, N, M) scores above this size make Auto take the fused attention. The
-// fused kernels (WMMA, tiles built from global memory) are correct but measured 3-3.5x slower than the
-// composed form where both fit (H100, B 8, H 16, D 128, N 1024-4096), while holding 12-40x less memory;
+// fused kernels (WMMA, tiles built from global memory) are correct but measured 3-8x slower than the
+// composed form where both fit (H100, B 8, H 16, D 128, N 1024-4096), while holding 13-40x less memory;
 // below the limit speed wins.
 constexpr double kComposedScoresLimit = 4.0 * (1 << 30);
 
