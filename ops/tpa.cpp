@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <string>
 #include "autograd/tape.h"
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
@@ -335,7 +336,7 @@ Tensor run_fused_decode(const Factors& f, double scale, const std::vector<int64_
   a.bk = rows_contiguous(f.bk.detach());
   a.av = rows_contiguous(f.av.detach());
   a.bv = rows_contiguous(f.bv.detach());
-  a.lengths = from_vector_i64(lengths, {f.B}, f.aq.device());
+  a.lengths = lengths;
   a.scale = scale;
   Tensor out = empty({f.B, 1, f.H, f.E}, f.aq.dtype(), f.aq.device());
   tpa_cuda::decode(a, out);
@@ -347,12 +348,81 @@ Tensor run_fused_decode(const Factors& f, double scale, const std::vector<int64_
 #endif
 }
 
-// Auto: Reference on the CPU; on CUDA the fused decode (Composed for f64), and the composed attention
-// (the fused CUDA attention kernels are not built yet).
+// The fused attention's limits, "" when these factors are within them.
+std::string fused_attention_unsupported(const Factors& f) {
+#if LINTAPE_WITH_CUDA
+  return tpa_cuda::attention_unsupported(f.aq.dtype(), f.D, f.E, f.Rq, f.Rk, f.Rv);
+#else
+  (void)f;
+  return "a CUDA build";
+#endif
+}
+
+// Fused attention: forward saves the detached factors, the output and the log-sum-exp; the backward
+// gets dq, dk, dv from the kernels and contracts each with the other factor of its pair.
+Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
+  const char* op = "tpa_attention";
+  LT_CHECK(f.aq.is_cuda(), "[", op, "] Impl::Fused needs the factors on a CUDA device; got ", f.aq.device().name());
+  const std::string why = fused_attention_unsupported(f);
+  LT_CHECK(why.empty(), "[", op, "] Impl::Fused needs ", why, "; use Impl::Auto or Composed");
+#if LINTAPE_WITH_CUDA
+  tpa_cuda::AttentionArgs a;
+  a.aq = f.aq.detach().contiguous();
+  a.bq = f.bq.detach().contiguous();
+  a.ak = f.ak.detach().contiguous();
+  a.bk = f.bk.detach().contiguous();
+  a.av = f.av.detach().contiguous();
+  a.bv = f.bv.detach().contiguous();
+  a.causal = causal;
+  a.scale = scale;
+  const Device dev = f.aq.device();
+  Tensor out = empty({f.B, f.N, f.H, f.E}, f.aq.dtype(), dev);
+  Tensor lse = empty({f.B, f.N, f.H}, DType::F32, dev);
+  tpa_cuda::attention_forward(a, out, lse);
+  const Tensor saved_out = out.detach();  // the graph node must not own its own output's history
+  record(op, {f.aq, f.bq, f.ak, f.bk, f.av, f.bv}, {out}, [a, saved_out, lse](const Grads& g) -> Grads {
+    NoGradGuard no_grad;
+    const Tensor dout = g[0].contiguous();
+    const Device d = a.aq.device();
+    const DType dt = a.aq.dtype();
+    Tensor dq = empty({a.aq.size(0), a.aq.size(1), a.aq.size(2), a.bq.size(3)}, dt, d);
+    Tensor dk = empty({a.ak.size(0), a.ak.size(1), a.ak.size(2), a.bk.size(3)}, dt, d);
+    Tensor dv = empty({a.av.size(0), a.av.size(1), a.av.size(2), a.bv.size(3)}, dt, d);
+    tpa_cuda::attention_backward(a, saved_out, lse, dout, dq, dk, dv);
+    // x = (1/R) a^T b per token: da = (1/R) dx b^T, db = (1/R) a^T dx, batched over (B, tokens).
+    Grads out(6);
+    const std::pair<const Tensor*, const Tensor*> pairs[] = {{&a.aq, &a.bq}, {&a.ak, &a.bk}, {&a.av, &a.bv}};
+    const Tensor* dx[] = {&dq, &dk, &dv};
+    for (int i = 0; i < 3; ++i) {
+      const double inv_r = 1.0 / double(pairs[i].first->size(3));
+      out[size_t(2 * i)] = matmul(*dx[i], *pairs[i].second, false, true) * inv_r;
+      out[size_t(2 * i + 1)] = matmul(*pairs[i].first, *dx[i], true, false) * inv_r;
+    }
+    return out;
+  });
+  return out;
+#else
+  (void)scale;
+  (void)causal;
+  fail(str("[", op, "] lintape was built without CUDA"));
+#endif
+}
+
+// Composed attention's (B, H, N, M) scores above this size make Auto take the fused attention. The
+// fused kernels (WMMA, tiles built from global memory) are correct but measured 3-8x slower than the
+// composed form where both fit (H100, B 8, H 16, D 128, N 1024-4096), while holding 13-40x less memory;
+// below the limit speed wins.
+constexpr double kComposedScoresLimit = 4.0 * (1 << 30);
+
+// Auto: Reference on the CPU; on CUDA the fused decode (Composed for f64), and for attention the fused
+// kernels where they apply (bf16/f16, D == E in {64, 128}, ranks up to 16) and the composed scores would
+// pass kComposedScoresLimit, else the composed attention.
 Impl resolve(Impl impl, const Factors& f, bool decode) {
   if (impl != Impl::Auto) return impl;
   if (!f.aq.is_cuda()) return Impl::Reference;
-  return decode && f.aq.dtype() != DType::F64 ? Impl::Fused : Impl::Composed;
+  if (decode) return f.aq.dtype() != DType::F64 ? Impl::Fused : Impl::Composed;
+  const double scores = double(f.B) * double(f.H) * double(f.N) * double(f.M) * double(dtype_size(f.aq.dtype()));
+  return fused_attention_unsupported(f).empty() && scores > kComposedScoresLimit ? Impl::Fused : Impl::Composed;
 }
 
 }  // namespace
@@ -369,9 +439,7 @@ Tensor tpa_attention(const Tensor& aq, const Tensor& bq, const Tensor& ak, const
   const Visibility vis{options.causal, std::vector<int64_t>(size_t(f.B), f.M)};
   switch (resolve(impl, f, false)) {
     case Impl::Composed: return run_composed(f, scale, vis);
-    case Impl::Fused:
-      fail(str("[", op, "] Impl::Fused is not available: the fused CUDA attention kernels are not built yet; use "
-               "Impl::Auto, Composed or Reference"));
+    case Impl::Fused: return run_fused_attention(f, scale, options.causal);
     default: return run_reference_attention(f, scale, vis, op);
   }
 }

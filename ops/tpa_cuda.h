@@ -1,22 +1,61 @@
-// Internal to the TPA family: the fused CUDA decode launcher (ops/tpa_decode.cu). ops/tpa.cpp checks
-// the inputs and calls it; tests call it directly on poisoned outputs.
+// Internal to the TPA family: the fused CUDA launchers, decode (ops/tpa_decode.cu, with its tensor-core
+// kernel in ops/tpa_decode_tc.cu) and attention (ops/tpa_attention.cu). ops/tpa.cpp checks the inputs
+// and calls them; tests call them directly on poisoned outputs.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <vector>
 #include "core/tensor.h"
 
 namespace lintape::tpa_cuda {
 
 // One decode call, already checked: aq (B, 1, H, Rq) and bq (B, 1, Rq, D) contiguous; ak (B, M, H, Rk),
 // bk (B, M, Rk, D), av (B, M, H, Rv), bv (B, M, Rv, E) with each batch entry's rows contiguous and any
-// batch stride (a TpaCache's buffers are read in place); lengths (B) i64 on the factors' device, each in
-// 1..M; all factors of one float dtype other than f64.
+// batch stride (a TpaCache's buffers are read in place); lengths: B entries, each in 1..M (passed to the
+// kernel by value up to 256 sequences); all factors of one float dtype other than f64.
 struct DecodeArgs {
-  Tensor aq, bq, ak, bk, av, bv, lengths;
+  Tensor aq, bq, ak, bk, av, bv;
+  std::vector<int64_t> lengths;
   double scale = 0;
-  int64_t split_rows = 0;  // cache rows per split; 0 lets the launcher choose from the shapes
+  int64_t split_rows = 0;          // cache rows per split; 0 lets the launcher choose from the shapes
+  bool allow_tensor_cores = true;  // false forces the general kernel (tests)
 };
 
-// out (B, 1, H, E) contiguous, in the factors' dtype. One launch, or two with a split over the cache.
+// out (B, 1, H, E) contiguous, in the factors' dtype. The tensor-core kernel is one launch (with a split
+// over the cache, the last block of each sequence to finish combines the splits); the general kernel
+// adds a combine launch when it splits.
 void decode(const DecodeArgs& args, Tensor& out);
+
+// Whether decode runs the tensor-core kernel for these arguments: bf16/f16, R_q <= 16, R_k, R_v <= 4,
+// H <= 64, D a multiple of 16 up to 256, E 64 or 128, 16-byte aligned rows.
+bool decode_uses_tensor_cores(const DecodeArgs& args);
+
+// The tensor-core kernel's launcher (ops/tpa_decode_tc.cu), for arguments it accepts.
+void decode_tensor_cores(const DecodeArgs& args, Tensor& out);
+
+}  // namespace lintape::tpa_cuda
+
+namespace lintape::tpa_cuda {
+
+// Fused attention (ops/tpa_attention.cu), already checked: the six factors contiguous and 4-D
+// (aq (B, N, H, Rq), bq (B, N, Rq, D), ak (B, M, H, Rk), bk (B, M, Rk, D), av (B, M, H, Rv),
+// bv (B, M, Rv, E)), bf16 or f16, D == E in {64, 128}, ranks 1..16, causal only with N == M.
+struct AttentionArgs {
+  Tensor aq, bq, ak, bk, av, bv;
+  bool causal = true;
+  double scale = 0;
+};
+
+// Why the fused attention cannot run these factors, or "" when it can.
+std::string attention_unsupported(DType dtype, int64_t D, int64_t E, int64_t Rq, int64_t Rk, int64_t Rv);
+
+// out (B, N, H, E) in the factors' dtype and lse (B, N, H) f32 (base-2 log-sum-exp of the scaled scores),
+// both contiguous and fully written.
+void attention_forward(const AttentionArgs& args, Tensor& out, Tensor& lse);
+
+// The gradients of q, k, v (never stored by the forward): dq (B, N, H, D), dk (B, M, H, D),
+// dv (B, M, H, E) contiguous in the factors' dtype, fully written; dout (B, N, H, E) contiguous.
+void attention_backward(const AttentionArgs& args, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                        Tensor& dq, Tensor& dk, Tensor& dv);
 
 }  // namespace lintape::tpa_cuda

@@ -1,4 +1,6 @@
 // Fused TPA decode: one query token per sequence over a cache of factor rows, never building k or v.
+// decode() runs the tensor-core kernel (ops/tpa_decode_tc.cu) where it applies (16-bit factors, the
+// usual ranks and dims) and otherwise this general kernel (f32, any ranks and dims).
 //
 // A block takes one sequence b and one split of its cache rows, in tiles of kTile rows. Per tile it
 // contracts bq with bk (Rq x Rk dots of length D per row; a warp holds one bk row in registers for all
@@ -13,6 +15,7 @@
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
 #include "ops/tpa_cuda.h"
+#include "ops/tpa_decode.cuh"
 
 namespace lintape::tpa_cuda {
 using namespace lintape::cuda;
@@ -51,7 +54,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads) decode_split(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
                                                          const T* __restrict__ av, const T* __restrict__ bv,
-                                                         const int64_t* __restrict__ lengths, T* __restrict__ out,
+                                                         const DecodeLengths lengths, T* __restrict__ out,
                                                          float* __restrict__ part_acc, float* __restrict__ part_stat,
                                                          Geometry g) {
   extern __shared__ float smem[];
@@ -68,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) decode_split(const T* __restrict__ a
   float* acc_s = smem + L.acc;
   const int b = blockIdx.y, split = blockIdx.x, tid = threadIdx.x;
   const int H = g.H, Rq = g.Rq, Rk = g.Rk, Rv = g.Rv, D = g.D, E = g.E;
-  const int len = int(lengths[b]);
+  const int len = lengths.get(b);
   const int row0 = split * g.split_rows, row1 = min(len, row0 + g.split_rows);
 
   for (int i = tid; i < Rq * D; i += kThreads) bq_s[i] = to_acc(bq[int64_t(b) * Rq * D + i]);
@@ -203,6 +206,9 @@ int sm_count(int device) {
 
 void decode(const DecodeArgs& a, Tensor& out) {
   const char* op = "tpa_decode";
+  LT_CHECK(int64_t(a.lengths.size()) == a.aq.size(0), "[", op, "] lengths must have B = ", a.aq.size(0),
+           " entries; got ", a.lengths.size());
+  if (decode_uses_tensor_cores(a)) return decode_tensor_cores(a, out);
   const Device dev = a.aq.device();
   Geometry g{};
   g.H = int(a.aq.size(2));
@@ -235,7 +241,8 @@ void decode(const DecodeArgs& a, Tensor& out) {
   const size_t smem = size_t(L.total) * sizeof(float);
   LT_CHECK(smem <= 227 * 1024, "[", op, "] the shapes need ", smem / 1024,
            " KiB of shared memory per block (more than 227 KiB): H * E or R_q * D is too large");
-  Tensor part_acc, part_stat;
+  Tensor part_acc, part_stat, length_storage;
+  const DecodeLengths lengths = make_decode_lengths(a.lengths, dev, length_storage);
   if (g.splits > 1) {
     part_acc = empty({B, g.splits, g.H, g.E}, DType::F32, dev);
     part_stat = empty({B, g.splits, g.H, 2}, DType::F32, dev);
@@ -243,13 +250,17 @@ void decode(const DecodeArgs& a, Tensor& out) {
   cudaStream_t st = stream(dev.index);
   LT_DISPATCH_FLOAT_CUDA(a.aq.dtype(), op, T, {
     auto kernel = decode_split<T>;
-    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    static size_t allowed = 0;  // raised only when a call needs more, not on every launch
+    if (allowed < smem) {
+      LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      allowed = smem;
+    }
     float* pa = g.splits > 1 ? part_acc.data_ptr<float>() : nullptr;
     float* ps = g.splits > 1 ? part_stat.data_ptr<float>() : nullptr;
     kernel<<<dim3(unsigned(g.splits), unsigned(B)), kThreads, smem, st>>>(
         static_cast<const T*>(a.aq.data()), static_cast<const T*>(a.bq.data()), static_cast<const T*>(a.ak.data()),
         static_cast<const T*>(a.bk.data()), static_cast<const T*>(a.av.data()), static_cast<const T*>(a.bv.data()),
-        a.lengths.data_ptr<int64_t>(), static_cast<T*>(out.data()), pa, ps, g);
+        lengths, static_cast<T*>(out.data()), pa, ps, g);
     LT_CUDA_CHECK_LAUNCH();
     if (g.splits > 1) {
       combine_splits<T><<<dim3(grid_for(int64_t(g.H) * g.E, kThreads), unsigned(B)), kThreads, 0, st>>>(

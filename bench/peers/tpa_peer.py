@@ -7,7 +7,8 @@ attention: batch 8, head 16, dim 128, ranks (6, 2, 2), causal: einsum for q, k, 
            scaled_dot_product_attention, forward and forward + backward (reported as backward alone).
 
 Medians of CUDA-event timings after a warm-up; peak memory from torch.cuda.max_memory_allocated.
-Usage: python3 bench/peers/tpa_peer.py [--quick] [--json FILE]
+Usage: python3 bench/peers/tpa_peer.py [--quick] [--decode-ms 2048,32768] [--attention-ns 2048,8192] [--json FILE]
+(torch.compile recompiles for every decode shape, so a short --decode-ms list keeps the run short.)
 """
 import argparse
 import json
@@ -68,32 +69,17 @@ def einsum_sdpa(aq, bq, ak, bk, av, bv):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-ms", help="comma-separated cache lengths (default: 256 ... 32768)")
+    ap.add_argument("--attention-ns", help="comma-separated sequence lengths (default: 1024 ... 8192)")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     print("device:", torch.cuda.get_device_name())
 
-    compiled = torch.compile(naive_decode, dynamic=False)
-    ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-    for B in (8, 32):
-        H, Rq, D = 32, 16, 128
-        print(f"\ntpa_decode batch{B}-head{H}-rank{Rq}-dim{D}-bf16 (ms, MiB)")
-        print(f"{'m':>6} {'naive':>9} {'compiled':>9} {'naive MiB':>10}")
-        for m in ms:
-            aq = torch.randn(B, H, Rq, device="cuda", dtype=DT)
-            bq = torch.randn(B, Rq, D, device="cuda", dtype=DT)
-            ak, av = (torch.randn(B, m, H, device="cuda", dtype=DT) for _ in range(2))
-            bk, bv = (torch.randn(B, m, D, device="cuda", dtype=DT) for _ in range(2))
-            a = (aq, bq, ak, bk, av, bv)
-            t_naive = median_ms(lambda: naive_decode(*a))
-            t_comp = median_ms(lambda: compiled(*a))
-            mem = peak_mib(lambda: naive_decode(*a))
-            print(f"{m:>6} {t_naive:>9.4f} {t_comp:>9.4f} {mem:>10.1f}")
-            rows.append({"op": "tpa_decode", "batch": B, "m": m, "naive_ms": t_naive, "compiled_ms": t_comp,
-                         "naive_mib": mem})
-
     B, H, D = 8, 16, 128
     ns = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
+    if args.attention_ns:
+        ns = [int(x) for x in args.attention_ns.split(",")]
     print(f"\ntpa_attention batch{B}-head{H}-dim{D}-rank6_2_2-causal-bf16: einsum + SDPA")
     print(f"{'n':>6} {'fwd ms':>9} {'bwd ms':>9} {'fwd MiB':>9} {'fwd+bwd MiB':>12}")
     for n in ns:
@@ -111,6 +97,27 @@ def main():
         print(f"{n:>6} {fwd:>9.3f} {both - fwd:>9.3f} {mem_f:>9.1f} {mem_b:>12.1f}")
         rows.append({"op": "tpa_attention", "n": n, "fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_mib": mem_f,
                      "fwd_bwd_mib": mem_b})
+
+    compiled = torch.compile(naive_decode, dynamic=False)
+    ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    if args.decode_ms:
+        ms = [int(x) for x in args.decode_ms.split(",")]
+    for B in (8, 32):
+        H, Rq, D = 32, 16, 128
+        print(f"\ntpa_decode batch{B}-head{H}-rank{Rq}-dim{D}-bf16 (ms, MiB)")
+        print(f"{'m':>6} {'naive':>9} {'compiled':>9} {'naive MiB':>10}")
+        for m in ms:
+            aq = torch.randn(B, H, Rq, device="cuda", dtype=DT)
+            bq = torch.randn(B, Rq, D, device="cuda", dtype=DT)
+            ak, av = (torch.randn(B, m, H, device="cuda", dtype=DT) for _ in range(2))
+            bk, bv = (torch.randn(B, m, D, device="cuda", dtype=DT) for _ in range(2))
+            a = (aq, bq, ak, bk, av, bv)
+            t_naive = median_ms(lambda: naive_decode(*a))
+            t_comp = median_ms(lambda: compiled(*a))
+            mem = peak_mib(lambda: naive_decode(*a))
+            print(f"{m:>6} {t_naive:>9.4f} {t_comp:>9.4f} {mem:>10.1f}")
+            rows.append({"op": "tpa_decode", "batch": B, "m": m, "naive_ms": t_naive, "compiled_ms": t_comp,
+                         "naive_mib": mem})
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
