@@ -1,4 +1,5 @@
 #include "core/allocator.h"
+#include <unistd.h>
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -96,6 +97,10 @@ class CachingAllocator {
       fail("[allocator] lintape was built without CUDA");
 #endif
     }
+    // More than the machine's memory can never be served: refuse it at once rather than rely on the
+    // system's overcommit policy (which may hand out the address space and kill the process later).
+    static const size_t physical = size_t(sysconf(_SC_PHYS_PAGES)) * size_t(sysconf(_SC_PAGESIZE));
+    if (physical > 0 && bytes > physical) return nullptr;
     return std::aligned_alloc(64, bytes);  // rounded sizes are multiples of 64
   }
 
