@@ -283,56 +283,6 @@ void Communicator::broadcast(Tensor& t, int root) {
 #endif
 }
 
-void Communicator::reduce_scatter_sum(const Tensor& in, Tensor& out) {
-  check_tensor(in, "reduce_scatter");
-  check_tensor(out, "reduce_scatter");
-  LT_CHECK(in.numel() % size_ == 0 && out.numel() == in.numel() / size_ && in.dtype() == out.dtype() &&
-               in.device() == out.device(),
-           "[comm] reduce_scatter: out must hold in.numel() / ranks = ", in.numel() / size_, " elements of in's dtype "
-           "and device; got ", out.numel());
-  out.storage().version++;
-  if (!distributed()) return out.copy_(in), void();
-#if LINTAPE_WITH_NCCL
-  if (in.is_cuda()) {
-    Nccl* n = nccl_for(in);
-    cudaStream_t s = cuda::stream(in.device().index);
-    LT_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), size_t(out.numel()), nccl_type(in), ncclSum,
-                                    n->comm, s));
-    return nccl_wait(n->comm, s, "reduce_scatter", rank_);
-  }
-#endif
-#if LINTAPE_WITH_MPI
-  with_watchdog("reduce_scatter", rank_, [&] {
-    LT_MPI_CHECK(MPI_Reduce_scatter_block(in.data(), out.data(), int(out.numel()),
-                                          mpi_type(in, "reduce_scatter"), MPI_SUM, MPI_COMM_WORLD));
-  });
-#endif
-}
-
-void Communicator::all_gather(const Tensor& in, Tensor& out) {
-  check_tensor(in, "all_gather");
-  check_tensor(out, "all_gather");
-  LT_CHECK(out.numel() == in.numel() * size_ && in.dtype() == out.dtype() && in.device() == out.device(),
-           "[comm] all_gather: out must hold in.numel() x ranks = ", in.numel() * size_,
-           " elements of in's dtype and device; got ", out.numel());
-  out.storage().version++;
-  if (!distributed()) return out.copy_(in), void();
-#if LINTAPE_WITH_NCCL
-  if (in.is_cuda()) {
-    Nccl* n = nccl_for(in);
-    cudaStream_t s = cuda::stream(in.device().index);
-    LT_NCCL_CHECK(ncclAllGather(in.data(), out.data(), size_t(in.numel()), nccl_type(in), n->comm, s));
-    return nccl_wait(n->comm, s, "all_gather", rank_);
-  }
-#endif
-#if LINTAPE_WITH_MPI
-  with_watchdog("all_gather", rank_, [&] {
-    LT_MPI_CHECK(MPI_Allgather(in.data(), int(in.numel()), mpi_type(in, "all_gather"), out.data(),
-                               int(in.numel()), mpi_type(in, "all_gather"), MPI_COMM_WORLD));
-  });
-#endif
-}
-
 void Communicator::reduce_scatter_sum_in_place(Tensor& buffer) {
   check_tensor(buffer, "reduce_scatter");
   LT_CHECK(buffer.numel() % size_ == 0, "[comm] reduce_scatter: the buffer's ", buffer.numel(),

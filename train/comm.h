@@ -30,11 +30,6 @@ class Communicator {
   void all_reduce_sum(Tensor& t);
   void all_reduce_mean(Tensor& t);
   void broadcast(Tensor& t, int root = 0);
-  // out (in.numel() / size, contiguous) = this rank's slice of the sum of every rank's `in`
-  // (in.numel() must be a multiple of size).
-  void reduce_scatter_sum(const Tensor& in, Tensor& out);
-  // out (in.numel() * size, contiguous) = every rank's `in`, in rank order.
-  void all_gather(const Tensor& in, Tensor& out);
   // In place over a buffer of size x n elements, this rank's slice being [rank n, (rank + 1) n):
   // reduce_scatter leaves the sum of every rank's slice in this rank's slice (the rest is scratch);
   // all_gather fills every slice from its rank.

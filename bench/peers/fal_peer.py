@@ -15,24 +15,10 @@ import json
 import torch
 import torch.nn.functional as F
 
+from timing import median_ms
+
 B, H, D = 12, 12, 128
 DT = torch.bfloat16
-
-
-def median_ms(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def theta(dev):

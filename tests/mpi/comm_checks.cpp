@@ -65,23 +65,20 @@ int main(int argc, char** argv) {
     got = values_of(b);
     expect(got[0] == n - 1 && got[1] == n - 0.5, "broadcast" + tag);
 
-    // reduce_scatter then all_gather gives back the all_reduce.
+    // reduce_scatter in place, then all_gather in place, gives back the all_reduce.
     std::vector<double> whole(size_t(4 * n));
     for (size_t i = 0; i < whole.size(); ++i) whole[i] = double(r + 1) + double(i);
-    Tensor part = zeros({4}, dtype, device), back = zeros({4 * int64_t(n)}, dtype, device);
-    comm.reduce_scatter_sum(filled(whole, dtype, device), part);
-    got = values_of(part);
+    Tensor buffer = filled(whole, dtype, device);
+    comm.reduce_scatter_sum_in_place(buffer);
+    got = values_of(buffer.narrow(0, 4 * r, 4));
     ok = true;
-    for (int64_t i = 0; i < 4; ++i) {
-      const double idx = double(4 * r + i);
-      ok = ok && got[size_t(i)] == double(n) * (double(n + 1) / 2 + idx);
-    }
-    expect(ok, "reduce_scatter_sum" + tag);
-    comm.all_gather(part, back);
-    got = values_of(back);
+    for (int64_t i = 0; i < 4; ++i) ok = ok && got[size_t(i)] == double(n) * (double(n + 1) / 2 + double(4 * r + i));
+    expect(ok, "reduce_scatter_sum_in_place" + tag);
+    comm.all_gather_in_place(buffer);
+    got = values_of(buffer);
     ok = true;
     for (size_t i = 0; i < got.size(); ++i) ok = ok && got[i] == double(n) * (double(n + 1) / 2 + double(i));
-    expect(ok, "all_gather" + tag);
+    expect(ok, "all_gather_in_place" + tag);
   }
 
   expect(comm.all_reduce_sum(double(r)) == double(n) * (n - 1) / 2, "scalar all_reduce_sum");
