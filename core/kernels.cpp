@@ -1,4 +1,5 @@
 #include "core/kernels.h"
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include "core/strided.h"
@@ -13,6 +14,20 @@ void dispatch_pair(DType a, DType b, Fn&& fn) {
 
 // Every supported pair converts exactly through double (bf16/f16 convert through float).
 template <class T> double to_double(T v) { return double(v); }
+
+// Walks a layout by runs along its last dim: fn(dst offset, src offset, count, dst step, src step) for
+// each run, so that the index arithmetic is paid once per row rather than once per element. `src`
+// (optional) has dst's shape, possibly broadcast.
+template <class Fn>
+void for_each_run(const StridedIndex& di, const StridedIndex* si, int64_t n, Fn&& fn) {
+  const int last = di.ndim - 1;
+  const int64_t inner = di.ndim > 0 ? di.shape[last] : 1;
+  if (n == 0 || inner == 0) return;
+  const int64_t dstep = di.ndim > 0 ? di.stride[last] : 1;
+  const int64_t sstep = si && si->ndim > 0 ? si->stride[last] : 1;
+  for (int64_t start = 0; start < n; start += inner)
+    fn(di.offset(start), si ? si->offset(start) : int64_t(0), inner, dstep, sstep);
+}
 }  // namespace
 
 void copy_cpu(const Tensor& dst, const Tensor& src) {
@@ -29,11 +44,13 @@ void copy_cpu(const Tensor& dst, const Tensor& src) {
     using S = decltype(s0);
     D* d = reinterpret_cast<D*>(dbase);
     const S* s = reinterpret_cast<const S*>(sbase);
-    bool flat = dst.is_contiguous() && src.is_contiguous();
-    for (int64_t i = 0; i < n; ++i) {
-      const S v = flat ? s[i] : s[si.offset(i)];
-      (flat ? d[i] : d[di.offset(i)]) = D(to_double(v));
+    if (dst.is_contiguous() && src.is_contiguous()) {
+      for (int64_t i = 0; i < n; ++i) d[i] = D(to_double(s[i]));
+      return;
     }
+    for_each_run(di, &si, n, [&](int64_t doff, int64_t soff, int64_t count, int64_t dstep, int64_t sstep) {
+      for (int64_t k = 0; k < count; ++k) d[doff + k * dstep] = D(to_double(s[soff + k * sstep]));
+    });
   });
 }
 
@@ -41,9 +58,15 @@ void fill_cpu(const Tensor& dst, double value) {
   int64_t n = dst.numel();
   StridedIndex di(dst);
   LT_DISPATCH_ALL(dst.dtype(), "fill", T, {
-    T v = T(value);
+    const T v = T(value);
     T* d = static_cast<T*>(dst.data());
-    for (int64_t i = 0; i < n; ++i) d[di.offset(i)] = v;
+    if (dst.is_contiguous()) {
+      std::fill_n(d, n, v);
+    } else {
+      for_each_run(di, nullptr, n, [&](int64_t off, int64_t, int64_t count, int64_t step, int64_t) {
+        for (int64_t k = 0; k < count; ++k) d[off + k * step] = v;
+      });
+    }
   });
 }
 
@@ -70,9 +93,15 @@ void accumulate_cpu(const Tensor& dst, const Tensor& src) {
   LT_DISPATCH_ALL(dst.dtype(), "accumulate", T, {
     T* d = static_cast<T*>(dst.data());
     const T* s = static_cast<const T*>(src.data());
-    for (int64_t i = 0; i < n; ++i) {
-      T& out = d[di.offset(i)];
-      out = T(to_double(out) + to_double(s[si.offset(i)]));
+    if (dst.is_contiguous() && src.is_contiguous()) {
+      for (int64_t i = 0; i < n; ++i) d[i] = T(to_double(d[i]) + to_double(s[i]));
+    } else {
+      for_each_run(di, &si, n, [&](int64_t doff, int64_t soff, int64_t count, int64_t dstep, int64_t sstep) {
+        for (int64_t k = 0; k < count; ++k) {
+          T& out = d[doff + k * dstep];
+          out = T(to_double(out) + to_double(s[soff + k * sstep]));
+        }
+      });
     }
   });
 }

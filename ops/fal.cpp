@@ -8,6 +8,7 @@
 #include <cmath>
 #include <memory>
 #include "autograd/tape.h"
+#include "core/parallel.h"
 #include "ops/elementwise.h"
 #include "ops/fal_cuda.h"
 #include "ops/lrpe.h"
@@ -242,9 +243,10 @@ std::pair<std::vector<double>, std::vector<double>> core_forward(const CoreInput
                                                                  const std::vector<double>& s0) {
   const int64_t P = c.P, E = c.E;
   std::vector<double> o(size_t(c.B * c.N * c.H * E)), S_final(size_t(c.B * c.H * P * E));
-  std::vector<double> S(size_t(P * E));
-  for (int64_t b = 0; b < c.B; ++b)
-    for (int64_t h = 0; h < c.H; ++h) {
+  // Each (b, h) writes its own rows: the pairs run on the CPU's cores.
+  parallel_for(c.B * c.H, [&](int64_t bh) {
+      const int64_t b = bh / c.H, h = bh % c.H;
+      std::vector<double> S(size_t(P * E));
       if (s0.empty())
         std::fill(S.begin(), S.end(), 0.0);
       else
@@ -274,7 +276,7 @@ std::pair<std::vector<double>, std::vector<double>> core_forward(const CoreInput
         for (int64_t t = 0; t < c.M; ++t) add_token(t);
         for (int64_t t = 0; t < c.N; ++t) emit(t);
       }
-    }
+  });
   return {o, S_final};
 }
 
@@ -290,10 +292,11 @@ CoreGrads core_backward(const CoreInputs& c, bool causal, const std::vector<doub
   const int64_t P = c.P, E = c.E;
   CoreGrads gr{std::vector<double>(c.q.size()), std::vector<double>(c.k.size()), std::vector<double>(c.v.size()),
                std::vector<double>(c.g.size()), std::vector<double>(s0.size())};
-  std::vector<double> S(size_t(P * E)), G(size_t(P * E)), dy(static_cast<size_t>(E));
   auto d_out = [&](size_t i) { return dout.empty() ? 0.0 : dout[i]; };
-  for (int64_t b = 0; b < c.B; ++b)
-    for (int64_t h = 0; h < c.H; ++h) {
+  // Each (b, h) writes its own rows: the pairs run on the CPU's cores.
+  parallel_for(c.B * c.H, [&](int64_t bh) {
+      const int64_t b = bh / c.H, h = bh % c.H;
+      std::vector<double> S(size_t(P * E)), G(size_t(P * E)), dy(static_cast<size_t>(E));
       const double l = lam.empty() ? 1.0 : lam[size_t(h)];
       // Pass 1: states forward; dqb and dgb at each query.
       if (s0.empty())
@@ -367,7 +370,7 @@ CoreGrads core_backward(const CoreInputs& c, bool causal, const std::vector<doub
         for (int64_t t = 0; t < c.N; ++t) add_query(t);
         for (int64_t t = 0; t < c.M; ++t) key_grads(t);
       }
-    }
+  });
   return gr;
 }
 
