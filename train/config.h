@@ -11,7 +11,7 @@ struct TrainConfig {
   ModelConfig model;
   std::string data = "mqar";  // "mqar" or a file (text as bytes, or an llm.c .bin)
   std::string val_data;       // empty: the held-out tail of the data file
-  int64_t steps = 60;          // tiny: about 1.5 s a step on a 2-core CPU
+  int64_t steps = 60;          // tiny: about 1.2 s a step on a 2-core CPU
   int64_t batch = 8;
   int64_t grad_accum = 1;     // micro-batches per step
   double lr = 3e-3;           // peak
