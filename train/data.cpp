@@ -1,6 +1,7 @@
 #include "train/data.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,7 +17,7 @@ constexpr int64_t kLlmcHeaderInts = 256;
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  LT_CHECK(in.good(), "[data] cannot read the data file '", path, "'");
+  LT_CHECK(in.good(), "[data] cannot read the data file '", path, "': ", std::strerror(errno));
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 }  // namespace
