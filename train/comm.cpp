@@ -104,6 +104,11 @@ MPI_Datatype mpi_type(const Tensor& t, const char* op) {
 }
 #endif
 
+// MPI moves host memory: a CUDA tensor needs the NCCL backend.
+void require_host(const Tensor& t, const char* op) {
+  LT_CHECK(!t.is_cuda(), "[comm] ", op, " over ", t.device().name(), " tensors needs NCCL; this lintape has MPI only");
+}
+
 void check_tensor(const Tensor& t, const char* op) {
   LT_CHECK(t.defined() && t.is_contiguous(), "[comm] ", op, " takes a contiguous tensor");
   LT_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::F64, "[comm] ", op,
@@ -249,7 +254,7 @@ void Communicator::all_reduce_sum(Tensor& t) {
   }
 #endif
 #if LINTAPE_WITH_MPI
-  LT_CHECK(!t.is_cuda(), "[comm] all_reduce over MPI takes CPU tensors; got ", t.device().name());
+  require_host(t, "all_reduce");
   with_watchdog("all_reduce", rank_, [&] {
     LT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.data(), int(t.numel()), mpi_type(t, "all_reduce"), MPI_SUM,
                                MPI_COMM_WORLD));
@@ -275,6 +280,7 @@ void Communicator::broadcast(Tensor& t, int root) {
   }
 #endif
 #if LINTAPE_WITH_MPI
+  require_host(t, "broadcast");
   with_watchdog("broadcast", rank_, [&] {
     LT_MPI_CHECK(MPI_Bcast(t.data(), int(t.numel()), mpi_type(t, "broadcast"), root, MPI_COMM_WORLD));
   });
@@ -283,66 +289,61 @@ void Communicator::broadcast(Tensor& t, int root) {
 #endif
 }
 
-void Communicator::reduce_scatter_sum_in_place(Tensor& buffer) {
-  check_tensor(buffer, "reduce_scatter");
-  LT_CHECK(buffer.numel() % size_ == 0, "[comm] reduce_scatter: the buffer's ", buffer.numel(),
+// A flat buffer seen as `ranks` equal slices; `mine` is this rank's.
+struct Communicator::Slices {
+  size_t count, bytes;  // elements per slice, bytes per element
+  char *base, *mine;
+};
+
+Communicator::Slices Communicator::slices_of(Tensor& buffer, const char* op) const {
+  check_tensor(buffer, op);
+  LT_CHECK(buffer.numel() % size_ == 0, "[comm] ", op, ": the buffer's ", buffer.numel(),
            " elements do not split into ", size_, " equal slices");
-  if (!distributed()) return;
   buffer.storage().version++;
-  const int64_t n = buffer.numel() / size_;
-  const size_t bytes = dtype_size(buffer.dtype());
+  const size_t count = size_t(buffer.numel() / size_), bytes = dtype_size(buffer.dtype());
   char* base = static_cast<char*>(buffer.data());
+  return {count, bytes, base, base + size_t(rank_) * count * bytes};
+}
+
+void Communicator::reduce_scatter_sum_in_place(Tensor& buffer) {
+  [[maybe_unused]] const Slices sl = slices_of(buffer, "reduce_scatter");
+  if (!distributed()) return;
 #if LINTAPE_WITH_NCCL
   if (buffer.is_cuda()) {
     Nccl* c = nccl_for(buffer);
     cudaStream_t s = cuda::stream(buffer.device().index);
-    LT_NCCL_CHECK(ncclReduceScatter(base, base + size_t(rank_ * n) * bytes, size_t(n), nccl_type(buffer), ncclSum,
-                                    c->comm, s));
+    LT_NCCL_CHECK(ncclReduceScatter(sl.base, sl.mine, sl.count, nccl_type(buffer), ncclSum, c->comm, s));
     return nccl_wait(c->comm, s, "reduce_scatter", rank_);
   }
 #endif
 #if LINTAPE_WITH_MPI
   // MPI's in-place form leaves the result at the buffer's start: move it to this rank's slice.
-  LT_CHECK(!buffer.is_cuda(), "[comm] reduce_scatter over ", buffer.device().name(), " needs NCCL");
+  require_host(buffer, "reduce_scatter");
   with_watchdog("reduce_scatter", rank_, [&] {
-    LT_MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, base, int(n), mpi_type(buffer, "reduce_scatter"), MPI_SUM,
-                                          MPI_COMM_WORLD));
+    LT_MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, sl.base, int(sl.count), mpi_type(buffer, "reduce_scatter"),
+                                          MPI_SUM, MPI_COMM_WORLD));
   });
-  if (rank_ != 0) std::memmove(base + size_t(rank_ * n) * bytes, base, size_t(n) * bytes);
-#else
-  (void)n;
-  (void)bytes;
-  (void)base;
+  if (sl.mine != sl.base) std::memmove(sl.mine, sl.base, sl.count * sl.bytes);
 #endif
 }
 
 void Communicator::all_gather_in_place(Tensor& buffer) {
-  check_tensor(buffer, "all_gather");
-  LT_CHECK(buffer.numel() % size_ == 0, "[comm] all_gather: the buffer's ", buffer.numel(),
-           " elements do not split into ", size_, " equal slices");
+  [[maybe_unused]] const Slices sl = slices_of(buffer, "all_gather");
   if (!distributed()) return;
-  buffer.storage().version++;
-  const int64_t n = buffer.numel() / size_;
-  const size_t bytes = dtype_size(buffer.dtype());
-  char* base = static_cast<char*>(buffer.data());
 #if LINTAPE_WITH_NCCL
   if (buffer.is_cuda()) {
     Nccl* c = nccl_for(buffer);
     cudaStream_t s = cuda::stream(buffer.device().index);
-    LT_NCCL_CHECK(ncclAllGather(base + size_t(rank_ * n) * bytes, base, size_t(n), nccl_type(buffer), c->comm, s));
+    LT_NCCL_CHECK(ncclAllGather(sl.mine, sl.base, sl.count, nccl_type(buffer), c->comm, s));
     return nccl_wait(c->comm, s, "all_gather", rank_);
   }
 #endif
 #if LINTAPE_WITH_MPI
-  LT_CHECK(!buffer.is_cuda(), "[comm] all_gather over ", buffer.device().name(), " needs NCCL");
+  require_host(buffer, "all_gather");
   with_watchdog("all_gather", rank_, [&] {
-    LT_MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, base, int(n), mpi_type(buffer, "all_gather"),
-                               MPI_COMM_WORLD));
+    LT_MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, sl.base, int(sl.count),
+                               mpi_type(buffer, "all_gather"), MPI_COMM_WORLD));
   });
-#else
-  (void)n;
-  (void)bytes;
-  (void)base;
 #endif
 }
 
@@ -386,6 +387,9 @@ void Communicator::check_same(const std::string& what, const std::string& value)
   if (differs > 0)
     fail(str("[comm] the ranks disagree on ", what, first == value ? " (another rank differs from rank 0)" : "",
              first == value ? "" : str(": rank ", rank_, " has ", value, ", rank 0 has ", first)));
+#else
+  (void)what;
+  (void)value;
 #endif
 }
 

@@ -53,6 +53,9 @@ class Communicator {
   Communicator();
   struct Nccl;
   Nccl* nccl_for(const Tensor& t);
+  // `buffer` as size() equal slices (checked), marked written; see comm.cpp.
+  struct Slices;
+  Slices slices_of(Tensor& buffer, const char* op) const;
   int rank_ = 0, size_ = 1, local_rank_ = 0;
   bool owns_mpi_ = false;
   Nccl* nccl_ = nullptr;
