@@ -63,20 +63,6 @@ std::vector<const bench::Benchmark*> pick_benchmarks(const std::string& op) {
   throw UsageError(fmt::format("unknown benchmark '{}'; expected one of {}or all (see bench --list)", op, names));
 }
 
-Device pick_device(const std::string& name) {
-  if (name.empty()) return cuda_available() ? Device::cuda(0) : Device::cpu();
-  Device d;
-  try {
-    d = parse_device(name);
-  } catch (const Error& e) {
-    throw UsageError(fmt::format("--device {}: {}", name, e.what()));
-  }
-  if (d.is_cuda() && d.index >= cuda_device_count())
-    throw UsageError(fmt::format("--device {}: no such CUDA device; this machine has {}{}", name, cuda_device_count(),
-                                 cuda_device_count() == 0 ? " (or lintape was built without CUDA)" : ""));
-  return d;
-}
-
 void bench_command(const BenchArgs& a) {
   if (a.list) return list_benchmarks();
   if (a.op == "train") {
@@ -89,7 +75,7 @@ void bench_command(const BenchArgs& a) {
   // Every argument is checked here, before the harness measures anything (it checks --json's paths first).
   bench::RunOptions o;
   std::vector<const bench::Benchmark*> which = pick_benchmarks(a.op);
-  o.device = pick_device(a.device);
+  o.device = device_option(a.device);
   o.dtype = dtype_from_name(a.dtype);
   o.quick = a.quick;
   o.reps = a.reps;

@@ -5,6 +5,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include "core/device.h"
 
 namespace CLI {
 class App;
@@ -37,6 +38,10 @@ Command add_profile_command(CLI::App& app);   // cli/profile_command.cpp
 
 // `lintape bench train` (cli/profile_command.cpp, beside `profile`: both time training steps).
 void bench_train(bench::TrainBenchOptions options, const std::string& device, const std::string& json);
+
+// A --device value: cpu, cuda, cuda:N; empty or "auto" picks cuda:0 when a GPU is present, else the
+// CPU. A bad name or a device this machine lacks is a UsageError naming the value (cli/info.cpp).
+Device device_option(const std::string& value);
 
 // "lintape 0.1.0 (Release; CUDA on, architectures 90a)" or "... (Release; CUDA off)".
 std::string version_string();

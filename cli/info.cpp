@@ -47,6 +47,20 @@ void info() {
 
 }  // namespace
 
+Device device_option(const std::string& name) {
+  if (name.empty() || name == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();
+  Device d;
+  try {
+    d = parse_device(name);
+  } catch (const Error& e) {
+    throw UsageError(fmt::format("--device {}: {}", name, e.what()));
+  }
+  if (d.is_cuda() && d.index >= cuda_device_count())
+    throw UsageError(fmt::format("--device {}: no such CUDA device; this machine has {}{}", name, cuda_device_count(),
+                                 cuda_device_count() == 0 ? " (or lintape was built without CUDA)" : ""));
+  return d;
+}
+
 std::string version_string() {
 #if LINTAPE_WITH_CUDA
   const std::string cuda = fmt::format("CUDA on, architectures {}", LINTAPE_CLI_CUDA_ARCHITECTURES);

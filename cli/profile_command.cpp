@@ -20,18 +20,6 @@ struct ProfileArgs {
   bool per_layer = false;
 };
 
-Device device_or_usage(const std::string& name) {
-  if (name.empty()) return cuda_available() ? Device::cuda(0) : Device::cpu();
-  try {
-    const Device d = parse_device(name);
-    if (d.is_cuda() && d.index >= cuda_device_count())
-      throw UsageError(fmt::format("--device {}: no such CUDA device; this machine has {}", name, cuda_device_count()));
-    return d;
-  } catch (const Error& e) {
-    throw UsageError(fmt::format("--device {}: {}", name, e.what()));
-  }
-}
-
 std::string describe(const bench::TrainSetup& s) {
   const ModelConfig& c = s.model->config();
   std::string mixers;
@@ -49,7 +37,7 @@ void write_json(const std::string& path, const nlohmann::json& doc) {
 }
 
 void profile(ProfileArgs a) {
-  a.train.device = device_or_usage(a.device);
+  a.train.device = device_option(a.device);
   if (!a.dtype.empty()) a.train.compute_dtype = dtype_from_name(a.dtype);
   if (!a.json.empty()) {  // checked before the measurement
     std::ofstream probe(a.json);
@@ -114,7 +102,7 @@ void add_model_options(CLI::App* sub, bench::TrainBenchOptions& o, std::string& 
 }  // namespace
 
 void bench_train(bench::TrainBenchOptions o, const std::string& device, const std::string& json) {
-  o.device = device_or_usage(device);
+  o.device = device_option(device);
   if (!json.empty()) {
     std::ofstream probe(json);
     LT_CHECK(probe.is_open(), "[bench train] cannot write --json ", json, ": ", std::strerror(errno));

@@ -41,15 +41,6 @@ std::vector<std::string> split_list(const std::string& text) {
 }
 
 // "auto": the first GPU when there is one, else the CPU.
-Device parse_device_or_usage(const std::string& text) {
-  if (text == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();
-  try {
-    return parse_device(text);
-  } catch (const Error& e) {
-    throw UsageError(e.what());
-  }
-}
-
 // "auto": bf16 on CUDA, f32 on the CPU (the master weights are f32 either way).
 DType parse_compute_dtype(const std::string& text, Device device) {
   if (text == "auto") return default_compute_dtype(device);
@@ -59,7 +50,7 @@ DType parse_compute_dtype(const std::string& text, Device device) {
 }
 
 void train(const TrainArgs& a) {
-  const Device device = parse_device_or_usage(a.device);
+  const Device device = device_option(a.device);
   const DType dtype = parse_compute_dtype(a.dtype, device);
   // "auto": small on a GPU, tiny on the CPU.
   const std::string preset = a.preset != "auto" ? a.preset : (device.is_cuda() ? "small" : "tiny");
@@ -121,7 +112,7 @@ struct EvalArgs {
 
 void eval(const EvalArgs& a) {
   if (a.batches <= 0) throw UsageError(fmt::format("--batches must be positive; got {}", a.batches));
-  const Device device = parse_device_or_usage(a.device);
+  const Device device = device_option(a.device);
   const DType dtype = parse_compute_dtype(a.dtype, device);
   const Checkpoint ckpt = load_checkpoint(a.checkpoint);
   LanguageModel model(ckpt.config.model, ckpt.config.seed);
@@ -173,7 +164,7 @@ int64_t sample(const std::vector<double>& logits, double temperature, int64_t to
 void generate(const GenerateArgs& a) {
   if (a.tokens <= 0) throw UsageError(fmt::format("--tokens must be positive; got {}", a.tokens));
   if (a.prompt.empty()) throw UsageError("--prompt must not be empty");
-  const Device device = parse_device_or_usage(a.device);
+  const Device device = device_option(a.device);
   const DType dtype = parse_compute_dtype(a.dtype, device);
   const Checkpoint ckpt = load_checkpoint(a.checkpoint);
   LanguageModel model(ckpt.config.model, ckpt.config.seed);
@@ -239,10 +230,6 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)");
   return {sub, [args] { eval(*args); }};
 }
-
-}  // namespace lintape::cli
-
-namespace lintape::cli {
 
 Command add_generate_command(CLI::App& app) {
   auto args = std::make_shared<GenerateArgs>();
