@@ -4,7 +4,6 @@
 #include <chrono>
 #include <functional>
 #include <random>
-#include <sstream>
 
 #include "autograd/tape.h"
 #include "bench/harness.h"
@@ -28,14 +27,6 @@ double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream s(text);
-  for (std::string item; std::getline(s, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
 }
 
 // Points in time on the device's queue: CUDA events on the lintape stream, or the host clock on the CPU.
@@ -134,7 +125,7 @@ TrainSetup make_train_setup(const TrainBenchOptions& o) {
   TrainSetup s;
   s.options = o;
   ModelConfig c = ModelConfig::preset(o.preset);
-  if (!o.mixers.empty()) c.mixers = split_list(o.mixers);
+  if (!o.mixers.empty()) c.mixers = ModelConfig::mixers_from_list(o.mixers);
   if (o.seq > 0) c.seq_len = o.seq;
   if (o.vocab > 0) c.vocab_size = o.vocab;
   LT_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "[bench train] batch and steps must be positive; got batch ",

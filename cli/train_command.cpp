@@ -6,7 +6,6 @@
 #include <random>
 #include <algorithm>
 #include <iostream>
-#include <sstream>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -33,14 +32,6 @@ struct TrainArgs {
   bool resume = false;
 };
 
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream s(text);
-  for (std::string item; std::getline(s, item, ',');) out.push_back(item);
-  return out;
-}
-
-// "auto": the first GPU when there is one, else the CPU.
 // "auto": bf16 on CUDA, f32 on the CPU (the master weights are f32 either way).
 DType parse_compute_dtype(const std::string& text, Device device) {
   if (text == "auto") return default_compute_dtype(device);
@@ -67,7 +58,7 @@ void train(const TrainArgs& a) {
   if (a.batch != 0) c.batch = a.batch;
   if (a.seq != 0) c.model.seq_len = a.seq;
   if (a.lr != 0) c.lr = a.lr;
-  if (!a.mixers.empty()) c.model.mixers = split_list(a.mixers);
+  if (!a.mixers.empty()) c.model.mixers = ModelConfig::mixers_from_list(a.mixers);
   if (a.checkpoint_every >= 0) c.checkpoint_every = a.checkpoint_every;
   if (a.seed >= 0) c.seed = uint64_t(a.seed);
   try {

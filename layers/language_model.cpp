@@ -1,6 +1,7 @@
 #include "layers/language_model.h"
 
 #include <cmath>
+#include <sstream>
 
 #include "autograd/tape.h"
 #include "ops/cross_entropy.h"
@@ -33,6 +34,13 @@ ModelConfig ModelConfig::preset(const std::string& name) {
     return c;
   }
   fail(str("[config] unknown preset '", name, "'; expected tiny or small"));
+}
+
+std::vector<std::string> ModelConfig::mixers_from_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream s(text);
+  for (std::string item; std::getline(s, item, ',');) out.push_back(item);
+  return out;
 }
 
 void ModelConfig::validate() const {

@@ -29,6 +29,8 @@ struct ModelConfig {
   // Throws naming the key and the value for zero or negative sizes and unknown mixer names.
   void validate() const;
   const std::string& mixer(int64_t layer) const { return mixers[size_t(layer) % mixers.size()]; }
+  // "fal,tpa" -> {"fal", "tpa"} (a command line's --mixers; validate() checks the names).
+  static std::vector<std::string> mixers_from_list(const std::string& text);
 };
 
 // What decoding carries between tokens: per layer a FAL state or a TPA factor cache.
