@@ -134,10 +134,10 @@ Command add_bench_command(CLI::App& app) {
         {"--seq", &a->train.seq, "train: tokens per sequence (default: the preset's)"},
         {"--vocab", &a->train.vocab, "train: vocabulary size (default 32768)"},
         {"--steps", &a->train.steps, "train: timed steps (default 10)"},
-        {"--warmup", &a->train.warmup, "train: untimed steps first (default 3)"}})
-    bench->add_option(flag, *slot, what)->check(at_least_one())->each([a, flag = std::string(flag)](const std::string&) {
-      a->train_flags_given.push_back(flag);
-    });
+        {"--warmup", &a->train.warmup, "train: untimed steps first (default 3; 0 allowed)"}})
+    bench->add_option(flag, *slot, what)
+        ->check(std::string(flag) == "--warmup" ? CLI::Validator(CLI::NonNegativeNumber) : at_least_one())
+        ->each([a, flag = std::string(flag)](const std::string&) { a->train_flags_given.push_back(flag); });
   return {bench, [a] { bench_command(*a); }};
 }
 
