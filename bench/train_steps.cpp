@@ -185,16 +185,7 @@ TrainBenchResult bench_train(TrainSetup& s) {
 ProfileResult profile_train_step(TrainSetup& s) {
   const Device d = s.options.device;
   ProfileResult result;
-  for (int64_t i = 0; i < s.options.warmup; ++i) train_step(s, size_t(i));
-  std::vector<double> whole;
-  for (int64_t i = 0; i < s.options.steps; ++i) {
-    synchronize(d);
-    const auto t0 = std::chrono::steady_clock::now();
-    train_step(s, size_t(i));
-    synchronize(d);
-    whole.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  result.step_ms = median(whole);
+  result.step_ms = bench_train(s).step_ms;  // whole steps first (the warm-up included), then the parts
 
   const auto& [tokens, targets] = s.batches[0];
   size_t loss_value = 0;

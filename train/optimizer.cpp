@@ -98,21 +98,23 @@ void AdamW::step(double lr) {
 }
 
 std::map<std::string, Tensor> AdamW::state_dict() const {
+  Tensor m = m_, v = v_;
   if (comm_) {  // the full moments for a moment: gathered from every rank's slice
-    AdamW whole(module_, options_);
-    slice(whole.m_).copy_(m_);
-    slice(whole.v_).copy_(v_);
-    comm_->all_gather_in_place(whole.m_);
-    comm_->all_gather_in_place(whole.v_);
-    return whole.state_dict();
+    const Tensor& flat = module_.flat_parameters();
+    m = zeros(flat.shape(), flat.dtype(), flat.device());
+    v = zeros(flat.shape(), flat.dtype(), flat.device());
+    slice(m).copy_(m_);
+    slice(v).copy_(v_);
+    comm_->all_gather_in_place(m);
+    comm_->all_gather_in_place(v);
   }
   std::map<std::string, Tensor> out;
   const auto ranges = module_.flat_ranges();
   const NamedTensors params = module_.named_parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     const Shape& shape = params[i].second->shape();
-    out["m." + params[i].first] = m_.narrow(0, ranges[i].first, ranges[i].second).view(shape).to(Device::cpu()).clone();
-    out["v." + params[i].first] = v_.narrow(0, ranges[i].first, ranges[i].second).view(shape).to(Device::cpu()).clone();
+    out["m." + params[i].first] = m.narrow(0, ranges[i].first, ranges[i].second).view(shape).to(Device::cpu()).clone();
+    out["v." + params[i].first] = v.narrow(0, ranges[i].first, ranges[i].second).view(shape).to(Device::cpu()).clone();
   }
   return out;
 }
