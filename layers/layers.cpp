@@ -49,9 +49,7 @@ SwiGluMlp::SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_
 }
 
 Tensor SwiGluMlp::forward(const Tensor& x) const {
-  const Tensor h = up.forward(x);
-  const Tensor u = h.narrow(-1, 0, hidden), gate = h.narrow(-1, hidden, hidden);
-  return down.forward(mul(silu(gate), u));
+  return down.forward(swiglu(up.forward(x)));  // up's rows: [u, gate]
 }
 
 }  // namespace lintape

@@ -194,6 +194,62 @@ Tensor sigmoid(const Tensor& x) {
 Tensor silu(const Tensor& x) { return activation(UnaryOp::Silu, BinaryOp::SiluBackward, false, "silu", x); }
 Tensor gelu(const Tensor& x) { return activation(UnaryOp::Gelu, BinaryOp::GeluBackward, false, "gelu", x); }
 
+namespace {
+// The CPU SwiGLU, one row at a time: out = silu(g) u, or (dy given) du = dy silu(g), dg = silu'(g) dy u.
+template <class T>
+void swiglu_cpu(const T* h, const T* dy, T* out, int64_t rows, int64_t F) {
+  using C = cpu_compute_t<T>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *u = h + r * 2 * F, *g = u + F;
+    for (int64_t j = 0; j < F; ++j) {
+      const C uj = C(u[j]), gj = C(g[j]);
+      if (!dy) {
+        out[r * F + j] = T(elementwise::Silu{}(gj) * uj);
+      } else {
+        const C d = C(dy[r * F + j]);
+        out[r * 2 * F + j] = T(d * elementwise::Silu{}(gj));
+        out[r * 2 * F + F + j] = T(elementwise::SiluBackward{}(gj, d * uj));
+      }
+    }
+  }
+}
+}  // namespace
+
+Tensor swiglu(const Tensor& h) {
+  check_float(h, "swiglu");
+  LT_CHECK(h.dim() >= 1 && h.size(-1) % 2 == 0, "[swiglu] h must be (..., 2F) with an even last dim; got ",
+           shape_str(h.shape()));
+  const int64_t F = h.size(-1) / 2, rows = F == 0 ? 0 : h.numel() / (2 * F);
+  Shape out_shape = h.shape();
+  out_shape.back() = F;
+  Tensor hc = h.detach().contiguous(), out = empty(out_shape, h.dtype(), h.device());
+  if (out.numel() > 0) {
+#if LINTAPE_WITH_CUDA
+    if (h.is_cuda())
+      elementwise::swiglu_forward_cuda(hc, out);
+    else
+#endif
+      LT_DISPATCH_FLOAT(h.dtype(), "swiglu", T, { swiglu_cpu<T>(hc.data_ptr<T>(), nullptr, out.data_ptr<T>(), rows, F); });
+  }
+  if (autograd::needs_grad({h})) {
+    record("swiglu", {h}, {out}, [hc, rows, F](const Grads& g) -> Grads {
+      Tensor dy = g[0].detach().contiguous(), dh = empty(hc.shape(), hc.dtype(), hc.device());
+      if (dh.numel() == 0) return {dh};
+#if LINTAPE_WITH_CUDA
+      if (dh.is_cuda()) {
+        elementwise::swiglu_backward_cuda(hc, dy, dh);
+        return {dh};
+      }
+#endif
+      LT_DISPATCH_FLOAT(dh.dtype(), "swiglu", T, {
+        swiglu_cpu<T>(hc.data_ptr<T>(), dy.data_ptr<T>(), dh.data_ptr<T>(), rows, F);
+      });
+      return {dh};
+    });
+  }
+  return out;
+}
+
 Tensor sum_to_shape(const Tensor& grad, const Shape& shape) {
   if (grad.shape() == shape) return grad;
   int64_t lead = grad.dim() - int64_t(shape.size());

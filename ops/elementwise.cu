@@ -154,4 +154,61 @@ void unary_cuda(UnaryOp op, double scalar, const Tensor& out, const Tensor& x) {
   });
 }
 
+namespace {
+// SwiGLU, V outputs (F % V == 0, 16-byte rows) or one per thread: element i of out is row i / F, column
+// i % F of u = h[:, :F] and gate = h[:, F:]; the backward writes du and dgate at the same places of dh.
+template <class T, int V>
+__global__ void swiglu_kernel(const T* h, const T* dy, T* out, int64_t n, int64_t F) {
+  using P = Pack<T, V>;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n / V; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = p * V, r = i / F, j = i - r * F;
+    const P u = *reinterpret_cast<const P*>(h + r * 2 * F + j), g = *reinterpret_cast<const P*>(h + r * 2 * F + F + j);
+    if (!dy) {
+      P o;
+#pragma unroll
+      for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(Silu{}(to_acc(g.v[k])) * to_acc(u.v[k]));
+      *reinterpret_cast<P*>(out + i) = o;
+    } else {
+      const P d = *reinterpret_cast<const P*>(dy + i);
+      P du, dg;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const auto gk = to_acc(g.v[k]), dk = to_acc(d.v[k]);
+        du.v[k] = from_acc<T>(dk * Silu{}(gk));
+        dg.v[k] = from_acc<T>(SiluBackward{}(gk, dk * to_acc(u.v[k])));
+      }
+      *reinterpret_cast<P*>(out + r * 2 * F + j) = du;
+      *reinterpret_cast<P*>(out + r * 2 * F + F + j) = dg;
+    }
+  }
+}
+
+template <class T>
+void launch_swiglu(const T* h, const T* dy, T* out, int64_t n, int64_t F, cudaStream_t s) {
+  constexpr int V = kVec<T>;
+  const bool vec = F % V == 0 && aligned16(h) && aligned16(out) && (!dy || aligned16(dy));
+  if (vec)
+    swiglu_kernel<T, V><<<blocks_for(n / V), kThreads, 0, s>>>(h, dy, out, n, F);
+  else
+    swiglu_kernel<T, 1><<<blocks_for(n), kThreads, 0, s>>>(h, dy, out, n, F);
+  LT_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void swiglu_forward_cuda(const Tensor& h, const Tensor& out) {
+  const int64_t F = out.size(-1);
+  LT_DISPATCH_FLOAT_CUDA(out.dtype(), "swiglu", T, {
+    launch_swiglu(static_cast<const T*>(h.data()), static_cast<const T*>(nullptr), static_cast<T*>(out.data()),
+                  out.numel(), F, stream(out.device().index));
+  });
+}
+
+void swiglu_backward_cuda(const Tensor& h, const Tensor& dy, const Tensor& dh) {
+  const int64_t F = dy.size(-1);
+  LT_DISPATCH_FLOAT_CUDA(dh.dtype(), "swiglu", T, {
+    launch_swiglu(static_cast<const T*>(h.data()), static_cast<const T*>(dy.data()), static_cast<T*>(dh.data()),
+                  dy.numel(), F, stream(dh.device().index));
+  });
+}
+
 }  // namespace lintape::elementwise

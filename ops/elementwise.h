@@ -26,6 +26,10 @@ Tensor sigmoid(const Tensor& x);
 Tensor silu(const Tensor& x);
 Tensor gelu(const Tensor& x);  // tanh approximation
 
+// SwiGLU in one pass: h (..., 2F) holds [u, gate] along the last dim; out (..., F) = silu(gate) * u.
+// Saves h; the backward writes dh = [dy silu(gate), dy u silu'(gate)] in one pass (no views, no zeros).
+Tensor swiglu(const Tensor& h);
+
 // Sums `grad` over the dims that broadcasting stretched, back to `shape` (used by binary backward).
 Tensor sum_to_shape(const Tensor& grad, const Shape& shape);
 

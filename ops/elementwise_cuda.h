@@ -116,6 +116,10 @@ void visit(BinaryOp op, Fn&& fn) {
 void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);
 // out: contiguous, x's shape, dtype and device; x: any strides.
 void unary_cuda(UnaryOp op, double scalar, const Tensor& out, const Tensor& x);
+// SwiGLU over rows: h (rows, 2F) contiguous, out (rows, F); backward dy (rows, F), dh (rows, 2F), all
+// contiguous, one dtype.
+void swiglu_forward_cuda(const Tensor& h, const Tensor& out);
+void swiglu_backward_cuda(const Tensor& h, const Tensor& dy, const Tensor& dh);
 #endif
 
 }  // namespace lintape::elementwise

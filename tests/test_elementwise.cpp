@@ -283,3 +283,42 @@ TEST_CASE("cuda relu matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unar
 TEST_CASE("cuda sigmoid matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("sigmoid"); }
 TEST_CASE("cuda silu matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("silu"); }
 TEST_CASE("cuda gelu matches cpu" * LT_CUDA_CASE) { LT_REQUIRE_CUDA(); cuda_unary("gelu"); }
+
+// SwiGLU: one fused op over h = [u, gate], equal to the composed silu(gate) * u in values and gradients.
+Tensor swiglu_composed(const Tensor& h) {
+  const int64_t F = h.size(-1) / 2;
+  return mul(silu(h.narrow(-1, F, F)), h.narrow(-1, 0, F));
+}
+
+TEST_CASE("gradcheck swiglu") {
+  CHECK_GRADCHECK([](const std::vector<Tensor>& in) { return swiglu(in[0]); }, std::vector<Tensor>{leaf({2, 3, 8}, 21)});
+  // a non-contiguous input
+  CHECK_GRADCHECK([](const std::vector<Tensor>& in) { return swiglu(in[0].transpose(0, 1)); },
+                  std::vector<Tensor>{leaf({6, 3}, 22)});
+}
+
+TEST_CASE("swiglu equals silu(gate) * u, values and gradients") {
+  Tensor a = leaf({3, 5, 14}, 23), b = leaf({3, 5, 14}, 23);
+  Tensor out = swiglu(a), ref = swiglu_composed(b);
+  REQUIRE(out.shape() == Shape{3, 5, 7});
+  CHECK_CLOSE_TENSOR(out, ref, DType::F64);
+  Tensor dy = randn({3, 5, 7}, DType::F64, Device::cpu(), 24);
+  backward(out, dy);
+  backward(ref, dy);
+  CHECK_CLOSE_TENSOR(a.grad(), b.grad(), DType::F64);
+}
+
+TEST_CASE("bad input: swiglu of an odd last dim") {
+  check_throws_containing([] { swiglu(zeros({4, 7})); }, {"[swiglu]", "even last dim", "(4, 7)"});
+}
+
+TEST_CASE("cuda swiglu matches cpu" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    INFO("dtype " << dtype_name(dt));
+    // 16-byte packs (F = 64), one element at a time (F = 37), and a strided input
+    compare_cuda([](const std::vector<Tensor>& in) { return swiglu(in[0]); }, {{3, 37, 128}}, dt);
+    compare_cuda([](const std::vector<Tensor>& in) { return swiglu(in[0]); }, {{5, 74}}, dt);
+    compare_cuda([](const std::vector<Tensor>& in) { return swiglu(in[0].transpose(0, 1)); }, {{64, 9}}, dt);
+  }
+}
