@@ -9,6 +9,7 @@ thread_local bool t_grad_enabled = true;
 thread_local std::vector<std::weak_ptr<Node>> t_tape;
 thread_local uint64_t t_next_seq = 0;
 thread_local size_t t_compact_at = 1024;
+thread_local BackwardObserver t_observer;
 
 void compact_tape() {
   t_tape.erase(std::remove_if(t_tape.begin(), t_tape.end(),
@@ -139,6 +140,7 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
         fail(str("[", node->name, "] has no gradient for its input '", e.nondiff,
                  "' (not differentiable), but that input requires grad; detach() it or pass one that does not"));
 
+    if (t_observer) t_observer(node->name.c_str(), true);
     Grads gouts = std::move(node->grad_slots);
     node->grad_slots.assign(gouts.size(), Tensor());
     Grads gins = node->backward(gouts);
@@ -157,6 +159,7 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
       } else
         accumulate_leaf(*e.leaf, g);
     }
+    if (t_observer) t_observer(node->name.c_str(), false);
     if (!retain_graph) {
       node->backward = nullptr;  // frees the saved context
       node->released = true;
@@ -164,6 +167,8 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
   }
   compact_tape();
 }
+
+void set_backward_observer(BackwardObserver observer) { t_observer = std::move(observer); }
 
 size_t tape_size() {
   compact_tape();

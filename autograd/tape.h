@@ -81,6 +81,11 @@ void backward(const Tensor& loss, const Tensor& grad_output = {}, bool retain_gr
 
 size_t tape_size();  // live nodes on this thread's tape (for tests and leak checks)
 
+// For profilers: called on this thread around each node's backward (the op's name; begin true before
+// the node's backward, false after its gradients are passed on). An empty function removes it.
+using BackwardObserver = std::function<void(const char* op, bool begin)>;
+void set_backward_observer(BackwardObserver observer);
+
 }  // namespace lintape::autograd
 
 namespace lintape {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <random>
 
 #include "autograd/tape.h"
@@ -191,9 +192,24 @@ ProfileResult profile_train_step(TrainSetup& s) {
   size_t loss_value = 0;
   const std::vector<Part> parts = model_parts(*s.model, targets, &loss_value);
   std::vector<std::vector<double>> fwd(parts.size() + 1), bwd(parts.size() + 1), act(parts.size());
+  std::map<std::pair<std::string, std::string>, ProfileOpRow> ops;  // by (kind, op)
   reset_peak_memory(d);
   for (int64_t step = 0; step < s.options.steps; ++step) {
     Stamps stamps(d);
+    // Every node's backward between two stamps, under the kind of the part whose backward runs.
+    struct OpSpan {
+      const std::string* kind;
+      std::string op;
+      size_t begin, end;
+    };
+    std::vector<OpSpan> spans;
+    const std::string* kind_now = nullptr;
+    autograd::set_backward_observer([&](const char* op, bool begin) {
+      if (begin)
+        spans.push_back({kind_now, op, stamps.mark(), 0});
+      else
+        spans.back().end = stamps.mark();
+    });
     s.model->zero_grad();
     std::vector<Tensor> values(parts.size() + 1), outputs(parts.size());
     std::vector<std::vector<Tensor>> leaves(parts.size());
@@ -217,6 +233,7 @@ ProfileResult profile_train_step(TrainSetup& s) {
     for (size_t p = parts.size(); p-- > 0;) {
       const size_t out = p + 1;
       if (out != loss_value && !grads[out].defined()) continue;
+      kind_now = &parts[p].kind;
       bwd_marks[p].first = stamps.mark();
       if (out == loss_value)
         backward(outputs[p]);
@@ -232,11 +249,19 @@ ProfileResult profile_train_step(TrainSetup& s) {
       leaves[p].clear();
       grads[out] = Tensor();
     }
+    autograd::set_backward_observer(nullptr);
     const size_t opt_begin = stamps.mark();
     clip_grad_norm(*s.model, 1.0);
     s.optimizer->step(3e-4);
     const size_t opt_end = stamps.mark();
     synchronize(d);
+    for (const OpSpan& span : spans) {
+      ProfileOpRow& row = ops[{*span.kind, span.op}];
+      row.kind = *span.kind;
+      row.op = span.op;
+      row.bwd_ms += stamps.ms(span.begin, span.end) / double(s.options.steps);
+      row.calls += 1;
+    }
     for (size_t p = 0; p < parts.size(); ++p) {
       fwd[p].push_back(stamps.ms(fwd_marks[p].first, fwd_marks[p].second));
       bwd[p].push_back(bwd_marks[p] == std::pair<size_t, size_t>{} ? 0.0
@@ -249,6 +274,12 @@ ProfileResult profile_train_step(TrainSetup& s) {
     result.rows.push_back({parts[p].name, parts[p].kind, median(fwd[p]), median(bwd[p]), median(act[p])});
   result.rows.push_back({"optimizer", "optimizer (clip + AdamW)", median(fwd[parts.size()]), 0.0, 0.0});
   for (const ProfileRow& r : result.rows) result.parts_ms += r.fwd_ms + r.bwd_ms;
+  for (auto& [key, row] : ops) {
+    row.calls /= s.options.steps;
+    result.backward_ops.push_back(row);
+  }
+  std::sort(result.backward_ops.begin(), result.backward_ops.end(),
+            [](const ProfileOpRow& a, const ProfileOpRow& b) { return a.bwd_ms > b.bwd_ms; });
   result.peak_mib = double(memory_stats(d).peak) / kMiB;
   return result;
 }

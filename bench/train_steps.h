@@ -53,8 +53,15 @@ struct ProfileRow {
   std::string kind;  // what rows are summed by: "embedding", "norm", "fal", "tpa", "mlp", ...
   double fwd_ms = 0, bwd_ms = 0, activation_mib = 0;
 };
+// One op's backward inside one layer kind, per step (the mean over the profiled steps).
+struct ProfileOpRow {
+  std::string kind, op;
+  double bwd_ms = 0;
+  int64_t calls = 0;
+};
 struct ProfileResult {
   std::vector<ProfileRow> rows;  // per layer, in execution order
+  std::vector<ProfileOpRow> backward_ops;  // the rows' backward split by op, largest first
   double parts_ms = 0;           // sum of the rows
   double step_ms = 0;            // a whole step, timed on its own
   double peak_mib = 0;

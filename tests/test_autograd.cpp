@@ -339,3 +339,16 @@ TEST_CASE("bad input backward function returning the wrong gradients") {
   record("bad_count", {x}, {z}, [](const Grads& g) -> Grads { return {g[0], g[0]}; });
   check_throws_containing([&] { backward(total(z)); }, {"[bad_count] backward returned 2 gradients for 1 inputs"});
 }
+
+TEST_CASE("a backward observer sees each node's backward begin and end, by op name") {
+  Tensor x = leaf({3}, 31);
+  Tensor y = sum(mul(exp(x), x));
+  std::vector<std::string> seen;
+  autograd::set_backward_observer([&](const char* op, bool begin) { seen.push_back(std::string(begin ? "+" : "-") + op); });
+  backward(y);
+  autograd::set_backward_observer(nullptr);
+  CHECK(seen == std::vector<std::string>{"+sum", "-sum", "+mul", "-mul", "+exp", "-exp"});
+  Tensor z = sum(x);  // removed: no more calls
+  backward(z);
+  CHECK(seen.size() == 6);
+}
