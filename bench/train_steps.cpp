@@ -111,7 +111,6 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, siz
   size_t normed = add_part("norm", "final norm", {x}, [&m](const std::vector<Tensor>& v) { return m.norm.forward(v[0]); });
   *loss_value = add_part("head and loss", "head and loss", {normed}, [&m, targets](const std::vector<Tensor>& v) {
     Tensor logits = matmul(v[0], m.wte.to(m.compute_dtype()), false, true);
-    if (dtype_size(logits.dtype()) < 4) logits = logits.to(DType::F32);
     const int64_t rows = targets.numel();
     return cross_entropy(logits.reshape({rows, m.config().vocab_size}), targets.reshape({rows}), -1);
   });

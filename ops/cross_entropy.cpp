@@ -77,7 +77,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   std::vector<int64_t> host_targets;
 #if LINTAPE_WITH_CUDA
   if (lg.is_cuda()) {
-    loss = empty({}, logits.dtype(), logits.device());
+    loss = empty({}, ldt, logits.device());
     count_dev = empty({1}, DType::I64, logits.device());
     Tensor bad = zeros({2}, DType::I64, logits.device());
     cuda_ops::cross_entropy_forward_cuda(lg, tg, ignore_index, loss, lse, count_dev, bad);
@@ -91,7 +91,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
     LT_DISPATCH_FLOAT(lg.dtype(), "cross_entropy", T, {
       total = forward_cpu(lg.data_ptr<T>(), host_targets, classes, ignore_index, lse.data_ptr<lse_t<T>>(), count);
     });
-    loss = from_vector({count > 0 ? total / double(count) : 0.0}, {}, logits.dtype());
+    loss = from_vector({count > 0 ? total / double(count) : 0.0}, {}, ldt);
   }
 
   if (!autograd::needs_grad({logits})) return loss;
@@ -101,7 +101,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
         Tensor dlogits = empty(lg.shape(), lg.dtype(), lg.device());
 #if LINTAPE_WITH_CUDA
         if (lg.is_cuda()) {
-          Tensor dloss = g[0].to(lg.dtype()).to(lg.device());
+          Tensor dloss = g[0].to(lse.dtype()).to(lg.device());
           cuda_ops::cross_entropy_backward_cuda(dloss, lg, tg, ignore_index, lse, count_dev, dlogits);
           return {dlogits, Tensor()};
         }

@@ -116,7 +116,7 @@ __global__ void forward_rows_kernel(const T* __restrict__ logits, const I* __res
 // One block: loss = sum of row losses / count (0 when count is 0).
 template <class T, class I>
 __global__ void forward_reduce_kernel(const acc_t<T>* __restrict__ row_loss, const I* __restrict__ targets,
-                                      int64_t rows, int64_t ignore_index, T* __restrict__ loss,
+                                      int64_t rows, int64_t ignore_index, acc_t<T>* __restrict__ loss,
                                       long long* __restrict__ count) {
   using A = acc_t<T>;
   __shared__ A s_sum[32];
@@ -148,13 +148,13 @@ __global__ void forward_reduce_kernel(const acc_t<T>* __restrict__ row_loss, con
   }
   if (lane == 0) {
     *count = cnt;
-    *loss = from_acc<T>(cnt > 0 ? sum / A(cnt) : A(0));
+    *loss = cnt > 0 ? sum / A(cnt) : A(0);
   }
 }
 
 // V = 1: all scalar (dlogits and logits differ in alignment); else head, packs and tail as forward.
 template <class T, int V, class I>
-__global__ void backward_kernel(const T* __restrict__ dloss, const T* __restrict__ logits,
+__global__ void backward_kernel(const acc_t<T>* __restrict__ dloss, const T* __restrict__ logits,
                                 const I* __restrict__ targets, int64_t classes, int64_t ignore_index,
                                 const acc_t<T>* __restrict__ lse, const long long* __restrict__ count,
                                 T* __restrict__ dlogits) {
@@ -164,7 +164,7 @@ __global__ void backward_kernel(const T* __restrict__ dloss, const T* __restrict
   const int64_t t = int64_t(targets[row]);
   const long long cnt = *count;
   const bool ignored = t == ignore_index || cnt == 0;
-  const A scale = ignored ? A(0) : to_acc(*dloss) / A(cnt), l = lse[row];
+  const A scale = ignored ? A(0) : *dloss / A(cnt), l = lse[row];
   const T* x = logits + row * classes;
   T* d = dlogits + row * classes;
   auto grad = [&](A v, int64_t i) {
@@ -201,7 +201,7 @@ void forward(const Tensor& logits, const Tensor& targets, int64_t ignore_index, 
     LT_CUDA_CHECK_LAUNCH();
   }
   forward_reduce_kernel<T, I><<<1, kReduceThreads, 0, s>>>(static_cast<const A*>(row_loss.data()), tg, rows,
-                                                           ignore_index, static_cast<T*>(loss.data()),
+                                                           ignore_index, static_cast<A*>(loss.data()),
                                                            static_cast<long long*>(count.data()));
   LT_CUDA_CHECK_LAUNCH();
 }
@@ -214,7 +214,7 @@ void backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets, 
   if (rows == 0) return;
   cudaStream_t s = stream(logits.device().index);
   auto launch = [&](auto kernel) {
-    kernel<<<unsigned(rows), kThreads, 0, s>>>(static_cast<const T*>(dloss.data()), static_cast<const T*>(logits.data()),
+    kernel<<<unsigned(rows), kThreads, 0, s>>>(static_cast<const A*>(dloss.data()), static_cast<const T*>(logits.data()),
                                                static_cast<const I*>(targets.data()), classes, ignore_index,
                                                static_cast<const A*>(lse.data()),
                                                static_cast<const long long*>(count.data()),

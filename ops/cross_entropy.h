@@ -5,7 +5,8 @@
 namespace lintape {
 
 // Mean over tokens of -log softmax(logits)[target]; logits (T, V), targets (T) of i64 or i32. The result
-// has shape () and the logits' dtype; it is accumulated in f32 (f64 for f64).
+// has shape () and is f32 (f64 for f64 logits), accumulated so: bf16 or f16 logits give the loss of their
+// f32 values without an f32 copy of the logits; the gradient comes back in the logits' dtype.
 // Tokens whose target == ignore_index are left out of the sum and the count; when every token is
 // ignored the loss is 0 and the gradient is 0 (not NaN), so such a batch leaves the weights alone.
 // A target outside [0, V) that is not ignore_index is an error (on CUDA found through a device flag
