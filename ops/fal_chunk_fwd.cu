@@ -1,0 +1,208 @@
+// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the state pass, both ways, and the forward outputs.
+#include "ops/fal_chunk.cuh"
+
+namespace lintape::fal_cuda::chunk {
+
+namespace {
+
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kEtile = 64;     // E columns of a state block
+
+
+// Sequential over chunks, one block per (b, h, angle slice, 64 columns of E). Forward: X = K (act_k, LRPE),
+// Z = V (act_v) times delta; reverse: X = Q, Z = dO o gb times gamma. The block's state tile is the rows of
+// D' that the angle slice gives (64 or 128) times 64 columns, a 16 x 64 f32 tile per warp in registers:
+//   forward  store S_c; S <- lambda^cl S + X^T Z       (c = 0 ... nC-1, from S0; S_final after)
+//   reverse  store R_(c+1); R <- lambda^cl R + X^T Z   (c = nC-1 ... 0, from dS_final; dS0 after)
+template <class T, bool Reverse>
+__global__ void __launch_bounds__(kThreads) state_kernel(Args a) {
+  __shared__ __align__(16) T xs[2][kC * kLdS];
+  __shared__ __align__(16) T zs[kC * (kEtile + kPad)];
+  __shared__ float scale[kC];
+  const int warp = threadIdx.x >> 5;
+  const int64_t bh = blockIdx.x, b = bh / a.H;
+  const int h = int(bh % a.H), slice = int(blockIdx.y), e0 = int(blockIdx.z) * kEtile;
+  const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
+  const int half = warp / 4, m0 = 16 * (warp % 4);
+  const bool active = half < halves;
+  const int p_row = (half == 0 ? 0 : a.D) + slice * kSlice + m0;  // first state row of this warp
+  const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
+  const size_t PE = size_t(a.P) * a.E;
+
+  const T* x = Reverse ? at_head<T>(a.q, b, a.sq_b, h, a.D) : at_head<T>(a.k, b, a.sk_b, h, a.D);
+  const int64_t xts = Reverse ? a.sq_t : a.sk_t;
+  const T* z = Reverse ? at_head<T>(a.g, b, a.sg_b, h, a.E) : at_head<T>(a.v, b, a.sv_b, h, a.E);
+  const int64_t zts = Reverse ? a.sg_t : a.sv_t;
+  const T* dout = Reverse ? static_cast<const T*>(a.dout) + b * a.N * a.H * a.E + h * a.E : nullptr;
+  const int64_t dts = int64_t(a.H) * a.E;
+
+  Acc<1, kEtile / 8> acc;
+  const float* start = Reverse ? a.dS_final : a.S0;
+  float* last = Reverse ? a.dS0 : a.S_final;
+#pragma unroll
+  for (int n = 0; n < kEtile / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
+      acc.x[0][n][r] = start && active && e < a.E ? start[bh * PE + size_t(p) * a.E + e] : 0.0f;
+    }
+  T* states = static_cast<T*>(Reverse ? a.rstates : a.states) + bh * a.nC * PE;
+
+  for (int64_t step = 0; step < a.nC; ++step) {
+    const int64_t c = Reverse ? a.nC - 1 - step : step, t0 = c * kC;
+    const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
+    for (int i = threadIdx.x; i < kC; i += kThreads)
+      scale[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
+    __syncthreads();  // scale written; the previous chunk's products are done with xs, zs
+    load_encoded(a, x, xts, Reverse ? a.act_q : a.act_k, h, t0, slice, xs[0], xs[1], kThreads);
+    load_rows<T, kEtile>(a, z, zts, Reverse ? a.act_g : a.act_v, dout, dts, t0, e0, scale, zs, kThreads);
+    if (active) {
+      T* dst = states + c * PE;
+#pragma unroll
+      for (int n = 0; n < kEtile / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
+          if (e < a.E) store2(dst + size_t(p) * a.E + e, acc.x[0][n][r], acc.x[0][n][r + 1]);
+        }
+      const float carry = decay_pow(log2_lam, cl);
+#pragma unroll
+      for (int n = 0; n < kEtile / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc.x[0][n][r] *= carry;
+    }
+    __syncthreads();
+    if (active) warp_mma<T, true, true>(acc, xs[half], kLdS, m0, zs, kEtile + kPad, 0, kC);
+  }
+  if (last && active)
+#pragma unroll
+    for (int n = 0; n < kEtile / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
+        if (e < a.E) last[bh * PE + size_t(p) * a.E + e] = acc.x[0][n][r];
+      }
+}
+
+// One block per (chunk, b, h): Y = diag(gamma) Q S_c + (Q K^T o M) V, out = gb o Y. Warp w owns rows 16 (w % 4)
+// of the chunk and half w / 4 of the columns (of E for Y, of the chunk for the scores).
+template <class T, int EP>
+__global__ void __launch_bounds__(kThreads) output_kernel(Args a) {
+  constexpr int ldE = EP + kPad, NT = EP / 16;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* qs = reinterpret_cast<T*>(smem_raw);  // [2][kC][kLdS]
+  T* ks = qs + 2 * kC * kLdS;              // [2][kC][kLdS]
+  T* ss = ks + 2 * kC * kLdS;              // [2][kSlice][ldE]
+  T* vs = ss + 2 * kSlice * ldE;           // [kC][ldE]
+  T* as = vs + kC * ldE;                   // [kC][kLdC]
+  const int warp = threadIdx.x >> 5, m0 = 16 * (warp % 4), wc = warp / 4;
+  const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
+  const int h = int(bh % a.H);
+  const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
+  const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
+  const size_t PE = size_t(a.P) * a.E;
+  const T* q = at_head<T>(a.q, b, a.sq_b, h, a.D);
+  const T* k = at_head<T>(a.k, b, a.sk_b, h, a.D);
+  const T* state = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
+
+  load_rows<T, EP>(a, at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, a.act_v, nullptr, 0, t0, 0, nullptr, vs,
+                   kThreads);
+  Acc<1, 4> sc;  // scores: rows m0, columns 32 wc
+  Acc<1, NT> y;  // rows m0, columns wc EP / 2
+  sc.zero();
+  y.zero();
+  for (int slice = 0; slice < a.D / kSlice; ++slice) {
+    if (slice > 0) __syncthreads();
+    load_encoded(a, q, a.sq_t, a.act_q, h, t0, slice, qs, qs + kC * kLdS, kThreads);
+    load_encoded(a, k, a.sk_t, a.act_k, h, t0, slice, ks, ks + kC * kLdS, kThreads);
+    for (int hf = 0; hf < halves; ++hf)
+      load_state<T, EP>(a, state, (hf == 0 ? 0 : a.D) + slice * kSlice, ss + hf * kSlice * ldE, kThreads);
+    __syncthreads();
+    for (int hf = 0; hf < halves; ++hf) {
+      warp_mma<T, false, false>(sc, qs + hf * kC * kLdS, kLdS, m0, ks + hf * kC * kLdS, kLdS, 32 * wc, kSlice);
+      warp_mma<T, false, true>(y, qs + hf * kC * kLdS, kLdS, m0, ss + hf * kSlice * ldE, ldE, wc * EP / 2, kSlice);
+    }
+  }
+  // Masked, decayed scores into shared memory; the state term times gamma.
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int i = m0 + sc.row(0, r), j = 32 * wc + sc.col(n, r);
+      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f, w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
+      store2(as + i * kLdC + j, sc.x[0][n][r] * w0, sc.x[0][n][r + 1] * w1);
+    }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float gm = decay_pow(log2_lam, m0 + y.row(0, r) + 1);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) y.x[0][n][r] *= gm;
+  }
+  __syncthreads();
+  warp_mma<T, false, true>(y, as, kLdC, m0, vs, ldE, wc * EP / 2, kC);
+  const T* g = at_head<T>(a.g, b, a.sg_b, h, a.E);
+  T* out = static_cast<T*>(a.out) + b * a.N * a.H * a.E + h * a.E;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int64_t t = t0 + m0 + y.row(0, r);
+      const int e = wc * EP / 2 + y.col(n, r);
+      if (t >= a.N || e >= a.E) continue;
+      float g0, g1;
+      load2(g + t * a.sg_t + e, g0, g1);
+      store2(out + t * a.H * a.E + e, act_f(g0, a.act_g) * y.x[0][n][r], act_f(g1, a.act_g) * y.x[0][n][r + 1]);
+    }
+}
+
+template <class T, int EP>
+size_t output_smem() {
+  return sizeof(T) * size_t(4 * kC * kLdS + 2 * kSlice * (EP + kPad) + kC * (EP + kPad) + kC * kLdC);
+}
+
+template <class T>
+void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
+  const dim3 grid(unsigned(BH), unsigned(a.D / kSlice), unsigned((a.E + kEtile - 1) / kEtile));
+  if (reverse)
+    state_kernel<T, true><<<grid, kThreads, 0, st>>>(a);
+  else
+    state_kernel<T, false><<<grid, kThreads, 0, st>>>(a);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int EP>
+void launch_output(const Args& a, int64_t BH, cudaStream_t st) {
+  const size_t smem = output_smem<T, EP>();
+  LT_CUDA_CHECK(cudaFuncSetAttribute(output_kernel<T, EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  output_kernel<T, EP><<<dim3(unsigned(a.nC), unsigned(BH)), kThreads, smem, st>>>(a);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
+  if (dtype != DType::BF16 && dtype != DType::F16) return false;
+  if (spec.lrpe == FalStepSpec::kRotate || D % kSlice != 0 || D > 128 || E % 8 != 0 || E > 128 || E == 0)
+    return false;
+  for (int act : {spec.act_q, spec.act_k, spec.act_v, spec.act_g})
+    if (act == FalStepSpec::kSoftmaxFeature) return false;
+  return true;
+}
+
+void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
+  if (dtype == DType::BF16)
+    launch_state<__nv_bfloat16>(a, BH, reverse, st);
+  else
+    launch_state<__half>(a, BH, reverse, st);
+}
+
+void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
+  state_pass(a, dtype, BH, false, st);
+  const bool wide = a.E > 64;
+  if (dtype == DType::BF16)
+    wide ? launch_output<__nv_bfloat16, 128>(a, BH, st) : launch_output<__nv_bfloat16, 64>(a, BH, st);
+  else
+    wide ? launch_output<__half, 128>(a, BH, st) : launch_output<__half, 64>(a, BH, st);
+}
+
+}  // namespace lintape::fal_cuda::chunk
