@@ -184,14 +184,7 @@ __device__ __forceinline__ float rate_of(const Args& a, int h, int j) {
   return a.theta_cols == 1 ? r[0] : j < a.theta_cols ? r[j] : 0.0f;
 }
 
-// 8 consecutive values (16 bytes) as floats.
-template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = cuda::to_acc(e[i]);
-}
+// 8 values as 16 bytes.
 template <class T>
 __device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
   uint4 u;
@@ -213,81 +206,109 @@ __device__ __forceinline__ void store2(T* p, float x0, float x1) {
   p[1] = cuda::from_acc<T>(x1);
 }
 
-// One chunk's encoded rows of q or k for angle slice `slice` into shared memory: half0 (and half1 with an
-// LRPE) are kC x kSlice tiles of leading dimension kLdS; rows past the sequence are zeros. x points at (b, token
-// 0, h, 0); ts is the token stride. All threads of the block, nthreads of them.
-template <class T>
-__device__ __forceinline__ void load_encoded(const Args& a, const T* __restrict__ x, int64_t ts, int act, int h,
-                                             int64_t t0, int slice, T* half0, T* half1, int nthreads) {
-  for (int idx = threadIdx.x; idx < kC * (kSlice / 8); idx += nthreads) {
-    const int i = idx / (kSlice / 8), c8 = (idx % (kSlice / 8)) * 8;
+// Loading a chunk's rows is split in two so that all of a thread's global loads are in flight at once: fetch
+// issues the 16-byte loads into registers (zeros past the sequence or past E), store applies the act (and the
+// LRPE or the gate) and writes the tile to shared memory. Every kernel has kThreads threads.
+constexpr int kThreads = 256;
+
+template <int W>
+struct Raw {
+  static constexpr int kIt = kC * (W / 8) / kThreads;  // 16-byte pieces per thread
+  uint4 u[kIt];
+};
+
+// Rows t0 ... t0 + kC - 1, columns [c0, c0 + W) of x (at (b, token 0, h, 0), token stride ts; cols columns).
+template <class T, int W>
+__device__ __forceinline__ void fetch(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t0, int c0,
+                                      int cols, Raw<W>& r) {
+#pragma unroll
+  for (int it = 0; it < Raw<W>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kThreads, i = idx / (W / 8), c = c0 + (idx % (W / 8)) * 8;
     const int64_t t = t0 + i;
-    const int j = slice * kSlice + c8;  // column (and angle) index of the first value
-    float x1[8], o0[8], o1[8];
-    if (t < a.N) {
-      load8(x + t * ts + j, x1);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) o0[u] = x1[u] = act_f(x1[u], act);
-      if (a.lrpe == FalStepSpec::kCosine) {
-        const int64_t pos = a.position + t;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          float c, s;
-          angle_cs(rate_of(a, h, j + u), pos, c, s);
-          o0[u] = x1[u] * c;
-          o1[u] = x1[u] * s;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < 8; ++u) o0[u] = o1[u] = 0.0f;
-    }
-    store8(half0 + i * kLdS + c8, o0);
-    if (a.lrpe != FalStepSpec::kNoLrpe) store8(half1 + i * kLdS + c8, o1);
+    r.u[it] = t < a.N && c < cols ? *reinterpret_cast<const uint4*>(x + t * ts + c) : make_uint4(0, 0, 0, 0);
   }
 }
 
-// One chunk's rows of v (or gb o dO when dout is given), columns [e0, e0 + W), each row times scale[i] when
-// scale is given, into a kC x W tile (leading dimension W + kPad); columns past E and rows past the sequence
-// are zeros. x and dout point at (b, token 0, h, 0).
-template <class T, int W>
-__device__ __forceinline__ void load_rows(const Args& a, const T* __restrict__ x, int64_t ts, int act,
-                                          const T* __restrict__ dout, int64_t dts, int64_t t0, int e0,
-                                          const float* scale, T* tile, int nthreads) {
-  for (int idx = threadIdx.x; idx < kC * (W / 8); idx += nthreads) {
-    const int i = idx / (W / 8), c8 = (idx % (W / 8)) * 8, e = e0 + c8;
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&x)[8]) {
+  const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = cuda::to_acc(e[i]);
+}
+
+// q or k rows of angle slice `slice` (fetched with c0 = slice kSlice): half0 (and half1 with the cosine LRPE)
+// are kC x kSlice tiles of leading dimension kLdS. Rows past the sequence are zeros.
+template <class T>
+__device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice>& r, int act, int h, int64_t t0,
+                                              int slice, T* half0, T* half1) {
+#pragma unroll
+  for (int it = 0; it < Raw<kSlice>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kThreads, i = idx / (kSlice / 8), c8 = (idx % (kSlice / 8)) * 8;
     const int64_t t = t0 + i;
-    float y[8];
-    if (t < a.N && e < a.E) {
-      load8(x + t * ts + e, y);
+    const int j = slice * kSlice + c8;  // column (and angle) index of the first value
+    float x[8], o0[8], o1[8];
+    unpack8<T>(r.u[it], x);
+    const bool live = t < a.N;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) y[u] = act_f(y[u], act);
-      if (dout) {
-        float d[8];
-        load8(dout + t * dts + e, d);
+    for (int u = 0; u < 8; ++u) o0[u] = live ? act_f(x[u], act) : 0.0f;
+    if (a.lrpe == FalStepSpec::kCosine) {
+      const int64_t pos = a.position + t;
 #pragma unroll
-        for (int u = 0; u < 8; ++u) y[u] *= d[u];
+      for (int u = 0; u < 8; ++u) {
+        float c = 0.0f, s = 0.0f;
+        if (live) angle_cs(rate_of(a, h, j + u), pos, c, s);
+        o1[u] = o0[u] * s;
+        o0[u] *= c;
       }
-      if (scale)
-#pragma unroll
-        for (int u = 0; u < 8; ++u) y[u] *= scale[i];
-    } else {
-#pragma unroll
-      for (int u = 0; u < 8; ++u) y[u] = 0.0f;
+      store8(half1 + i * kLdS + c8, o1);
     }
+    store8(half0 + i * kLdS + c8, o0);
+  }
+}
+
+// v rows (act), or gb o dO when d is given, each row times scale[i] when given, into a kC x W tile (leading
+// dimension W + kPad); fetched with c0 = e0. Columns past E and rows past the sequence are zeros.
+template <class T, int W>
+__device__ __forceinline__ void store_rows(const Args& a, const Raw<W>& r, const Raw<W>* d, int act, int64_t t0,
+                                           int e0, const float* scale, T* tile) {
+#pragma unroll
+  for (int it = 0; it < Raw<W>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kThreads, i = idx / (W / 8), c8 = (idx % (W / 8)) * 8;
+    const bool live = t0 + i < a.N && e0 + c8 < a.E;
+    float y[8];
+    unpack8<T>(r.u[it], y);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) y[u] = live ? act_f(y[u], act) : 0.0f;
+    if (d) {
+      float z[8];
+      unpack8<T>(d->u[it], z);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] *= z[u];
+    }
+    if (scale)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] *= scale[i];
     store8(tile + i * (W + kPad) + c8, y);
   }
 }
 
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Rows [p0, p0 + kSlice) of a chunk's stored state (P x E in T, row stride E) into a kSlice x EP tile (leading
-// dimension EP + kPad); columns past E are zeros.
+// dimension EP + kPad) through cp.async (wait with cp_async_wait_all); columns past E are zeros.
 template <class T, int EP>
-__device__ __forceinline__ void load_state(const Args& a, const T* __restrict__ st, int p0, T* tile, int nthreads) {
-  for (int idx = threadIdx.x; idx < kSlice * (EP / 8); idx += nthreads) {
-    const int p = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
-    uint4 u = make_uint4(0, 0, 0, 0);
-    if (c8 < a.E) u = *reinterpret_cast<const uint4*>(st + int64_t(p0 + p) * a.E + c8);
-    *reinterpret_cast<uint4*>(tile + p * (EP + kPad) + c8) = u;
+__device__ __forceinline__ void load_state_async(const Args& a, const T* __restrict__ st, int p0, T* tile) {
+#pragma unroll
+  for (int it = 0; it < kSlice * (EP / 8) / kThreads; ++it) {
+    const int idx = threadIdx.x + it * kThreads, p = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
+    T* dst = tile + p * (EP + kPad) + c8;
+    if (c8 < a.E)
+      cp_async16(dst, st + int64_t(p0 + p) * a.E + c8);
+    else
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
 }
 

@@ -6,8 +6,6 @@ namespace lintape::fal_cuda::chunk {
 
 namespace {
 
-constexpr int kThreads = 256;  // 8 warps
-
 // The block's tiles in shared memory.
 template <class T, int EP>
 struct GradSmem {
@@ -109,8 +107,14 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
   const T* S = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
   const T* R = static_cast<const T*>(a.rstates) + (bh * a.nC + c) * PE;
 
-  load_rows<T, EP>(a, v, a.sv_t, a.act_v, nullptr, 0, t0, 0, nullptr, sm.vs, kThreads);
-  load_rows<T, EP>(a, g, a.sg_t, a.act_g, dout, out_ts, t0, 0, nullptr, sm.ys, kThreads);
+  {
+    Raw<EP> vr, gr, dr;
+    fetch(a, v, a.sv_t, t0, 0, a.E, vr);
+    fetch(a, g, a.sg_t, t0, 0, a.E, gr);
+    fetch(a, dout, out_ts, t0, 0, a.E, dr);
+    store_rows<T, EP>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
+    store_rows<T, EP>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
+  }
   __syncthreads();
   {
     Acc<1, 4> bsc;
@@ -127,12 +131,17 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
   dvo.zero();
   for (int slice = 0; slice < a.D / kSlice; ++slice) {
     __syncthreads();  // bm written; the previous slice's tiles are consumed
-    load_encoded(a, q, a.sq_t, a.act_q, h, t0, slice, sm.qs, sm.qs + kC * kLdS, kThreads);
-    load_encoded(a, k, a.sk_t, a.act_k, h, t0, slice, sm.ks, sm.ks + kC * kLdS, kThreads);
     for (int hf = 0; hf < halves; ++hf) {
       const int p0 = (hf == 0 ? 0 : a.D) + slice * kSlice;
-      load_state<T, EP>(a, S, p0, sm.ss + hf * kSlice * ldE, kThreads);
-      load_state<T, EP>(a, R, p0, sm.rs + hf * kSlice * ldE, kThreads);
+      load_state_async<T, EP>(a, S, p0, sm.ss + hf * kSlice * ldE);
+      load_state_async<T, EP>(a, R, p0, sm.rs + hf * kSlice * ldE);
+    }
+    {
+      Raw<kSlice> qr, kr;
+      fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
+      fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
+      store_encoded(a, qr, a.act_q, h, t0, slice, sm.qs, sm.qs + kC * kLdS);
+      store_encoded(a, kr, a.act_k, h, t0, slice, sm.ks, sm.ks + kC * kLdS);
     }
     // The angles of this thread's elements of the slice's 16 x 32 gradient tiles.
     float cs[16], sn[16];
@@ -145,6 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
           angle_cs(rate_of(a, h, slice * kSlice + 32 * wc + Acc<1, 4>::col(n, r)),
                    a.position + t0 + m0 + Acc<1, 4>::row(0, r), cs[4 * n + r], sn[4 * n + r]);
       }
+    cp_async_wait_all();
     __syncthreads();
     Acc<1, 4> gq, gk;
     gq.zero();

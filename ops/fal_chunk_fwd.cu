@@ -5,8 +5,7 @@ namespace lintape::fal_cuda::chunk {
 
 namespace {
 
-constexpr int kThreads = 256;  // 8 warps
-constexpr int kEtile = 64;     // E columns of a state block
+constexpr int kEtile = 64;  // E columns of a state block
 
 
 // Sequential over chunks, one block per (b, h, angle slice, 64 columns of E). Forward: X = K (act_k, LRPE),
@@ -18,7 +17,7 @@ template <class T, bool Reverse>
 __global__ void __launch_bounds__(kThreads) state_kernel(Args a) {
   __shared__ __align__(16) T xs[2][kC * kLdS];
   __shared__ __align__(16) T zs[kC * (kEtile + kPad)];
-  __shared__ float scale[kC];
+  __shared__ float scale[2][kC];  // by the chunk's parity: written before the barrier that ends its last reads
   const int warp = threadIdx.x >> 5;
   const int64_t bh = blockIdx.x, b = bh / a.H;
   const int h = int(bh % a.H), slice = int(blockIdx.y), e0 = int(blockIdx.z) * kEtile;
@@ -48,14 +47,26 @@ __global__ void __launch_bounds__(kThreads) state_kernel(Args a) {
     }
   T* states = static_cast<T*>(Reverse ? a.rstates : a.states) + bh * a.nC * PE;
 
+  // Software pipelined: the rows of the next chunk are fetched while this chunk's product runs.
+  const int x_act = Reverse ? a.act_q : a.act_k, z_act = Reverse ? a.act_g : a.act_v;
+  Raw<kSlice> xr;
+  Raw<kEtile> zr, dr;
+  auto fetch_chunk = [&](int64_t c) {
+    fetch(a, x, xts, c * kC, slice * kSlice, a.D, xr);
+    fetch(a, z, zts, c * kC, e0, a.E, zr);
+    if (Reverse) fetch(a, dout, dts, c * kC, e0, a.E, dr);
+  };
+  fetch_chunk(Reverse ? a.nC - 1 : 0);
   for (int64_t step = 0; step < a.nC; ++step) {
     const int64_t c = Reverse ? a.nC - 1 - step : step, t0 = c * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
+    float* sc = scale[step & 1];
     for (int i = threadIdx.x; i < kC; i += kThreads)
-      scale[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
-    __syncthreads();  // scale written; the previous chunk's products are done with xs, zs
-    load_encoded(a, x, xts, Reverse ? a.act_q : a.act_k, h, t0, slice, xs[0], xs[1], kThreads);
-    load_rows<T, kEtile>(a, z, zts, Reverse ? a.act_g : a.act_v, dout, dts, t0, e0, scale, zs, kThreads);
+      sc[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
+    __syncthreads();  // sc written; the previous chunk's product is done with xs and zs
+    store_encoded(a, xr, x_act, h, t0, slice, xs[0], xs[1]);
+    store_rows<T, kEtile>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, sc, zs);
+    if (step + 1 < a.nC) fetch_chunk(Reverse ? c - 1 : c + 1);
     if (active) {
       T* dst = states + c * PE;
 #pragma unroll
@@ -87,7 +98,7 @@ __global__ void __launch_bounds__(kThreads) state_kernel(Args a) {
 // One block per (chunk, b, h): Y = diag(gamma) Q S_c + (Q K^T o M) V, out = gb o Y. Warp w owns rows 16 (w % 4)
 // of the chunk and half w / 4 of the columns (of E for Y, of the chunk for the scores).
 template <class T, int EP>
-__global__ void __launch_bounds__(kThreads) output_kernel(Args a) {
+__global__ void __launch_bounds__(kThreads, 2) output_kernel(Args a) {
   constexpr int ldE = EP + kPad, NT = EP / 16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* qs = reinterpret_cast<T*>(smem_raw);  // [2][kC][kLdS]
@@ -105,18 +116,25 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args a) {
   const T* k = at_head<T>(a.k, b, a.sk_b, h, a.D);
   const T* state = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
 
-  load_rows<T, EP>(a, at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, a.act_v, nullptr, 0, t0, 0, nullptr, vs,
-                   kThreads);
+  {
+    Raw<EP> vr;
+    fetch(a, at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, t0, 0, a.E, vr);
+    store_rows<T, EP>(a, vr, nullptr, a.act_v, t0, 0, nullptr, vs);
+  }
   Acc<1, 4> sc;  // scores: rows m0, columns 32 wc
   Acc<1, NT> y;  // rows m0, columns wc EP / 2
   sc.zero();
   y.zero();
   for (int slice = 0; slice < a.D / kSlice; ++slice) {
     if (slice > 0) __syncthreads();
-    load_encoded(a, q, a.sq_t, a.act_q, h, t0, slice, qs, qs + kC * kLdS, kThreads);
-    load_encoded(a, k, a.sk_t, a.act_k, h, t0, slice, ks, ks + kC * kLdS, kThreads);
     for (int hf = 0; hf < halves; ++hf)
-      load_state<T, EP>(a, state, (hf == 0 ? 0 : a.D) + slice * kSlice, ss + hf * kSlice * ldE, kThreads);
+      load_state_async<T, EP>(a, state, (hf == 0 ? 0 : a.D) + slice * kSlice, ss + hf * kSlice * ldE);
+    Raw<kSlice> qr, kr;
+    fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
+    fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
+    store_encoded(a, qr, a.act_q, h, t0, slice, qs, qs + kC * kLdS);
+    store_encoded(a, kr, a.act_k, h, t0, slice, ks, ks + kC * kLdS);
+    cp_async_wait_all();
     __syncthreads();
     for (int hf = 0; hf < halves; ++hf) {
       warp_mma<T, false, false>(sc, qs + hf * kC * kLdS, kLdS, m0, ks + hf * kC * kLdS, kLdS, 32 * wc, kSlice);
