@@ -173,10 +173,23 @@ __device__ __forceinline__ float act_grad(float x, float dy, int act) {
 // lambda^e for e >= 0 (1 without decay).
 __device__ __forceinline__ float decay_pow(float log2_lam, int e) { return e <= 0 ? 1.0f : exp2f(log2_lam * float(e)); }
 
-// cos and sin of rate * pos, the angle reduced modulo 2 pi in double (as the sweep kernels).
+// cos and sin of rate * pos. The angle is reduced modulo 2 pi in f32 (FP64 and its conversions are slow
+// here): pos * rate = hi + lo exactly (pos < 2^24 is exact in f32), then hi - k 2 pi with 2 pi in three parts
+// (Cody-Waite; the first has 8 significant bits); within 4e-7 of the exact reduction (checked against double
+// for positions up to 2^22). Larger positions reduce in double. On [-pi, pi] the fast sincos is within 2^-21.
 __device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
-  const double ang = double(pos) * double(rate);
-  __sincosf(float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535)), &s, &c);
+  float r;
+  if (pos < (int64_t(1) << 24)) {
+    const float p = float(pos), hi = __fmul_rn(p, rate), lo = fmaf(p, rate, -hi);
+    const float k = rintf(hi * 0.15915494309189535f);
+    r = fmaf(-k, 6.28125f, hi);
+    r = fmaf(-k, 1.9353071795864769e-3f, r);
+    r = fmaf(-k, 1.025313168e-11f, r) + lo;
+  } else {
+    const double ang = double(pos) * double(rate);
+    r = float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535));
+  }
+  __sincosf(r, &s, &c);
 }
 
 __device__ __forceinline__ float rate_of(const Args& a, int h, int j) {
@@ -237,32 +250,44 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&x)[8]) {
 }
 
 // q or k rows of angle slice `slice` (fetched with c0 = slice kSlice): half0 (and half1 with the cosine LRPE)
-// are kC x kSlice tiles of leading dimension kLdS. Rows past the sequence are zeros.
+// are kC x kSlice tiles of leading dimension kLdS. Rows past the sequence are zeros. With r2 (q and k of the
+// same tokens) the second rows go to r2_half0 and r2_half1 through the same angles.
 template <class T>
-__device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice>& r, int act, int h, int64_t t0,
-                                              int slice, T* half0, T* half1) {
+__device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice>& r, int act, T* half0, T* half1,
+                                              const Raw<kSlice>* r2, int act2, T* r2_half0, T* r2_half1, int h,
+                                              int64_t t0, int slice) {
 #pragma unroll
   for (int it = 0; it < Raw<kSlice>::kIt; ++it) {
     const int idx = threadIdx.x + it * kThreads, i = idx / (kSlice / 8), c8 = (idx % (kSlice / 8)) * 8;
     const int64_t t = t0 + i;
     const int j = slice * kSlice + c8;  // column (and angle) index of the first value
-    float x[8], o0[8], o1[8];
-    unpack8<T>(r.u[it], x);
     const bool live = t < a.N;
+    float x[8], y[8];
+    unpack8<T>(r.u[it], x);
 #pragma unroll
-    for (int u = 0; u < 8; ++u) o0[u] = live ? act_f(x[u], act) : 0.0f;
+    for (int u = 0; u < 8; ++u) x[u] = live ? act_f(x[u], act) : 0.0f;
+    if (r2) {
+      unpack8<T>(r2->u[it], y);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] = live ? act_f(y[u], act2) : 0.0f;
+    }
     if (a.lrpe == FalStepSpec::kCosine) {
       const int64_t pos = a.position + t;
+      float xs[8], ys[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         float c = 0.0f, s = 0.0f;
         if (live) angle_cs(rate_of(a, h, j + u), pos, c, s);
-        o1[u] = o0[u] * s;
-        o0[u] *= c;
+        xs[u] = x[u] * s;
+        x[u] *= c;
+        ys[u] = y[u] * s;
+        y[u] *= c;
       }
-      store8(half1 + i * kLdS + c8, o1);
+      store8(half1 + i * kLdS + c8, xs);
+      if (r2) store8(r2_half1 + i * kLdS + c8, ys);
     }
-    store8(half0 + i * kLdS + c8, o0);
+    store8(half0 + i * kLdS + c8, x);
+    if (r2) store8(r2_half0 + i * kLdS + c8, y);
   }
 }
 

@@ -140,8 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
       Raw<kSlice> qr, kr;
       fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
       fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
-      store_encoded(a, qr, a.act_q, h, t0, slice, sm.qs, sm.qs + kC * kLdS);
-      store_encoded(a, kr, a.act_k, h, t0, slice, sm.ks, sm.ks + kC * kLdS);
+      store_encoded(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0, slice);
     }
     // The angles of this thread's elements of the slice's 16 x 32 gradient tiles.
     float cs[16], sn[16];

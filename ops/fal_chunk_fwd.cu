@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads) state_kernel(Args a) {
     for (int i = threadIdx.x; i < kC; i += kThreads)
       sc[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
     __syncthreads();  // sc written; the previous chunk's product is done with xs and zs
-    store_encoded(a, xr, x_act, h, t0, slice, xs[0], xs[1]);
+    store_encoded<T>(a, xr, x_act, xs[0], xs[1], nullptr, 0, nullptr, nullptr, h, t0, slice);
     store_rows<T, kEtile>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, sc, zs);
     if (step + 1 < a.nC) fetch_chunk(Reverse ? c - 1 : c + 1);
     if (active) {
@@ -132,8 +132,7 @@ __global__ void __launch_bounds__(kThreads, 2) output_kernel(Args a) {
     Raw<kSlice> qr, kr;
     fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
     fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
-    store_encoded(a, qr, a.act_q, h, t0, slice, qs, qs + kC * kLdS);
-    store_encoded(a, kr, a.act_k, h, t0, slice, ks, ks + kC * kLdS);
+    store_encoded(a, qr, a.act_q, qs, qs + kC * kLdS, &kr, a.act_k, ks, ks + kC * kLdS, h, t0, slice);
     cp_async_wait_all();
     __syncthreads();
     for (int hf = 0; hf < halves; ++hf) {
