@@ -321,6 +321,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int Pending>  // wait until at most Pending of this thread's committed groups are in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory"); }
 
 // Rows [p0, p0 + kSlice) of a chunk's stored state (P x E in T, row stride E) into a kSlice x EP tile (leading
 // dimension EP + kPad) through cp.async (wait with cp_async_wait_all); columns past E are zeros.

@@ -12,8 +12,8 @@ struct GradSmem {
   static constexpr int ldE = EP + kPad;
   T* qs;  // [2][kC][kLdS]   Q, both halves of the angle slice
   T* ks;  // [2][kC][kLdS]   K
-  T* ss;  // [2][kSlice][ldE] S_c rows of the slice
-  T* rs;  // [2][kSlice][ldE] R_(c+1) rows of the slice
+  T* ss;  // [2][2][kSlice][ldE] S_c rows of the slice, by the slice's parity (the next one loads meanwhile)
+  T* rs;  // [2][2][kSlice][ldE] R_(c+1) rows of the slice, likewise
   T* vs;  // [kC][ldE]       V
   T* ys;  // [kC][ldE]       dY = dO o gb
   T* am;  // [kC][kLdC]      (Q K^T) o M
@@ -22,14 +22,14 @@ struct GradSmem {
     qs = base;
     ks = qs + 2 * kC * kLdS;
     ss = ks + 2 * kC * kLdS;
-    rs = ss + 2 * kSlice * ldE;
-    vs = rs + 2 * kSlice * ldE;
+    rs = ss + 4 * kSlice * ldE;
+    vs = rs + 4 * kSlice * ldE;
     ys = vs + kC * ldE;
     am = ys + kC * ldE;
     bm = am + kC * kLdC;
   }
   static constexpr size_t bytes() {
-    return sizeof(T) * size_t(4 * kC * kLdS + 4 * kSlice * ldE + 2 * kC * ldE + 2 * kC * kLdC);
+    return sizeof(T) * size_t(4 * kC * kLdS + 8 * kSlice * ldE + 2 * kC * ldE + 2 * kC * kLdC);
   }
 };
 
@@ -107,6 +107,17 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
   const T* S = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
   const T* R = static_cast<const T*>(a.rstates) + (bh * a.nC + c) * PE;
 
+  const int slices = a.D / kSlice;
+  // The S_c and R_(c+1) rows of a slice into the buffers of its parity, one cp.async group.
+  auto issue_states = [&](int slice) {
+    for (int hf = 0; hf < halves; ++hf) {
+      const int p0 = (hf == 0 ? 0 : a.D) + slice * kSlice, buf = (slice & 1) * 2 + hf;
+      load_state_async<T, EP>(a, S, p0, sm.ss + buf * kSlice * ldE);
+      load_state_async<T, EP>(a, R, p0, sm.rs + buf * kSlice * ldE);
+    }
+    cp_async_commit();
+  };
+  issue_states(0);
   {
     Raw<EP> vr, gr, dr;
     fetch(a, v, a.sv_t, t0, 0, a.E, vr);
@@ -129,13 +140,9 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
   sc.zero();
   y.zero();
   dvo.zero();
-  for (int slice = 0; slice < a.D / kSlice; ++slice) {
+  for (int slice = 0; slice < slices; ++slice) {
     __syncthreads();  // bm written; the previous slice's tiles are consumed
-    for (int hf = 0; hf < halves; ++hf) {
-      const int p0 = (hf == 0 ? 0 : a.D) + slice * kSlice;
-      load_state_async<T, EP>(a, S, p0, sm.ss + hf * kSlice * ldE);
-      load_state_async<T, EP>(a, R, p0, sm.rs + hf * kSlice * ldE);
-    }
+    if (slice + 1 < slices) issue_states(slice + 1);
     {
       Raw<kSlice> qr, kr;
       fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
@@ -153,36 +160,46 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
           angle_cs(rate_of(a, h, slice * kSlice + 32 * wc + Acc<1, 4>::col(n, r)),
                    a.position + t0 + m0 + Acc<1, 4>::row(0, r), cs[4 * n + r], sn[4 * n + r]);
       }
-    cp_async_wait_all();
+    if (slice + 1 < slices)
+      cp_async_wait<1>();  // this slice's group has landed; the next one's may still be in flight
+    else
+      cp_async_wait<0>();
     __syncthreads();
-    Acc<1, 4> gq, gk;
-    gq.zero();
-    gk.zero();
+    auto half_tile = [&](const T* base, int hf, int rows, int ld) { return base + ((slice & 1) * 2 + hf) * rows * ld; };
     for (int hf = 0; hf < halves; ++hf) {
       const T* qh = sm.qs + hf * kC * kLdS;
       const T* kh = sm.ks + hf * kC * kLdS;
-      const T* sh = sm.ss + hf * kSlice * ldE;
-      const T* rh = sm.rs + hf * kSlice * ldE;
       warp_mma<T, false, false>(sc, qh, kLdS, m0, kh, kLdS, 32 * wc, kSlice);
-      warp_mma<T, false, true>(y, qh, kLdS, m0, sh, ldE, wc * EP / 2, kSlice);
-      warp_mma<T, false, true>(dvo, kh, kLdS, m0, rh, ldE, wc * EP / 2, kSlice);
-      Acc<1, 4> d;
-      d.zero();  // dQ = diag(gamma) dY S^T + Bm K
-      warp_mma<T, false, false>(d, sm.ys, ldE, m0, sh, ldE, 32 * wc, EP);
-      scale_rows(d, m0, log2_lam, 1, 1);
-      warp_mma<T, false, true>(d, sm.bm, kLdC, m0, kh, kLdS, 32 * wc, kC);
-      fold(gq, d, cs, sn, hf);
-      d.zero();  // dK = diag(delta) V R^T + Bm^T Q
-      warp_mma<T, false, false>(d, sm.vs, ldE, m0, rh, ldE, 32 * wc, EP);
-      scale_rows(d, m0, log2_lam, cl - 1, -1);
-      warp_mma<T, true, true>(d, sm.bm, kLdC, m0, qh, kLdS, 32 * wc, kC);
-      fold(gk, d, cs, sn, hf);
+      warp_mma<T, false, true>(y, qh, kLdS, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, wc * EP / 2, kSlice);
+      warp_mma<T, false, true>(dvo, kh, kLdS, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, wc * EP / 2, kSlice);
     }
+    // dQ = diag(gamma) dY S^T + Bm K, then dK = diag(delta) V R^T + Bm^T Q, each over both halves and folded
+    // through the transposed LRPE into the raw rows' gradient (one of them live at a time).
     const int col0 = slice * kSlice + 32 * wc;
-    T* dq = static_cast<T*>(a.dq) + b * a.N * in_ts + h * a.D;
-    T* dk = static_cast<T*>(a.dk) + b * a.N * in_ts + h * a.D;
-    store_raw_grad(a, gq, q, a.sq_t, dq, in_ts, t0, m0, col0, a.act_q);
-    store_raw_grad(a, gk, k, a.sk_t, dk, in_ts, t0, m0, col0, a.act_k);
+    for (int which = 0; which < 2; ++which) {
+      Acc<1, 4> gx;
+      gx.zero();
+      for (int hf = 0; hf < halves; ++hf) {
+        Acc<1, 4> d;
+        d.zero();
+        if (which == 0) {
+          warp_mma<T, false, false>(d, sm.ys, ldE, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, 32 * wc, EP);
+          scale_rows(d, m0, log2_lam, 1, 1);
+          warp_mma<T, false, true>(d, sm.bm, kLdC, m0, sm.ks + hf * kC * kLdS, kLdS, 32 * wc, kC);
+        } else {
+          warp_mma<T, false, false>(d, sm.vs, ldE, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, 32 * wc, EP);
+          scale_rows(d, m0, log2_lam, cl - 1, -1);
+          warp_mma<T, true, true>(d, sm.bm, kLdC, m0, sm.qs + hf * kC * kLdS, kLdS, 32 * wc, kC);
+        }
+        fold(gx, d, cs, sn, hf);
+      }
+      if (which == 0)
+        store_raw_grad(a, gx, q, a.sq_t, static_cast<T*>(a.dq) + b * a.N * in_ts + h * a.D, in_ts, t0, m0, col0,
+                       a.act_q);
+      else
+        store_raw_grad(a, gx, k, a.sk_t, static_cast<T*>(a.dk) + b * a.N * in_ts + h * a.D, in_ts, t0, m0, col0,
+                       a.act_k);
+    }
   }
   // The intra-chunk terms: Y += Am V, dV = diag(delta) K R + Am^T dY.
   store_masked(sc, sm.am, m0, wc, log2_lam);
