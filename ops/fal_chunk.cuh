@@ -344,9 +344,9 @@ __device__ __forceinline__ void load_state_async(const Args& a, const T* __restr
 // True when these kernels take the call: bf16/f16, LRPE none or cosine, D 64 or 128, E a multiple of 8 up to
 // 128, elementwise acts.
 bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
-// The state pass: forward (reverse false) S_c into a.states and S_final from S0; reverse R_(c+1) into
-// a.rstates and dS0 from dS_final.
-void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st);
+// The state passes: forward S_c into a.states and S_final from S0; reverse R_(c+1) into a.rstates and dS0
+// from dS_final; both in one launch when both are asked for.
+void state_pass(const Args& a, DType dtype, int64_t BH, bool forward, bool reverse, cudaStream_t st);
 void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);   // state pass, then the outputs
 void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // both state passes, then the grads
 

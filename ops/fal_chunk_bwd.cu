@@ -1,5 +1,5 @@
-// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the backward. Both state passes (S_c forward, R_(c+1)
-// reverse), then one block per (chunk, b, h) for dq, dk, dv and dg.
+// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the backward. Both state passes in one launch (S_c forward,
+// R_(c+1) reverse), then one block per (chunk, b, h) for dq, dk, dv and dg.
 #include "ops/fal_chunk.cuh"
 
 namespace lintape::fal_cuda::chunk {
@@ -237,8 +237,7 @@ void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
 }  // namespace
 
 void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
-  state_pass(a, dtype, BH, false, st);
-  state_pass(a, dtype, BH, true, st);
+  state_pass(a, dtype, BH, true, true, st);  // S_c and R_(c+1) are independent: one launch runs both
   const bool wide = a.E > 64;
   if (dtype == DType::BF16)
     wide ? launch_grad<__nv_bfloat16, 128>(a, BH, st) : launch_grad<__nv_bfloat16, 64>(a, BH, st);

@@ -13,14 +13,23 @@ constexpr int kEtile = 64;  // E columns of a state block
 // D' that the angle slice gives (64 or 128) times 64 columns, a 16 x 64 f32 tile per warp in registers:
 //   forward  store S_c; S <- lambda^cl S + X^T Z       (c = 0 ... nC-1, from S0; S_final after)
 //   reverse  store R_(c+1); R <- lambda^cl R + X^T Z   (c = nC-1 ... 0, from dS_final; dS0 after)
+// The state tiles in shared memory (scale by the chunk's parity: written before the barrier that ends its
+// last reads).
+template <class T>
+struct StateSmem {
+  __align__(16) T xs[2][kC * kLdS];
+  __align__(16) T zs[kC * (kEtile + kPad)];
+  float scale[2][kC];
+};
+
 template <class T, bool Reverse>
-__global__ void __launch_bounds__(kThreads) state_kernel(Args a) {
-  __shared__ __align__(16) T xs[2][kC * kLdS];
-  __shared__ __align__(16) T zs[kC * (kEtile + kPad)];
-  __shared__ float scale[2][kC];  // by the chunk's parity: written before the barrier that ends its last reads
+__device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& sm) {
+  auto& xs = sm.xs;
+  auto& zs = sm.zs;
+  auto& scale = sm.scale;
   const int warp = threadIdx.x >> 5;
   const int64_t bh = blockIdx.x, b = bh / a.H;
-  const int h = int(bh % a.H), slice = int(blockIdx.y), e0 = int(blockIdx.z) * kEtile;
+  const int h = int(bh % a.H), slice = int(blockIdx.y);
   const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
   const int half = warp / 4, m0 = 16 * (warp % 4);
   const bool active = half < halves;
@@ -93,6 +102,17 @@ __global__ void __launch_bounds__(kThreads) state_kernel(Args a) {
         const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
         if (e < a.E) last[bh * PE + size_t(p) * a.E + e] = acc.x[0][n][r];
       }
+}
+
+// Mode 0 forward, 1 reverse, 2 both at once (grid.z holds the forward E tiles, then the reverse ones).
+template <class T, int Mode>
+__global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
+  __shared__ StateSmem<T> sm;
+  const int tiles = (a.E + kEtile - 1) / kEtile, z = int(blockIdx.z);
+  if (Mode == 0 || (Mode == 2 && z < tiles))
+    state_body<T, false>(a, z * kEtile, sm);
+  else
+    state_body<T, true>(a, (z % tiles) * kEtile, sm);
 }
 
 // One block per (chunk, b, h): Y = diag(gamma) Q S_c + (Q K^T o M) V, out = gb o Y. Warp w owns rows 16 (w % 4)
@@ -178,12 +198,15 @@ size_t output_smem() {
 }
 
 template <class T>
-void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
-  const dim3 grid(unsigned(BH), unsigned(a.D / kSlice), unsigned((a.E + kEtile - 1) / kEtile));
-  if (reverse)
-    state_kernel<T, true><<<grid, kThreads, 0, st>>>(a);
+void launch_state(const Args& a, int64_t BH, bool forward, bool reverse, cudaStream_t st) {
+  const unsigned tiles = unsigned((a.E + kEtile - 1) / kEtile);
+  const dim3 grid(unsigned(BH), unsigned(a.D / kSlice), forward && reverse ? 2 * tiles : tiles);
+  if (forward && reverse)
+    state_kernel<T, 2><<<grid, kThreads, 0, st>>>(a);
+  else if (reverse)
+    state_kernel<T, 1><<<grid, kThreads, 0, st>>>(a);
   else
-    state_kernel<T, false><<<grid, kThreads, 0, st>>>(a);
+    state_kernel<T, 0><<<grid, kThreads, 0, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -206,15 +229,15 @@ bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
   return true;
 }
 
-void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
+void state_pass(const Args& a, DType dtype, int64_t BH, bool forward, bool reverse, cudaStream_t st) {
   if (dtype == DType::BF16)
-    launch_state<__nv_bfloat16>(a, BH, reverse, st);
+    launch_state<__nv_bfloat16>(a, BH, forward, reverse, st);
   else
-    launch_state<__half>(a, BH, reverse, st);
+    launch_state<__half>(a, BH, forward, reverse, st);
 }
 
 void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
-  state_pass(a, dtype, BH, false, st);
+  state_pass(a, dtype, BH, true, false, st);
   const bool wide = a.E > 64;
   if (dtype == DType::BF16)
     wide ? launch_output<__nv_bfloat16, 128>(a, BH, st) : launch_output<__nv_bfloat16, 64>(a, BH, st);
