@@ -1,8 +1,8 @@
 // The FAL family: input checks, dispatch, the CPU reference (loops in double with a hand-written backward) and
 // the composed path (primitive ops and the tape; causal in chunks: the masked, decayed product inside each
-// chunk plus the carried state and S0 terms) and the fused CUDA path (ops/fal_noncausal.cu, ops/fal_causal.cu;
-// its backward recorded on the tape). fal_step runs through primitive ops on the CPU (and for f64) and through
-// its fused kernel (ops/fal_step.cu) on CUDA.
+// chunk plus the carried state and S0 terms) and the fused CUDA path (ops/fal_noncausal.cu, ops/fal_causal.cu
+// and the chunk kernels it dispatches to; its backward recorded on the tape). fal_step runs through primitive
+// ops on the CPU (and for f64) and through its fused kernel (ops/fal_step.cu) on CUDA.
 #include "ops/fal.h"
 #include <algorithm>
 #include <cmath>

@@ -221,7 +221,8 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
       load2(g + t * a.sg_t + e, g0, g1);
       load2(dout + t * out_ts + e, d0, d1);
       load2(v + t * a.sv_t + e, v0, v1);
-      store2(dg + t * out_ts + e, act_grad(g0, d0 * y.x[0][n][r], a.act_g), act_grad(g1, d1 * y.x[0][n][r + 1], a.act_g));
+      store2(dg + t * out_ts + e, act_grad(g0, d0 * y.x[0][n][r], a.act_g),
+             act_grad(g1, d1 * y.x[0][n][r + 1], a.act_g));
       store2(dv + t * out_ts + e, act_grad(v0, dvo.x[0][n][r], a.act_v), act_grad(v1, dvo.x[0][n][r + 1], a.act_v));
     }
 }

@@ -166,7 +166,8 @@ __global__ void __launch_bounds__(kThreads, 2) output_kernel(Args a) {
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {
       const int i = m0 + sc.row(0, r), j = 32 * wc + sc.col(n, r);
-      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f, w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
+      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f;
+      const float w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
       store2(as + i * kLdC + j, sc.x[0][n][r] * w0, sc.x[0][n][r + 1] * w1);
     }
 #pragma unroll
