@@ -1,8 +1,9 @@
 // Benchmarks of the FAL family. `fal`: the seeds' noncausal configuration (B = H = 12, D = E = 128, cosine
 // LRPE; q, k, g silu, and q softmax over the feature dim with k, g silu), floor and % copy. `fal-causal`:
-// causal with cosine LRPE, silu acts and a per-head decay (B = H = 12, D = E = 128), TFLOP/s of the chunked
-// algorithm and % copy; and the decoding step (B = 8, H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the
-// op's CPU reference on the CPU); "composed" is Impl::Composed.
+// causal with cosine LRPE, silu acts and a per-head decay (B = H = 12, D = E = 128, and the language model's
+// B = 16, H = 6, N = 2048), TFLOP/s of the chunked algorithm and % copy; and the decoding step (B = 8,
+// H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is
+// Impl::Composed.
 #include <cmath>
 #include "bench/harness.h"
 #include "ops/fal.h"
@@ -82,12 +83,10 @@ std::vector<Config> noncausal_configs(const RunOptions& o) {
   return out;
 }
 
-std::vector<Config> causal_configs(const RunOptions& o) {
-  const Dims d = dims(o);
-  std::vector<Config> out;
+Config causal_config(const RunOptions& o, const Dims& d, std::vector<int64_t> ns) {
   Config c;
   c.stem = str("fal_causal-{metric}-{mode}-", dims_tag(d), "-cosine-act_silu-decay-", dtype_name(o.dtype));
-  c.ns = pick_sizes(o, powers_of_two(1024, 16384), {1024, 4096, 8192}, {128, 256});
+  c.ns = std::move(ns);
   c.make = [d](const Case& k) {
     FalOptions opts = cosine_options(d, k.device, {Act::Silu, ActDim::None});
     opts.causal = true;
@@ -103,7 +102,15 @@ std::vector<Config> causal_configs(const RunOptions& o) {
     const double fwd = double(d.B * d.H * n) * (2 * C * P + 2 * C * E + 4 * P * E);
     return m == Mode::Fwd ? fwd : 2 * fwd;
   };
-  out.push_back(c);
+  return c;
+}
+
+std::vector<Config> causal_configs(const RunOptions& o) {
+  const Dims d = dims(o);
+  std::vector<Config> out;
+  out.push_back(causal_config(o, d, pick_sizes(o, powers_of_two(1024, 16384), {1024, 4096, 8192}, {128, 256})));
+  // The language model's mixer: B = 16, H = 6, N = 2048 (D = E = 128).
+  if (o.device.is_cuda()) out.push_back(causal_config(o, Dims{16, 6, 128}, {2048}));
 
   // One decoding step (B = 8 on CUDA), x = batch.
   Config s;

@@ -1,8 +1,8 @@
 // The FAL family: input checks, dispatch, the CPU reference (loops in double with a hand-written backward) and
 // the composed path (primitive ops and the tape; causal in chunks: the masked, decayed product inside each
-// chunk plus the carried state and S0 terms) and the fused CUDA path (ops/fal_noncausal.cu, ops/fal_causal.cu;
-// its backward recorded on the tape). fal_step runs through primitive ops on the CPU (and for f64) and through
-// its fused kernel (ops/fal_step.cu) on CUDA.
+// chunk plus the carried state and S0 terms) and the fused CUDA path (ops/fal_noncausal.cu, ops/fal_causal.cu
+// and the chunk kernels it dispatches to; its backward recorded on the tape). fal_step runs through primitive
+// ops on the CPU (and for f64) and through its fused kernel (ops/fal_step.cu) on CUDA.
 #include "ops/fal.h"
 #include <algorithm>
 #include <cmath>
@@ -527,9 +527,8 @@ FalStepSpec::ActCode step_act(const ActSpec& a) {
 }
 
 
-// The kernels' description of a checked call on CUDA inputs.
-FalStepSpec kernel_spec(const Tensor& q, const FalOptions& o, const char* op) {
-  const Device dev = q.device();
+// The act and LRPE codes of a call (no tensors).
+FalStepSpec kernel_codes(const FalOptions& o) {
   FalStepSpec spec;
   spec.act_q = step_act(o.q);
   spec.act_k = step_act(o.k);
@@ -538,6 +537,13 @@ FalStepSpec kernel_spec(const Tensor& q, const FalOptions& o, const char* op) {
   spec.lrpe = o.lrpe == FalLrpe::Cosine   ? FalStepSpec::kCosine
               : o.lrpe == FalLrpe::Rotate ? FalStepSpec::kRotate
                                           : FalStepSpec::kNoLrpe;
+  return spec;
+}
+
+// The kernels' description of a checked call on CUDA inputs.
+FalStepSpec kernel_spec(const Tensor& q, const FalOptions& o, const char* op) {
+  const Device dev = q.device();
+  FalStepSpec spec = kernel_codes(o);
   if (o.lrpe != FalLrpe::None) {
     spec.theta = o.theta.detach().to(dev).to(DType::F32).contiguous();
     const int64_t H = q.size(2), D = q.size(3), A = o.lrpe == FalLrpe::Rotate ? D / 2 : D;
@@ -574,6 +580,16 @@ const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions
 #endif
 }
 
+// True when a causal call runs the chunk-parallel kernels (whose backward is faster than the composed one).
+bool chunked(const Tensor& q, const Tensor& v, const FalOptions& o) {
+#if LINTAPE_WITH_CUDA
+  return q.is_cuda() && fal_cuda::causal_chunked(q.dtype(), q.size(3), v.size(3), kernel_codes(o));
+#else
+  (void)q, (void)v, (void)o;
+  return false;
+#endif
+}
+
 // The fused kernels: forward now, backward recorded on the tape (it saves q, k, v, g and kv or S0).
 std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                     const Tensor& S0, const FalOptions& o, const char* op) {
@@ -582,10 +598,11 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
 #if LINTAPE_WITH_CUDA
   const Device dev = q.device();
   const FalStepSpec spec = kernel_spec(q, o, op);
-  const Tensor qc = q.detach().contiguous(), kc = k.detach().contiguous(), vc = v.detach().contiguous(),
-               gc = g.detach().contiguous();
-  const Tensor s0 = S0.defined() ? S0.detach().contiguous() : Tensor();
   const bool causal = o.causal;
+  // The causal launchers take strided views (the chunk kernels read them in place).
+  auto prepare = [causal](const Tensor& x) { return causal ? x.detach() : x.detach().contiguous(); };
+  const Tensor qc = prepare(q), kc = prepare(k), vc = prepare(v), gc = prepare(g);
+  const Tensor s0 = S0.defined() ? S0.detach().contiguous() : Tensor();
   const Shape state_shape{q.size(0), q.size(2), fal_state_rows(o.lrpe, q.size(3)), v.size(3)};
   Tensor out = empty(g.shape(), g.dtype(), dev);
   Tensor state = empty(state_shape, DType::F32, dev);  // kv (noncausal, saved) or the final state
@@ -622,16 +639,16 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
 
 std::pair<Tensor, Tensor> run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& S0,
                               const FalOptions& o, Impl impl, const char* op) {
-  // On CUDA (docs/BENCHMARKS.md) the fused causal forward is faster than the composed one and takes a ninth of
-  // its memory, but the fused backwards are slower, and the fused noncausal forward is about as fast as the
-  // composed one: Auto runs Fused for causal calls that record no gradient (prefill, evaluation) and
-  // Composed otherwise.
+  // On CUDA (docs/BENCHMARKS.md) every fused causal forward is faster than the composed one and takes a
+  // fraction of its memory; the chunk-parallel backward (bf16/f16, fal_cuda::causal_chunked) is faster than
+  // the composed one too, but the sweep's backwards (other causal calls, and noncausal) are slower, and the
+  // fused noncausal forward is about as fast as the composed one. Auto runs Fused for causal calls that record
+  // no gradient (prefill, evaluation) or that the chunk kernels take, and Composed otherwise.
   if (impl == Impl::Auto) {
     const bool records = autograd::grad_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                       g.requires_grad() || (S0.defined() && S0.requires_grad()));
-    impl = !q.is_cuda() ? Impl::Reference
-           : o.causal && !records && fused_unsupported(q, v, o) == nullptr ? Impl::Fused
-                                                                            : Impl::Composed;
+    const bool fused = o.causal && fused_unsupported(q, v, o) == nullptr && (!records || chunked(q, v, o));
+    impl = !q.is_cuda() ? Impl::Reference : fused ? Impl::Fused : Impl::Composed;
   }
   switch (impl) {
     case Impl::Reference: return run_reference(q, k, v, g, S0, o, op);

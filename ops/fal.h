@@ -14,11 +14,13 @@
 //
 // Impl::Fused runs the fused CUDA kernels of fal and fal_with_state for f32/bf16/f16 inputs with LRPE none,
 // cosine or rotate, acts other than softmax over the sequence and D, E <= 256 (D' x E up to 256 x 128); for
-// md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). Their
-// products run on the tensor cores (tf32; f32 inputs in split tf32 at f32 accuracy). Impl::Auto runs Reference
-// on the CPU; on CUDA it runs Fused for causal calls that record no gradient (its forward is the faster one and
-// saves no intermediates) and Composed otherwise (the fused backwards are still slower than the composed ones,
-// and the noncausal forward no faster).
+// md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). Causal
+// bf16/f16 calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts run the chunk-parallel
+// kernels (bf16/f16 tensor-core products, f32 accumulation and carried states, per-chunk states stored in the
+// inputs' dtype); the others run a chunk sweep (tf32; f32 inputs in split tf32 at f32 accuracy). Impl::Auto
+// runs Reference on the CPU; on CUDA it runs Fused for causal calls that record no gradient or that the
+// chunk-parallel kernels take (faster than Composed both ways, and without its intermediates) and Composed
+// otherwise (the sweep's backwards are slower than the composed ones, and the noncausal forward no faster).
 // fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
 #pragma once
 #include <cstdint>

@@ -1,12 +1,15 @@
-// Fused FAL, causal with decay and state, on the chunk sweep of ops/fal_sweep.cuh (16-token chunks on the
-// tensor cores, the f32 state in shared memory). The sequence is cut into G segments so that B x H x G blocks
-// fill the GPU (G = 1 when B x H alone does):
+// Fused FAL, causal with decay and state. bf16/f16 calls that ops/fal_chunk.cuh covers run its chunk-parallel
+// kernels (they read q, k, v, g in place when each token's heads are contiguous rows, e.g. slices of one
+// projection); the others (f32, softmax over the feature dim, rotate, other head dims) run the chunk sweep
+// of ops/fal_sweep.cuh (16-token chunks on the tensor cores, the f32 state in shared memory). The sequence is
+// cut into G segments so that B x H x G blocks fill the GPU (G = 1 when B x H alone does):
 //   1. each segment's local state, from zero: sum over its tokens of lambda^(end - 1 - t) kb_t^T vb_t;
 //   2. a scan over the segments turns them into the state entering each segment (from S0) and the final state;
 //   3. each segment's outputs from its entering state, inside its chunks the masked, decayed product.
 // Backward: the query sweep (dq, dg) reruns 1-3 forward; the key sweep (dk, dv) runs them the other way on
 // dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The segment states
 // (B, H, G, D', E) in f32 are the only extra memory.
+#include "ops/fal_chunk.cuh"
 #include "ops/fal_sweep.cuh"
 
 namespace lintape::fal_cuda {
@@ -71,7 +74,54 @@ void causal_sweep(SweepArgs a, int pass, int reduce, bool reverse, const float* 
   launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
 }
 
+// The chunk kernels read x in place when its heads are rows of its width inside each token and its rows are
+// 16-byte aligned.
+bool chunk_readable(const Tensor& x) {
+  const Shape& s = x.strides();
+  return s[3] == 1 && s[2] == x.size(3) && s[1] % 8 == 0 && s[0] % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data()) % 16 == 0;
+}
+
+bool use_chunks(const Tensor& q, const Tensor& v, const FalStepSpec& spec) {
+  return causal_chunked(q.dtype(), q.size(3), v.size(3), spec);
+}
+
+Tensor readable(const Tensor& x) { return chunk_readable(x) ? x : x.contiguous(); }
+
+chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec) {
+  chunk::Args a{};
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.g = g.data();
+  a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
+  a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
+  a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];
+  a.sg_b = g.strides()[0], a.sg_t = g.strides()[1];
+  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
+  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
+  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
+  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
+  a.H = int(q.size(2));
+  a.D = int(q.size(3));
+  a.E = int(v.size(3));
+  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
+  a.N = q.size(1);
+  a.nC = (a.N + chunk::kC - 1) / chunk::kC;
+  a.position = spec.position;
+  a.act_q = spec.act_q;
+  a.act_k = spec.act_k;
+  a.act_v = spec.act_v;
+  a.act_g = spec.act_g;
+  a.lrpe = spec.lrpe;
+  return a;
+}
+
 }  // namespace
+
+bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
+  return chunk::supported(dtype, D, E, spec);
+}
 
 int sm_count(Device dev) {
   int sms = 0;
@@ -102,7 +152,20 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0 || v.size(3) == 0) return;
   const Device dev = q.device();
-  SweepArgs a = sweep_args(q, k, v, g, spec);
+  if (use_chunks(q, v, spec)) {
+    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
+    chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
+    // The state entering each chunk, in the inputs' dtype: the only memory beside the output and S_final.
+    Tensor states = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
+    a.states = states.data();
+    a.out = out.data();
+    a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
+    a.S_final = S_final.data_ptr<float>();
+    chunk::forward(a, q.dtype(), BH, cuda::stream(dev.index));
+    return;
+  }
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+  SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
   a.out = out.data();
   const int64_t G = causal_segments(BH, q.size(1), sm_count(dev));
   causal_sweep(a, kForward, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr,
@@ -116,7 +179,26 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   if (BH == 0) return;
   const Device dev = q.device();
   cudaStream_t st = cuda::stream(dev.index);
-  SweepArgs a = sweep_args(q, k, v, g, spec);
+  if (use_chunks(q, v, spec)) {
+    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
+    chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
+    // S_c and R_(c+1) per chunk in the inputs' dtype: the only memory beside the gradients.
+    Tensor states = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev), rstates = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
+    a.states = states.data();
+    a.rstates = rstates.data();
+    a.dout = dout.data();
+    a.dq = dq.data();
+    a.dk = dk.data();
+    a.dv = dv.data();
+    a.dg = dg.data();
+    a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
+    a.dS_final = dS_final.defined() ? dS_final.data_ptr<float>() : nullptr;
+    a.dS0 = dS0.defined() ? dS0.data_ptr<float>() : nullptr;
+    chunk::backward(a, q.dtype(), BH, st);
+    return;
+  }
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+  SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
   a.dout = dout.data();
   a.dq = dq.data();
   a.dk = dk.data();

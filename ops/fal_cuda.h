@@ -47,7 +47,13 @@ int64_t causal_segments(int64_t BH, int64_t N, int sms);
 int64_t causal_segment_tokens(int64_t N, int64_t G);
 int sm_count(Device dev);
 
-// Causal, N == M. S0 (B, H, D', E) f32 or undefined (zeros); writes out and S_final (B, H, D', E) f32.
+// Causal, N == M: true when the chunk-parallel kernels (ops/fal_chunk.cuh) run the call (bf16/f16, LRPE none
+// or cosine, D 64 or 128, E a multiple of 8 up to 128, elementwise acts); else the chunk sweep runs it.
+bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
+
+// Causal, N == M. q, k, v, g may be views whose last two dims are contiguous rows (e.g. slices of one
+// projection): the chunk kernels read them in place, the sweep copies them. S0 (B, H, D', E) f32 or undefined
+// (zeros); writes out and S_final (B, H, D', E) f32.
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                     const Tensor& S0, const Tensor& out, const Tensor& S_final);
 // dout as in noncausal_backward; dS_final f32 or undefined (zeros); dS0 is written when defined.

@@ -190,7 +190,9 @@ const std::vector<StepConfig> kSequenceConfigs = {
 // Fused (launchers on poisoned outputs, then Impl::Auto through the tape) against the f64 reference: the
 // output, the final state, the four input gradients and dS0, with the final state's gradient fed in.
 // N and M default to odd lengths of a few 16-token chunks; long runs carry the state over many chunks.
-void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t seed, int64_t n = 0, int64_t B = 2) {
+// with_state false: causal without S0 and without a gradient of the final state.
+void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t seed, int64_t n = 0, int64_t B = 2,
+                          bool with_state = true) {
 #if LINTAPE_WITH_CUDA
   const int64_t H = 3, N = n > 0 ? n : causal ? 41 : 37, M = causal ? N : n > 0 ? n + 8 : 45;
   const int64_t P = fal_state_rows(c.lrpe, c.D);
@@ -198,8 +200,9 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, M, H, c.D}, Shape{B, M, H, c.E}, Shape{B, N, H, c.E}})
     in.push_back(randn(s, dt, gpu(), seed++));
   const Tensor dout = randn({B, N, H, c.E}, dt, gpu(), seed++);
-  const Tensor S0 = causal ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
-  const Tensor dS = causal ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
+  const bool states = causal && with_state;
+  const Tensor S0 = states ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
+  const Tensor dS = states ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
   FalOptions o = step_options(c, H, gpu()), ref_o = step_options(c, H, Device::cpu());
   o.causal = ref_o.causal = causal;
   o.offset = ref_o.offset = 5;
@@ -209,14 +212,14 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
 
   std::vector<Tensor> cpu;
   for (const Tensor& t : in) cpu.push_back(to_ref(t).requires_grad_());
-  Tensor S0_ref = causal ? to_ref(S0).requires_grad_() : Tensor();
+  Tensor S0_ref = states ? to_ref(S0).requires_grad_() : Tensor();
   Tensor o_ref, S_ref;
   if (causal)
     std::tie(o_ref, S_ref) = fal_with_state(cpu[0], cpu[1], cpu[2], cpu[3], S0_ref, ref_o, Impl::Reference);
   else
     o_ref = fal(cpu[0], cpu[1], cpu[2], cpu[3], ref_o, Impl::Reference);
   Tensor loss = sum(o_ref * to_ref(dout));
-  if (causal) loss = loss + sum(S_ref * to_ref(dS));
+  if (states) loss = loss + sum(S_ref * to_ref(dS));
   backward(loss);
 
   const FalStepSpec spec = kernel_spec(c, o);
@@ -236,7 +239,7 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   };
   std::vector<Tensor> grads;
   for (const Tensor& t : in) grads.push_back(poisoned(t.shape(), dt));
-  Tensor dS0 = causal ? poisoned(S0.shape(), DType::F32) : Tensor();
+  Tensor dS0 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
   if (causal)
     fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads[0], grads[1], grads[2], grads[3],
                               dS0);
@@ -247,28 +250,28 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
     CAPTURE(i);
     CHECK_CLOSE_TENSOR(grads[i].to(Device::cpu()), cpu[i].grad(), dt);
   }
-  if (causal) CHECK_CLOSE_TENSOR(dS0.to(Device::cpu()), S0_ref.grad(), dt);
+  if (states) CHECK_CLOSE_TENSOR(dS0.to(Device::cpu()), S0_ref.grad(), dt);
 
   // The same through Impl::Fused, which records the kernels' backward on the tape.
   std::vector<Tensor> leaves;
   for (const Tensor& t : in) leaves.push_back(t.detach().requires_grad_());
-  Tensor S0_leaf = causal ? S0.detach().requires_grad_() : Tensor();
+  Tensor S0_leaf = states ? S0.detach().requires_grad_() : Tensor();
   Tensor got, S_got;
   if (causal)
     std::tie(got, S_got) = fal_with_state(leaves[0], leaves[1], leaves[2], leaves[3], S0_leaf, o, Impl::Fused);
   else
     got = fal(leaves[0], leaves[1], leaves[2], leaves[3], o, Impl::Fused);
   Tensor loss_got = sum(got.to(DType::F32) * dout.to(DType::F32));
-  if (causal) loss_got = loss_got + sum(S_got * dS);
+  if (states) loss_got = loss_got + sum(S_got * dS);
   backward(loss_got);
   CHECK_CLOSE_TENSOR(got.to(Device::cpu()), o_ref, dt);
   for (size_t i = 0; i < 4; ++i) {
     CAPTURE(i);
     CHECK_CLOSE_TENSOR(leaves[i].grad().to(Device::cpu()), cpu[i].grad(), dt);
   }
-  if (causal) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
+  if (states) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
 #else
-  (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B;
+  (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B, (void)with_state;
 #endif
 }
 
@@ -309,14 +312,85 @@ TEST_CASE("cuda fal fused long sequences match the reference" * LT_CUDA_CASE) {
     }
 }
 
+namespace {
+
+// The chunk-parallel kernels (bf16 and f16; ops/fal_chunk.cuh) on lengths around their 64-token chunks (one
+// partial chunk, exactly one, several with a partial last), D 64 and 128, decay on and off, with and without
+// S0 and the final state's gradient.
+const std::vector<StepConfig> kChunkConfigs = {
+    {"cosine D 128 E 128 silu decay", FalLrpe::Cosine, 128, 128, kSilu, kSilu, kNone, kSilu, true},
+    {"cosine D 64 E 64 sigmoid k, relu v", FalLrpe::Cosine, 64, 64, kSilu, kSigmoid, kRelu, kSilu, false},
+    {"none D 64 E 80 no acts decay", FalLrpe::None, 64, 80, kNone, kNone, kNone, kNone, true},
+    {"cosine D 128 E 32 relu q, sigmoid g", FalLrpe::Cosine, 128, 32, kRelu, kSilu, kNone, kSigmoid, true},
+};
+
+}  // namespace
+
+TEST_CASE("cuda fal chunked causal matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  uint64_t seed = 700;
+  for (const StepConfig& c : kChunkConfigs)
+    for (DType dt : {DType::BF16, DType::F16})
+      for (int64_t N : {23, 64, 161})
+        for (bool with_state : {true, false}) {
+          CAPTURE(c.name);
+          CAPTURE(dtype_name(dt));
+          CAPTURE(N);
+          CAPTURE(with_state);
+          FalOptions o = step_options(c, 3, gpu());
+          REQUIRE(fal_cuda::causal_chunked(dt, c.D, c.E, kernel_spec(c, o)));
+          check_fused_sequence(c, true, dt, seed += 10, N, 2, with_state);
+        }
+#endif
+}
+
+// Many chunks: the states carried both ways cross a dozen chunk boundaries.
+TEST_CASE("cuda fal chunked causal long sequence matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 800, 777, 1);
+  check_fused_sequence(kChunkConfigs[2], true, DType::F16, 810, 700, 1, false);
+}
+
+// q, k, v, g as slices of one (B, N, 4 H, D) projection (token stride 4 H D): read in place, the same results
+// as on contiguous copies, and Impl::Auto runs the fused path for a call that records gradients.
+TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const int64_t B = 2, N = 100, H = 3, D = 64;
+  const StepConfig& c = kChunkConfigs[1];
+  FalOptions o = step_options(c, H, gpu());
+  o.decay = from_vector({0.9, 0.99, 0.5}, {H}, DType::F32, gpu());
+  const Tensor proj = randn({B, N, 4 * H, D}, DType::BF16, gpu(), 900).requires_grad_();
+  std::vector<Tensor> parts, copies;
+  for (int64_t i = 0; i < 4; ++i) {
+    parts.push_back(proj.narrow(2, i * H, H));
+    copies.push_back(parts.back().detach().contiguous().requires_grad_());
+  }
+  CHECK(!parts[0].is_contiguous());
+  const Tensor dout = randn({B, N, H, D}, DType::BF16, gpu(), 901);
+  Tensor got = fal(parts[0], parts[1], parts[2], parts[3], o, Impl::Auto);
+  Tensor want = fal(copies[0], copies[1], copies[2], copies[3], o, Impl::Fused);
+  CHECK(rel_error(got.to(Device::cpu()), want.to(Device::cpu())) == 0.0);
+  backward(sum(got.to(DType::F32) * dout.to(DType::F32)));
+  backward(sum(want.to(DType::F32) * dout.to(DType::F32)));
+  const Tensor grads = proj.grad().to(Device::cpu());
+  for (int64_t i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    CHECK(rel_error(grads.narrow(2, i * H, H).contiguous(), copies[size_t(i)].grad().to(Device::cpu())) == 0.0);
+  }
+}
+
 TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
-  const int64_t B = 2, N = 40, H = 3;
+  // f32 runs the sweep, bf16 the chunk kernels (two chunks, the last partial).
+  for (DType dt : {DType::F32, DType::BF16}) {
+  CAPTURE(dtype_name(dt));
+  const int64_t B = 2, N = dt == DType::F32 ? 40 : 100, H = 3;
   const StepConfig& c = kSequenceConfigs[0];
   std::vector<Tensor> in;
   uint64_t seed = 400;
   for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, N, H, c.D}, Shape{B, N, H, c.E}, Shape{B, N, H, c.E}})
-    in.push_back(randn(s, DType::F32, gpu(), seed++));
+    in.push_back(randn(s, dt, gpu(), seed++));
   const Tensor S0 = randn({B, H, fal_state_rows(c.lrpe, c.D), c.E}, DType::F32, gpu(), seed++);
   FalOptions o = step_options(c, H, gpu());
   o.offset = 3;
@@ -329,8 +403,9 @@ TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
     outs.push_back(fal_step(state, in[0].narrow(1, t, 1), in[1].narrow(1, t, 1), in[2].narrow(1, t, 1),
                             in[3].narrow(1, t, 1), step));
   }
-  CHECK_CLOSE_TENSOR(cat(outs, 1).to(Device::cpu()), whole.to(Device::cpu()).to(DType::F64), DType::F32);
-  CHECK_CLOSE_TENSOR(state.to(Device::cpu()), S_whole.to(Device::cpu()).to(DType::F64), DType::F32);
+  CHECK_CLOSE_TENSOR(cat(outs, 1).to(Device::cpu()), whole.to(Device::cpu()).to(DType::F64), dt);
+  CHECK_CLOSE_TENSOR(state.to(Device::cpu()), S_whole.to(Device::cpu()).to(DType::F64), dt);
+  }
 }
 
 TEST_CASE("cuda fal causal segments follow the shape" * LT_CUDA_CASE) {
@@ -350,41 +425,50 @@ TEST_CASE("cuda fal causal segments follow the shape" * LT_CUDA_CASE) {
 }
 
 // Forward through the op: the output and the states. Backward through the launchers (the tape adds its own
-// buffers for the incoming gradients): the states only, the gradients being allocated by the caller.
+// buffers for the incoming gradients): the states only, the gradients being allocated by the caller. Noncausal
+// bf16 and causal f32 run the sweeps; causal bf16 the chunk kernels.
 TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   const int64_t B = 2, N = 300, H = 3, slack = 8 * 512;
   const StepConfig& c = kSequenceConfigs[0];
   const int64_t P = fal_state_rows(c.lrpe, c.D);
-  for (bool causal : {false, true}) {
+  for (int kind = 0; kind < 3; ++kind) {
+    const bool causal = kind > 0;
+    const DType dt = kind == 1 ? DType::F32 : DType::BF16;
     CAPTURE(causal);
+    CAPTURE(dtype_name(dt));
     std::vector<Tensor> in;
     uint64_t seed = 500;
     for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, N, H, c.D}, Shape{B, N, H, c.E}, Shape{B, N, H, c.E}})
-      in.push_back(randn(s, DType::BF16, gpu(), seed++));
+      in.push_back(randn(s, dt, gpu(), seed++));
     const Tensor S0 = causal ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
     FalOptions o = step_options(c, H, gpu());
     o.causal = causal;
     if (!causal) o.decay = Tensor();
-    const Tensor dout = randn({B, N, H, c.E}, DType::BF16, gpu(), seed++);
-    const int64_t state_bytes = B * H * P * c.E * 4, out_bytes = B * N * H * c.E * 2;
+    const FalStepSpec spec = kernel_spec(c, o);
+    const bool chunked = causal && fal_cuda::causal_chunked(dt, c.D, c.E, spec);
+    CHECK(chunked == (kind == 2));
+    const Tensor dout = randn({B, N, H, c.E}, dt, gpu(), seed++);
+    const int64_t state_bytes = B * H * P * c.E * 4, out_bytes = B * N * H * c.E * int64_t(dtype_size(dt));
     // Noncausal reductions keep one partial state per slice of the sequence (64 tokens or more each); causal
-    // sweeps one state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do).
+    // sweeps one state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do); the
+    // chunk kernels one state per 64-token chunk in the inputs' dtype (two in the backward: S_c and R_(c+1)).
     const int64_t segments = fal_cuda::causal_segments(B * H, N, fal_cuda::sm_count(gpu()));
     if (causal) CHECK(segments > 1);
     const int64_t partials = causal ? (segments > 1 ? segments : 0) : (N + 63) / 64;
+    const int64_t chunk_states = B * H * ((N + 63) / 64) * P * c.E * int64_t(dtype_size(dt));
+    const int64_t fwd_extra = chunked ? chunk_states : partials * state_bytes;
 
     int64_t base = int64_t(memory_stats(gpu()).in_use);
     reset_peak_memory(gpu());
     Tensor out = causal ? fal_with_state(in[0], in[1], in[2], in[3], S0, o, Impl::Fused).first
                         : fal(in[0], in[1], in[2], in[3], o, Impl::Fused);
-    CHECK(int64_t(memory_stats(gpu()).peak) - base <= out_bytes + (1 + partials) * state_bytes + slack);
+    CHECK(int64_t(memory_stats(gpu()).peak) - base <= out_bytes + state_bytes + fwd_extra + slack);
 
-    const FalStepSpec spec = kernel_spec(c, o);
     Tensor state = empty({B, H, P, c.E}, DType::F32, gpu());
     std::vector<Tensor> grads;
-    for (const Tensor& t : in) grads.push_back(empty(t.shape(), DType::BF16, gpu()));
+    for (const Tensor& t : in) grads.push_back(empty(t.shape(), dt, gpu()));
     Tensor dS0 = causal ? empty(S0.shape(), DType::F32, gpu()) : Tensor();
     if (!causal) fal_cuda::noncausal_forward(in[0], in[1], in[2], in[3], spec, state, out);
     base = int64_t(memory_stats(gpu()).in_use);
@@ -395,8 +479,9 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     else
       fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
                                    grads[3]);
-    const int64_t states = causal ? partials : 1 + partials;  // noncausal: dkv and its partials
-    CHECK(int64_t(memory_stats(gpu()).peak) - base <= states * state_bytes + slack);
+    const int64_t bwd_extra = chunked ? 2 * chunk_states : causal ? partials * state_bytes
+                                                                  : (1 + partials) * state_bytes;  // dkv, partials
+    CHECK(int64_t(memory_stats(gpu()).peak) - base <= bwd_extra + slack);
   }
 #endif
 }

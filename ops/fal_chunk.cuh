@@ -1,0 +1,353 @@
+// Internal to the FAL family: the pieces of the chunk-parallel causal kernels (ops/fal_chunk_fwd.cu,
+// ops/fal_chunk_bwd.cu) for bf16 and f16 inputs.
+//
+// The sequence is cut into chunks of C = 64 tokens. Per (b, h) and chunk c, with Q, K (C x D'), V, G, dO
+// (C x E) the chunk's activated and encoded rows, S_c the state entering the chunk, gamma_i = lambda^(i + 1),
+// delta_j = lambda^(cl - 1 - j) (cl tokens in the chunk) and M_ij = lambda^(i - j) for j <= i (else 0):
+//   Y = diag(gamma) Q S_c + (Q K^T o M) V,   O = gb o Y,   S_(c+1) = lambda^cl S_c + K^T diag(delta) V
+// and, with dY = dO o gb and R_c the gradient of S_c (R_nC = dS_final, R_0 = dS0):
+//   R_c = lambda^cl R_(c+1) + Q^T diag(gamma) dY
+//   dQ = diag(gamma) dY S_c^T + (dY V^T o M) K,   dK = (dY V^T o M)^T Q + diag(delta) V R_(c+1)^T
+//   dV = (Q K^T o M)^T dY + diag(delta) K R_(c+1),  dgb = dO o Y.
+// The state kernels are sequential over chunks and parallel over (b, h, 64-wide slice of D', 64-wide slice of
+// E): each keeps its f32 state tile in registers and writes the state entering every chunk (forward S_c,
+// backward R_(c+1)) once, in the inputs' dtype; the chunk kernels are parallel over (chunk, b, h).
+//
+// Rows are put through the act and the LRPE as they are loaded into shared memory (never written to global
+// memory), 64 columns of D (an "angle slice") at a time: one slice gives one 64-wide slice of D' (no LRPE) or
+// two (cosine: columns d and D + d). The products run on the tensor cores: mma.sync m16n8k16 with bf16 or f16
+// operands loaded by ldmatrix, f32 accumulation.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+#include "core/cuda_types.cuh"
+#include "ops/fal_cuda.h"
+
+namespace lintape::fal_cuda::chunk {
+
+constexpr int kC = 64;       // tokens per chunk
+constexpr int kSlice = 64;   // columns of an angle slice
+constexpr int kPad = 8;      // a shared row's padding (16 bytes: ldmatrix rows fall on distinct banks)
+constexpr int kLdS = kSlice + kPad;
+constexpr int kLdC = kC + kPad;
+
+struct Args {
+  const void *q, *k, *v, *g, *dout;
+  void *out, *dq, *dk, *dv, *dg;
+  int64_t sq_b, sq_t, sk_b, sk_t, sv_b, sv_t, sg_b, sg_t;  // batch and token strides (elements); heads at h*D / h*E
+  void* states;            // (B, H, nC, D', E) in T: S_c, the state entering chunk c
+  void* rstates;           // (B, H, nC, D', E) in T (backward): R_(c+1), the gradient of the state leaving chunk c
+  const float* S0;         // (B, H, D', E) f32 or null (zeros)
+  float* S_final;          // (B, H, D', E) f32 or null (not written)
+  const float* dS_final;   // (B, H, D', E) f32 or null (zeros)
+  float* dS0;              // (B, H, D', E) f32 or null (not written)
+  const float* theta;
+  int theta_rows, theta_cols;
+  const float* decay;  // (H) or null
+  int H, D, E, P;      // P = D' (2D with cosine LRPE)
+  int64_t N, nC;
+  int64_t position;
+  int act_q, act_k, act_v, act_g, lrpe;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Tensor-core helpers.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+template <class T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A warp's accumulator tile of (16 MT) x (8 NT) f32 values. Element r of tile (mt, nt) sits at row
+// 16 mt + lane / 4 + 8 (r / 2), column 8 nt + 2 (lane % 4) + r % 2.
+template <int MT, int NT>
+struct Acc {
+  float x[MT][NT][4];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) x[m][n][r] = 0.0f;
+  }
+  __device__ __forceinline__ static int row(int m, int r) { return 16 * m + ((threadIdx.x & 31) >> 2) + 8 * (r >> 1); }
+  __device__ __forceinline__ static int col(int n, int r) { return 8 * n + 2 * (threadIdx.x & 3) + (r & 1); }
+};
+
+// acc += A B over k in [0, K) (K a multiple of 16) for the warp's tile at (m0, n0). A is (M x K): stored [m][k]
+// (ATrans false) or [k][m]; B is (K x N): stored [n][k] (BTrans false) or [k][n]; shared memory, leading
+// dimensions in elements (rows 16-byte aligned). NT is even.
+template <class T, bool ATrans, bool BTrans, int MT, int NT>
+__device__ __forceinline__ void warp_mma(Acc<MT, NT>& acc, const T* A, int lda, int m0, const T* B, int ldb, int n0,
+                                         int K) {
+  static_assert(NT % 2 == 0, "B fragments load in pairs of n-tiles");
+  const int lane = threadIdx.x & 31;
+  for (int kk = 0; kk < K; kk += 16) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      if (!ATrans)
+        ldsm_x4(a[m], A + (m0 + 16 * m + (lane & 15)) * lda + kk + (lane >> 4) * 8);
+      else
+        ldsm_x4_t(a[m], A + (kk + (lane & 7) + ((lane >> 4) << 3)) * lda + m0 + 16 * m + ((lane >> 3) & 1) * 8);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+      uint32_t b[4];
+      if (!BTrans)
+        ldsm_x4(b, B + (n0 + 8 * n + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
+      else
+        ldsm_x4_t(b, B + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + n0 + 8 * n + (lane >> 4) * 8);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma16816<T>(acc.x[m][n], a[m], b[0], b[1]);
+        mma16816<T>(acc.x[m][n + 1], a[m], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Rows: acts, LRPE, vector loads.
+
+// An input's row (b, token 0, h, 0): batch stride sb, heads width apart inside a token.
+template <class T>
+__device__ __forceinline__ const T* at_head(const void* p, int64_t b, int64_t sb, int64_t h, int64_t width) {
+  return static_cast<const T*>(p) + b * sb + h * width;
+}
+
+__device__ __forceinline__ float sigmoid_f(float x) { return __frcp_rn(1.0f + __expf(-x)); }
+
+__device__ __forceinline__ float act_f(float x, int act) {
+  switch (act) {
+    case FalStepSpec::kRelu: return fmaxf(x, 0.0f);
+    case FalStepSpec::kSigmoid: return sigmoid_f(x);
+    case FalStepSpec::kSilu: return x * sigmoid_f(x);
+    default: return x;
+  }
+}
+
+// dx for y = act(x), given dy.
+__device__ __forceinline__ float act_grad(float x, float dy, int act) {
+  switch (act) {
+    case FalStepSpec::kRelu: return x > 0.0f ? dy : 0.0f;
+    case FalStepSpec::kSigmoid: {
+      const float y = sigmoid_f(x);
+      return dy * y * (1.0f - y);
+    }
+    case FalStepSpec::kSilu: {
+      const float s = sigmoid_f(x);
+      return dy * s * (1.0f + x * (1.0f - s));
+    }
+    default: return dy;
+  }
+}
+
+// lambda^e for e >= 0 (1 without decay).
+__device__ __forceinline__ float decay_pow(float log2_lam, int e) { return e <= 0 ? 1.0f : exp2f(log2_lam * float(e)); }
+
+// cos and sin of rate * pos. The angle is reduced modulo 2 pi in f32 (FP64 and its conversions are slow
+// here): pos * rate = hi + lo exactly (pos < 2^24 is exact in f32), then hi - k 2 pi with 2 pi in three parts
+// (Cody-Waite; the first has 8 significant bits); within 4e-7 of the exact reduction (checked against double
+// for positions up to 2^22). Larger positions reduce in double. On [-pi, pi] the fast sincos is within 2^-21.
+__device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
+  float r;
+  if (pos < (int64_t(1) << 24)) {
+    const float p = float(pos), hi = __fmul_rn(p, rate), lo = fmaf(p, rate, -hi);
+    const float k = rintf(hi * 0.15915494309189535f);
+    r = fmaf(-k, 6.28125f, hi);
+    r = fmaf(-k, 1.9353071795864769e-3f, r);
+    r = fmaf(-k, 1.025313168e-11f, r) + lo;
+  } else {
+    const double ang = double(pos) * double(rate);
+    r = float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535));
+  }
+  __sincosf(r, &s, &c);
+}
+
+__device__ __forceinline__ float rate_of(const Args& a, int h, int j) {
+  const float* r = a.theta + (a.theta_rows == 1 ? 0 : h * a.theta_cols);
+  return a.theta_cols == 1 ? r[0] : j < a.theta_cols ? r[j] : 0.0f;
+}
+
+// 8 values as 16 bytes.
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
+  uint4 u;
+  T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = cuda::from_acc<T>(x[i]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Two consecutive values (4 bytes) as floats, and back.
+template <class T>
+__device__ __forceinline__ void load2(const T* p, float& x0, float& x1) {
+  x0 = cuda::to_acc(p[0]);
+  x1 = cuda::to_acc(p[1]);
+}
+template <class T>
+__device__ __forceinline__ void store2(T* p, float x0, float x1) {
+  p[0] = cuda::from_acc<T>(x0);
+  p[1] = cuda::from_acc<T>(x1);
+}
+
+// Loading a chunk's rows is split in two so that all of a thread's global loads are in flight at once: fetch
+// issues the 16-byte loads into registers (zeros past the sequence or past E), store applies the act (and the
+// LRPE or the gate) and writes the tile to shared memory. Every kernel has kThreads threads.
+constexpr int kThreads = 256;
+
+template <int W>
+struct Raw {
+  static constexpr int kIt = kC * (W / 8) / kThreads;  // 16-byte pieces per thread
+  uint4 u[kIt];
+};
+
+// Rows t0 ... t0 + kC - 1, columns [c0, c0 + W) of x (at (b, token 0, h, 0), token stride ts; cols columns).
+template <class T, int W>
+__device__ __forceinline__ void fetch(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t0, int c0,
+                                      int cols, Raw<W>& r) {
+#pragma unroll
+  for (int it = 0; it < Raw<W>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kThreads, i = idx / (W / 8), c = c0 + (idx % (W / 8)) * 8;
+    const int64_t t = t0 + i;
+    r.u[it] = t < a.N && c < cols ? *reinterpret_cast<const uint4*>(x + t * ts + c) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&x)[8]) {
+  const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = cuda::to_acc(e[i]);
+}
+
+// q or k rows of angle slice `slice` (fetched with c0 = slice kSlice): half0 (and half1 with the cosine LRPE)
+// are kC x kSlice tiles of leading dimension kLdS. Rows past the sequence are zeros. With r2 (q and k of the
+// same tokens) the second rows go to r2_half0 and r2_half1 through the same angles.
+template <class T>
+__device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice>& r, int act, T* half0, T* half1,
+                                              const Raw<kSlice>* r2, int act2, T* r2_half0, T* r2_half1, int h,
+                                              int64_t t0, int slice) {
+#pragma unroll
+  for (int it = 0; it < Raw<kSlice>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kThreads, i = idx / (kSlice / 8), c8 = (idx % (kSlice / 8)) * 8;
+    const int64_t t = t0 + i;
+    const int j = slice * kSlice + c8;  // column (and angle) index of the first value
+    const bool live = t < a.N;
+    float x[8], y[8];
+    unpack8<T>(r.u[it], x);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) x[u] = live ? act_f(x[u], act) : 0.0f;
+    if (r2) {
+      unpack8<T>(r2->u[it], y);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] = live ? act_f(y[u], act2) : 0.0f;
+    }
+    if (a.lrpe == FalStepSpec::kCosine) {
+      const int64_t pos = a.position + t;
+      float xs[8], ys[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        float c = 0.0f, s = 0.0f;
+        if (live) angle_cs(rate_of(a, h, j + u), pos, c, s);
+        xs[u] = x[u] * s;
+        x[u] *= c;
+        ys[u] = y[u] * s;
+        y[u] *= c;
+      }
+      store8(half1 + i * kLdS + c8, xs);
+      if (r2) store8(r2_half1 + i * kLdS + c8, ys);
+    }
+    store8(half0 + i * kLdS + c8, x);
+    if (r2) store8(r2_half0 + i * kLdS + c8, y);
+  }
+}
+
+// v rows (act), or gb o dO when d is given, each row times scale[i] when given, into a kC x W tile (leading
+// dimension W + kPad); fetched with c0 = e0. Columns past E and rows past the sequence are zeros.
+template <class T, int W>
+__device__ __forceinline__ void store_rows(const Args& a, const Raw<W>& r, const Raw<W>* d, int act, int64_t t0,
+                                           int e0, const float* scale, T* tile) {
+#pragma unroll
+  for (int it = 0; it < Raw<W>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kThreads, i = idx / (W / 8), c8 = (idx % (W / 8)) * 8;
+    const bool live = t0 + i < a.N && e0 + c8 < a.E;
+    float y[8];
+    unpack8<T>(r.u[it], y);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) y[u] = live ? act_f(y[u], act) : 0.0f;
+    if (d) {
+      float z[8];
+      unpack8<T>(d->u[it], z);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] *= z[u];
+    }
+    if (scale)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] *= scale[i];
+    store8(tile + i * (W + kPad) + c8, y);
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int Pending>  // wait until at most Pending of this thread's committed groups are in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory"); }
+
+// Rows [p0, p0 + kSlice) of a chunk's stored state (P x E in T, row stride E) into a kSlice x EP tile (leading
+// dimension EP + kPad) through cp.async (wait with cp_async_wait_all); columns past E are zeros.
+template <class T, int EP>
+__device__ __forceinline__ void load_state_async(const Args& a, const T* __restrict__ st, int p0, T* tile) {
+#pragma unroll
+  for (int it = 0; it < kSlice * (EP / 8) / kThreads; ++it) {
+    const int idx = threadIdx.x + it * kThreads, p = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
+    T* dst = tile + p * (EP + kPad) + c8;
+    if (c8 < a.E)
+      cp_async16(dst, st + int64_t(p0 + p) * a.E + c8);
+    else
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The launchers (ops/fal_chunk_fwd.cu, ops/fal_chunk_bwd.cu); ops/fal_causal.cu fills Args and picks them.
+// True when these kernels take the call: bf16/f16, LRPE none or cosine, D 64 or 128, E a multiple of 8 up to
+// 128, elementwise acts.
+bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
+// The state passes: forward S_c into a.states and S_final from S0; reverse R_(c+1) into a.rstates and dS0
+// from dS_final; both in one launch when both are asked for.
+void state_pass(const Args& a, DType dtype, int64_t BH, bool forward, bool reverse, cudaStream_t st);
+void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);   // state pass, then the outputs
+void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // both state passes, then the grads
+
+}  // namespace lintape::fal_cuda::chunk

@@ -1,0 +1,249 @@
+// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the backward. Both state passes in one launch (S_c forward,
+// R_(c+1) reverse), then one block per (chunk, b, h) for dq, dk, dv and dg.
+#include "ops/fal_chunk.cuh"
+
+namespace lintape::fal_cuda::chunk {
+
+namespace {
+
+// The block's tiles in shared memory.
+template <class T, int EP>
+struct GradSmem {
+  static constexpr int ldE = EP + kPad;
+  T* qs;  // [2][kC][kLdS]   Q, both halves of the angle slice
+  T* ks;  // [2][kC][kLdS]   K
+  T* ss;  // [2][2][kSlice][ldE] S_c rows of the slice, by the slice's parity (the next one loads meanwhile)
+  T* rs;  // [2][2][kSlice][ldE] R_(c+1) rows of the slice, likewise
+  T* vs;  // [kC][ldE]       V
+  T* ys;  // [kC][ldE]       dY = dO o gb
+  T* am;  // [kC][kLdC]      (Q K^T) o M
+  T* bm;  // [kC][kLdC]      (dY V^T) o M
+  __device__ explicit GradSmem(T* base) {
+    qs = base;
+    ks = qs + 2 * kC * kLdS;
+    ss = ks + 2 * kC * kLdS;
+    rs = ss + 4 * kSlice * ldE;
+    vs = rs + 4 * kSlice * ldE;
+    ys = vs + kC * ldE;
+    am = ys + kC * ldE;
+    bm = am + kC * kLdC;
+  }
+  static constexpr size_t bytes() {
+    return sizeof(T) * size_t(4 * kC * kLdS + 8 * kSlice * ldE + 2 * kC * ldE + 2 * kC * kLdC);
+  }
+};
+
+// acc (a warp's 16 x 32 tile at rows m0, columns 32 wc of a kC x kC matrix) times M into dst (leading dim kLdC).
+template <class T>
+__device__ __forceinline__ void store_masked(const Acc<1, 4>& acc, T* dst, int m0, int wc, float log2_lam) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int i = m0 + acc.row(0, r), j = 32 * wc + acc.col(n, r);
+      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f;
+      const float w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
+      store2(dst + i * kLdC + j, acc.x[0][n][r] * w0, acc.x[0][n][r + 1] * w1);
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void scale_rows(Acc<1, NT>& acc, int m0, float log2_lam, int base, int sign) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float f = decay_pow(log2_lam, base + sign * (m0 + acc.row(0, r)));
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc.x[0][n][r] *= f;
+  }
+}
+
+// One slice's gradient of the encoded rows (half hf) folded into the raw rows' gradient x through the
+// transposed LRPE: dx = cos dx_0 + sin dx_1 (without LRPE cos = 1 and one half).
+__device__ __forceinline__ void fold(Acc<1, 4>& x, const Acc<1, 4>& d, const float (&cs)[16], const float (&sn)[16],
+                                     int hf) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) x.x[0][n][r] += (hf == 0 ? cs[4 * n + r] : sn[4 * n + r]) * d.x[0][n][r];
+}
+
+// dx = act'(x) g for a warp's 16 x 32 tile of the raw rows' gradient: rows m0, columns col0 + 32 wc.
+template <class T>
+__device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, 4>& gx, const T* x, int64_t xts, T* dx,
+                                               int64_t dts, int64_t t0, int m0, int col0, int act) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int64_t t = t0 + m0 + gx.row(0, r);
+      if (t >= a.N) continue;
+      const int col = col0 + gx.col(n, r);
+      float x0, x1;
+      load2(x + t * xts + col, x0, x1);
+      store2(dx + t * dts + col, act_grad(x0, gx.x[0][n][r], act), act_grad(x1, gx.x[0][n][r + 1], act));
+    }
+}
+
+// Warp w owns rows 16 (w % 4) of the chunk and half w / 4 of the columns of every product.
+template <class T, int EP>
+__global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
+  using Smem = GradSmem<T, EP>;
+  constexpr int ldE = Smem::ldE, NT = EP / 16;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem sm(reinterpret_cast<T*>(smem_raw));
+  const int warp = threadIdx.x >> 5, m0 = 16 * (warp % 4), wc = warp / 4;
+  const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
+  const int h = int(bh % a.H);
+  const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
+  const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
+  const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
+  const size_t PE = size_t(a.P) * a.E;
+  const int64_t out_ts = int64_t(a.H) * a.E, in_ts = int64_t(a.H) * a.D;  // token strides of dout, dv, dg; dq, dk
+  const T* q = at_head<T>(a.q, b, a.sq_b, h, a.D);
+  const T* k = at_head<T>(a.k, b, a.sk_b, h, a.D);
+  const T* v = at_head<T>(a.v, b, a.sv_b, h, a.E);
+  const T* g = at_head<T>(a.g, b, a.sg_b, h, a.E);
+  const T* dout = static_cast<const T*>(a.dout) + b * a.N * out_ts + h * a.E;
+  const T* S = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
+  const T* R = static_cast<const T*>(a.rstates) + (bh * a.nC + c) * PE;
+
+  const int slices = a.D / kSlice;
+  // The S_c and R_(c+1) rows of a slice into the buffers of its parity, one cp.async group.
+  auto issue_states = [&](int slice) {
+    for (int hf = 0; hf < halves; ++hf) {
+      const int p0 = (hf == 0 ? 0 : a.D) + slice * kSlice, buf = (slice & 1) * 2 + hf;
+      load_state_async<T, EP>(a, S, p0, sm.ss + buf * kSlice * ldE);
+      load_state_async<T, EP>(a, R, p0, sm.rs + buf * kSlice * ldE);
+    }
+    cp_async_commit();
+  };
+  issue_states(0);
+  {
+    Raw<EP> vr, gr, dr;
+    fetch(a, v, a.sv_t, t0, 0, a.E, vr);
+    fetch(a, g, a.sg_t, t0, 0, a.E, gr);
+    fetch(a, dout, out_ts, t0, 0, a.E, dr);
+    store_rows<T, EP>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
+    store_rows<T, EP>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
+  }
+  __syncthreads();
+  {
+    Acc<1, 4> bsc;
+    bsc.zero();
+    warp_mma<T, false, false>(bsc, sm.ys, ldE, m0, sm.vs, ldE, 32 * wc, EP);
+    store_masked(bsc, sm.bm, m0, wc, log2_lam);
+  }
+
+  Acc<1, 4> sc;    // Q K^T: rows m0, columns 32 wc
+  Acc<1, NT> y;    // Y: rows m0, columns wc EP / 2
+  Acc<1, NT> dvo;  // dV
+  sc.zero();
+  y.zero();
+  dvo.zero();
+  for (int slice = 0; slice < slices; ++slice) {
+    __syncthreads();  // bm written; the previous slice's tiles are consumed
+    if (slice + 1 < slices) issue_states(slice + 1);
+    {
+      Raw<kSlice> qr, kr;
+      fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
+      fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
+      store_encoded(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0, slice);
+    }
+    // The angles of this thread's elements of the slice's 16 x 32 gradient tiles.
+    float cs[16], sn[16];
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        cs[4 * n + r] = 1.0f, sn[4 * n + r] = 0.0f;
+        if (a.lrpe != FalStepSpec::kNoLrpe)
+          angle_cs(rate_of(a, h, slice * kSlice + 32 * wc + Acc<1, 4>::col(n, r)),
+                   a.position + t0 + m0 + Acc<1, 4>::row(0, r), cs[4 * n + r], sn[4 * n + r]);
+      }
+    if (slice + 1 < slices)
+      cp_async_wait<1>();  // this slice's group has landed; the next one's may still be in flight
+    else
+      cp_async_wait<0>();
+    __syncthreads();
+    auto half_tile = [&](const T* base, int hf, int rows, int ld) { return base + ((slice & 1) * 2 + hf) * rows * ld; };
+    for (int hf = 0; hf < halves; ++hf) {
+      const T* qh = sm.qs + hf * kC * kLdS;
+      const T* kh = sm.ks + hf * kC * kLdS;
+      warp_mma<T, false, false>(sc, qh, kLdS, m0, kh, kLdS, 32 * wc, kSlice);
+      warp_mma<T, false, true>(y, qh, kLdS, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, wc * EP / 2, kSlice);
+      warp_mma<T, false, true>(dvo, kh, kLdS, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, wc * EP / 2, kSlice);
+    }
+    // dQ = diag(gamma) dY S^T + Bm K, then dK = diag(delta) V R^T + Bm^T Q, each over both halves and folded
+    // through the transposed LRPE into the raw rows' gradient (one of them live at a time).
+    const int col0 = slice * kSlice + 32 * wc;
+    for (int which = 0; which < 2; ++which) {
+      Acc<1, 4> gx;
+      gx.zero();
+      for (int hf = 0; hf < halves; ++hf) {
+        Acc<1, 4> d;
+        d.zero();
+        if (which == 0) {
+          warp_mma<T, false, false>(d, sm.ys, ldE, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, 32 * wc, EP);
+          scale_rows(d, m0, log2_lam, 1, 1);
+          warp_mma<T, false, true>(d, sm.bm, kLdC, m0, sm.ks + hf * kC * kLdS, kLdS, 32 * wc, kC);
+        } else {
+          warp_mma<T, false, false>(d, sm.vs, ldE, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, 32 * wc, EP);
+          scale_rows(d, m0, log2_lam, cl - 1, -1);
+          warp_mma<T, true, true>(d, sm.bm, kLdC, m0, sm.qs + hf * kC * kLdS, kLdS, 32 * wc, kC);
+        }
+        fold(gx, d, cs, sn, hf);
+      }
+      if (which == 0)
+        store_raw_grad(a, gx, q, a.sq_t, static_cast<T*>(a.dq) + b * a.N * in_ts + h * a.D, in_ts, t0, m0, col0,
+                       a.act_q);
+      else
+        store_raw_grad(a, gx, k, a.sk_t, static_cast<T*>(a.dk) + b * a.N * in_ts + h * a.D, in_ts, t0, m0, col0,
+                       a.act_k);
+    }
+  }
+  // The intra-chunk terms: Y += Am V, dV = diag(delta) K R + Am^T dY.
+  store_masked(sc, sm.am, m0, wc, log2_lam);
+  scale_rows(y, m0, log2_lam, 1, 1);
+  scale_rows(dvo, m0, log2_lam, cl - 1, -1);
+  __syncthreads();
+  warp_mma<T, false, true>(y, sm.am, kLdC, m0, sm.vs, ldE, wc * EP / 2, kC);
+  warp_mma<T, true, true>(dvo, sm.am, kLdC, m0, sm.ys, ldE, wc * EP / 2, kC);
+  T* dv = static_cast<T*>(a.dv) + b * a.N * out_ts + h * a.E;
+  T* dg = static_cast<T*>(a.dg) + b * a.N * out_ts + h * a.E;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int64_t t = t0 + m0 + y.row(0, r);
+      const int e = wc * EP / 2 + y.col(n, r);
+      if (t >= a.N || e >= a.E) continue;
+      float g0, g1, d0, d1, v0, v1;
+      load2(g + t * a.sg_t + e, g0, g1);
+      load2(dout + t * out_ts + e, d0, d1);
+      load2(v + t * a.sv_t + e, v0, v1);
+      store2(dg + t * out_ts + e, act_grad(g0, d0 * y.x[0][n][r], a.act_g),
+             act_grad(g1, d1 * y.x[0][n][r + 1], a.act_g));
+      store2(dv + t * out_ts + e, act_grad(v0, dvo.x[0][n][r], a.act_v), act_grad(v1, dvo.x[0][n][r + 1], a.act_v));
+    }
+}
+
+template <class T, int EP>
+void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
+  const size_t smem = GradSmem<T, EP>::bytes();
+  LT_CUDA_CHECK(cudaFuncSetAttribute(grad_kernel<T, EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  grad_kernel<T, EP><<<dim3(unsigned(a.nC), unsigned(BH)), kThreads, smem, st>>>(a);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
+  state_pass(a, dtype, BH, true, true, st);  // S_c and R_(c+1) are independent: one launch runs both
+  const bool wide = a.E > 64;
+  if (dtype == DType::BF16)
+    wide ? launch_grad<__nv_bfloat16, 128>(a, BH, st) : launch_grad<__nv_bfloat16, 64>(a, BH, st);
+  else
+    wide ? launch_grad<__half, 128>(a, BH, st) : launch_grad<__half, 64>(a, BH, st);
+}
+
+}  // namespace lintape::fal_cuda::chunk
