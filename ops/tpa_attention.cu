@@ -67,34 +67,46 @@ template <class T>
 __device__ __forceinline__ float load_f(const T* p) { return to_acc(*p); }
 
 // dst[i, :] = inv_r sum_r a[i * a_stride + r] b[(i R + r) HD + :] for i < valid, 0 for the other rows up to
-// ROWS. b and a point at global memory or at a staged copy (a staged as f32).
-template <class T, int HD, int ROWS, class A>
+// ROWS. b and a point at global memory or at a staged copy (a staged as f32). Each thread owns PER
+// 16-byte chunks and issues the loads of G of them together, rank by rank (G < PER saves registers).
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class A>
 __device__ void build_tile(T* dst, const T* b, const A* a, int a_stride, int R, float inv_r, int valid) {
-  constexpr int LD = HD + 8, CH = HD / 8;
-  for (int idx = threadIdx.x; idx < ROWS * CH; idx += kThreads) {
-    const int i = idx / CH, c8 = idx % CH;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (i < valid) {
-      const T* br = b + size_t(i) * R * HD + c8 * 8;
-      const A* ar = a + size_t(i) * a_stride;
-      for (int r = 0; r < R; ++r) {
-        const float w = load_f(ar + r);
-        const uint4 v = *reinterpret_cast<const uint4*>(br + size_t(r) * HD);
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  constexpr int LD = HD + 8, CH = HD / 8, PER = ROWS * CH / kThreads;
+  static_assert(ROWS * CH % kThreads == 0 && PER % G == 0, "whole chunks per thread and per group");
+#pragma unroll 1
+  for (int k0 = 0; k0 < PER; k0 += G) {
+    float acc[G][8];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = unpack2<T>(u[e]);
-          acc[2 * e] += w * f.x;
-          acc[2 * e + 1] += w * f.y;
+    for (int k = 0; k < G; ++k)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
+        if (i < valid) {
+          const float w = load_f(a + size_t(i) * a_stride + r);
+          const uint4 v = *reinterpret_cast<const uint4*>(b + (size_t(i) * R + r) * HD + c8 * 8);
+          const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = unpack2<T>(u[e]);
+            acc[k][2 * e] += w * f.x;
+            acc[k][2 * e + 1] += w * f.y;
+          }
         }
       }
     }
-    uint4 o;
-    o.x = pack2<T>(acc[0] * inv_r, acc[1] * inv_r);
-    o.y = pack2<T>(acc[2] * inv_r, acc[3] * inv_r);
-    o.z = pack2<T>(acc[4] * inv_r, acc[5] * inv_r);
-    o.w = pack2<T>(acc[6] * inv_r, acc[7] * inv_r);
-    *reinterpret_cast<uint4*>(dst + i * LD + c8 * 8) = o;
+#pragma unroll
+    for (int k = 0; k < G; ++k) {
+      const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
+      uint4 o;
+      o.x = pack2<T>(acc[k][0] * inv_r, acc[k][1] * inv_r);
+      o.y = pack2<T>(acc[k][2] * inv_r, acc[k][3] * inv_r);
+      o.z = pack2<T>(acc[k][4] * inv_r, acc[k][5] * inv_r);
+      o.w = pack2<T>(acc[k][6] * inv_r, acc[k][7] * inv_r);
+      *reinterpret_cast<uint4*>(dst + i * LD + c8 * 8) = o;
+    }
   }
 }
 
@@ -108,10 +120,10 @@ struct Pair {
 };
 
 // Builds rows row0.. of a pair's tile straight from global memory.
-template <class T, int HD, int ROWS>
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
 __device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int H, int row0) {
   const int64_t t0 = bb * f.L + row0;
-  build_tile<T, HD, ROWS>(dst, f.b + t0 * f.R * HD, f.a + (t0 * H + h) * f.R, H * f.R, f.R, f.inv_r,
+  build_tile<T, HD, ROWS, G>(dst, f.b + t0 * f.R * HD, f.a + (t0 * H + h) * f.R, H * f.R, f.R, f.inv_r,
                           min(ROWS, f.L - row0));
 }
 
@@ -236,6 +248,24 @@ __device__ __forceinline__ void rows_times_rows_t(float (&acc)[8][4], const T* a
   }
 }
 
+// The same with the A fragments (16 x HD) already in registers.
+template <class T, int HD>
+__device__ __forceinline__ void frags_times_rows_t(float (&acc)[8][4], const uint32_t (&fa)[HD / 16][4],
+                                                   const T* b) {
+  constexpr int LD = HD + 8;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t fb[4];
+      load_b_nk<LD>(fb, b, np * 16, kk * 16);
+      mma16816<T>(acc[2 * np], fa[kk], fb[0], fb[1]);
+      mma16816<T>(acc[2 * np + 1], fa[kk], fb[2], fb[3]);
+    }
+}
+
 // acc (16 x HD) += P (16 x 64, accumulator layout, rounded to T) times the 64 x HD tile x (k-major).
 template <class T, int HD>
 __device__ __forceinline__ void probs_times_rows(float (&acc)[HD / 8][4], const float (&p)[8][4], const T* x) {
@@ -342,10 +372,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   float o[HD / 8][4];
   zero<HD>(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t qf[HD / 16][4];  // this warp's Q rows as A fragments, loaded once
   for (int j = 0; j < tiles; ++j) {
     kv.load(j, tiles);
+    if (j == 0)
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) load_a<LD>(qf[kk], qs, warp * 16, kk * 16);
     float s[8][4];
-    rows_times_rows_t<T, HD>(s, qs, warp * 16, kv.ks);
+    frags_times_rows_t<T, HD>(s, qf, kv.ks);
     const int k0 = j * kSmall;
     const bool mask = k0 + kSmall > p.M || (p.causal && k0 + kSmall - 1 > q0 + warp * 16);
 #pragma unroll
@@ -473,10 +507,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_kv(const Params<T> 
     const float* delta_s = lse_s + kSmall;
     if (threadIdx.x < 2 * kSmall) stats[(i & 1) * 2 * kSmall + threadIdx.x] = stat;
     __syncthreads();
+    // Two chunks at a time: dK and dV hold 128 registers across the build.
+    constexpr int G = 2;
     if (p.stage_q)
-      build_tile<T, HD, kSmall>(qs, stage, mix_s, fq.R, fq.R, fq.inv_r, min(kSmall, p.N - q0));
+      build_tile<T, HD, kSmall, G>(qs, stage, mix_s, fq.R, fq.R, fq.inv_r, min(kSmall, p.N - q0));
     else
-      build_global<T, HD, kSmall>(qs, fq, bb, h, p.H, q0);
+      build_global<T, HD, kSmall, G>(qs, fq, bb, h, p.H, q0);
     __syncthreads();
     if (i + 1 < last) prefetch(i + 1);
     const T* dcur = dos + (i & 1) * kSmall * LD;
