@@ -8,7 +8,8 @@
 // forward and the dQ pass, Q in the dK/dV pass) are pipelined: the next tile's basis rows (contiguous
 // over tokens, shared by all heads) go global -> shared by cp.async and its mixing values into
 // registers while the current tile is multiplied; ranks too large for the stage area build straight
-// from global memory.
+// from global memory. The forward and the dQ pass keep two K, V pairs and build tile j + 1 between
+// the products of tile j, so the builds overlap the tensor-core work.
 //   forward:  query tile of 128 rows; per key tile of 64: S = Q K^T, online softmax, O = alpha O + P V.
 //   backward: Delta = rowsum(dO o O); a key-tile pass (128 keys; per query tile of 64: dK += dS^T Q,
 //             dV += P^T dO) and a query-tile pass (128 queries; per key tile of 64: dQ += dS K), both
@@ -31,7 +32,8 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBig = 16 * kWarps;  // the rows a block owns: queries (forward, dQ pass) or keys (dK/dV pass)
 constexpr int kSmall = 64;         // the rows of each repeated tile
-constexpr int kStageBytes = 96 * 1024;
+constexpr int kStageBytes = 96 * 1024;    // forward and dK/dV pass
+constexpr int kStageBytesDq = 64 * 1024;  // dQ pass (it also holds dO and two K, V pairs)
 constexpr int kMixMax = 4 * kThreads;  // mixing values staged per tile (64 rows x the ranks)
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -46,7 +48,7 @@ struct Params {
   float *dbq, *dbk, *dbv;    // f32 workspaces, zeroed, summed over heads
   int N, M, H, Rq, Rk, Rv;
   float inv_rq, inv_rk, inv_rv, scale, sl2;  // sl2 = scale log2(e)
-  bool causal, stage_kv, stage_q;            // whether the repeated tiles' basis rows fit the stage area
+  bool causal, stage_kv, stage_kv_dq, stage_q;  // whether the repeated tiles' basis rows fit the stage area
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -162,10 +164,11 @@ __device__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, in
 }
 
 // The repeated K and V tiles of the forward and the dQ pass: staged (prefetch, then build) or built from
-// global memory. Shared memory: ks, vs (kSmall rows each), mix_s (kMixMax f32), stage.
+// global memory. Shared memory: mix_s (kMixMax f32), stage, and two K, V pairs (kv).
 template <class T, int HD>
 struct KvTiles {
-  T *ks, *vs;
+  static constexpr int LD = HD + 8;
+  T* kv;  // two K, V pairs
   float* mix_s;
   T* stage;
   float mix[kMixMax / kThreads];
@@ -179,29 +182,50 @@ struct KvTiles {
     stage_pair<T, HD, kSmall>(stage + kSmall * k.R * HD, mix, kSmall * k.R, v, bb, h, H, j * kSmall);
     cp_async_commit();
   }
+  // Waits for the staged tile and publishes its mixing values (block-wide: ends in a barrier).
+  __device__ void arrive() {
+    cp_async_wait<0>();
+#pragma unroll
+    for (int q = 0; q < kMixMax / kThreads; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
+    __syncthreads();
+  }
+  // Builds tile j into kd, vd: from the stage area (after arrive) or from global memory.
+  __device__ void build(int j, T* kd, T* vd) {
+    if (staged) {
+      const int valid = min(kSmall, k.L - j * kSmall);
+      build_tile<T, HD, kSmall>(kd, stage, mix_s, k.R, k.R, k.inv_r, valid);
+      build_tile<T, HD, kSmall>(vd, stage + kSmall * k.R * HD, mix_s + kSmall * k.R, v.R, v.R, v.inv_r, valid);
+    } else {
+      build_global<T, HD, kSmall>(kd, k, bb, h, H, j * kSmall);
+      build_global<T, HD, kSmall>(vd, v, bb, h, H, j * kSmall);
+    }
+  }
   __device__ void start() {
 #pragma unroll
     for (int q = 0; q < kMixMax / kThreads; ++q) mix[q] = 0.f;
     if (staged) prefetch(0);
   }
-  // Makes tile j ready in ks, vs (block-wide; every warp must be done with tile j - 1).
-  __device__ void load(int j, int tiles) {
-    if (staged) {
-      cp_async_wait<0>();
-#pragma unroll
-      for (int q = 0; q < kMixMax / kThreads; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
-      __syncthreads();
-      const int valid = min(kSmall, k.L - j * kSmall);
-      build_tile<T, HD, kSmall>(ks, stage, mix_s, k.R, k.R, k.inv_r, valid);
-      build_tile<T, HD, kSmall>(vs, stage + kSmall * k.R * HD, mix_s + kSmall * k.R, v.R, v.R, v.inv_r, valid);
-      __syncthreads();
-      if (j + 1 < tiles) prefetch(j + 1);
-    } else {
-      __syncthreads();
-      build_global<T, HD, kSmall>(ks, k, bb, h, H, j * kSmall);
-      build_global<T, HD, kSmall>(vs, v, bb, h, H, j * kSmall);
-      __syncthreads();
-    }
+  // Tile j lives in pair j % 2, and tile j + 1 is built while tile j is multiplied, so the build's
+  // loads and arithmetic overlap the tensor-core work. Per tile j: the products that read K_j and V_j
+  // first, build_next(j), the rest, finish(j).
+  __device__ T* k_tile(int j) const { return kv + (j & 1) * 2 * kSmall * LD; }
+  __device__ T* v_tile(int j) const { return k_tile(j) + kSmall * LD; }
+  __device__ void begin(int tiles) {
+    start();
+    if (staged) arrive();
+    build(0, k_tile(0), v_tile(0));
+    __syncthreads();
+    if (staged && tiles > 1) prefetch(1);
+  }
+  // Pair (j + 1) % 2 is free: its last readers finished tile j - 1 before finish(j - 1)'s barrier.
+  __device__ void build_next(int j, int tiles) {
+    if (staged) arrive();
+    if (j + 1 < tiles) build(j + 1, k_tile(j + 1), v_tile(j + 1));
+  }
+  // Tile j + 1 is built and the stage area free: start staging tile j + 2.
+  __device__ void finish(int j, int tiles) {
+    __syncthreads();
+    if (staged && j + 2 < tiles) prefetch(j + 2);
   }
 };
 
@@ -339,7 +363,7 @@ __device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db
 
 template <int HD>
 constexpr size_t fwd_smem() {
-  return size_t(kBig + 2 * kSmall) * (HD + 8) * 2 + kMixMax * 4 + kStageBytes;
+  return size_t(kBig + 4 * kSmall) * (HD + 8) * 2 + kMixMax * 4 + kStageBytes;
 }
 
 template <class T, int HD>
@@ -348,9 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   extern __shared__ __align__(128) unsigned char smem[];
   T* qs = reinterpret_cast<T*>(smem);
   KvTiles<T, HD> kv;
-  kv.ks = qs + kBig * LD;
-  kv.vs = kv.ks + kSmall * LD;
-  kv.mix_s = reinterpret_cast<float*>(kv.vs + kSmall * LD);
+  kv.kv = qs + kBig * LD;
+  kv.mix_s = reinterpret_cast<float*>(kv.kv + 4 * kSmall * LD);
   kv.stage = reinterpret_cast<T*>(kv.mix_s + kMixMax);
   const int nq = (p.N + kBig - 1) / kBig;
   const int qt = p.causal ? nq - 1 - int(blockIdx.x) : int(blockIdx.x);
@@ -363,23 +386,21 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   kv.h = h;
   kv.H = p.H;
   kv.staged = p.stage_kv;
-  kv.start();
   build_global<T, HD, kBig>(qs, Pair<T>{p.aq, p.bq, p.N, p.Rq, p.inv_rq}, bb, h, p.H, q0);
-
   const int kv_all = (p.M + kSmall - 1) / kSmall;
   const int tiles = p.causal ? min(kv_all, (q0 + kBig + kSmall - 1) / kSmall) : kv_all;
+  kv.begin(tiles);  // its barriers also publish Q
   const int row_a = q0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
   float o[HD / 8][4];
   zero<HD>(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   uint32_t qf[HD / 16][4];  // this warp's Q rows as A fragments, loaded once
-  for (int j = 0; j < tiles; ++j) {
-    kv.load(j, tiles);
-    if (j == 0)
 #pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) load_a<LD>(qf[kk], qs, warp * 16, kk * 16);
+  for (int kk = 0; kk < HD / 16; ++kk) load_a<LD>(qf[kk], qs, warp * 16, kk * 16);
+  for (int j = 0; j < tiles; ++j) {
     float s[8][4];
-    frags_times_rows_t<T, HD>(s, qf, kv.ks);
+    frags_times_rows_t<T, HD>(s, qf, kv.k_tile(j));
+    kv.build_next(j, tiles);
     const int k0 = j * kSmall;
     const bool mask = k0 + kSmall > p.M || (p.causal && k0 + kSmall - 1 > q0 + warp * 16);
 #pragma unroll
@@ -415,7 +436,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
         o[e][2 * rr + 1] *= alpha;
       }
     }
-    probs_times_rows<T, HD>(o, s, kv.vs);
+    probs_times_rows<T, HD>(o, s, kv.v_tile(j));
+    kv.finish(j, tiles);
   }
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
@@ -550,10 +572,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_kv(const Params<T> 
 
 template <int HD>
 constexpr size_t bwd_q_smem() {
-  return size_t(2 * kBig + 2 * kSmall) * (HD + 8) * 2 + kMixMax * 4 + kStageBytes;
+  return size_t(2 * kBig + 4 * kSmall) * (HD + 8) * 2 + kMixMax * 4 + kStageBytesDq;
 }
-// The passes stage kBig x (HD + 4) f32 results in the stage area.
+// The passes stage kBig x (HD + 4) f32 results in the stage area (dK/dV pass) or the two K, V pairs
+// (dQ pass).
 static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(kStageBytes), "f32 results fit the stage area");
+static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(4 * kSmall) * (128 + 8) * 2, "f32 results fit the pairs");
+static_assert(size_t(kBig) * (64 + 4) * 4 <= size_t(4 * kSmall) * (64 + 8) * 2, "f32 results fit the pairs");
 
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads, 1) attention_bwd_q(const Params<T> p) {
@@ -562,9 +587,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_q(const Params<T> p
   T* qs = reinterpret_cast<T*>(smem);
   T* dos = qs + kBig * LD;
   KvTiles<T, HD> kv;
-  kv.ks = dos + kBig * LD;
-  kv.vs = kv.ks + kSmall * LD;
-  kv.mix_s = reinterpret_cast<float*>(kv.vs + kSmall * LD);
+  kv.kv = dos + kBig * LD;
+  kv.mix_s = reinterpret_cast<float*>(kv.kv + 4 * kSmall * LD);
   kv.stage = reinterpret_cast<T*>(kv.mix_s + kMixMax);
   const int nq = (p.N + kBig - 1) / kBig;
   const int qt = p.causal ? nq - 1 - int(blockIdx.x) : int(blockIdx.x);
@@ -577,10 +601,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_q(const Params<T> p
   kv.bb = bb;
   kv.h = h;
   kv.H = p.H;
-  kv.staged = p.stage_kv;
+  kv.staged = p.stage_kv_dq;
   copy_rows_async<T, HD, kBig>(dos, p.dout, bb, h, p.H, p.N, q0);
   cp_async_commit();
-  kv.start();
   build_global<T, HD, kBig>(qs, fq, bb, h, p.H, q0);
   const int row_a = q0 + warp * 16 + g;
   float lse[2], delta[2];
@@ -592,14 +615,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_q(const Params<T> p
   }
   const int kv_all = (p.M + kSmall - 1) / kSmall;
   const int tiles = p.causal ? min(kv_all, (q0 + kBig + kSmall - 1) / kSmall) : kv_all;
-  if (!kv.staged) cp_async_wait<0>();  // dO (the staged path waits in its first load)
+  if (!kv.staged) cp_async_wait<0>();  // dO (the staged path waits in begin)
+  kv.begin(tiles);                     // its barriers also publish Q and dO
   float dq[HD / 8][4];
   zero<HD>(dq);
   for (int j = 0; j < tiles; ++j) {
-    kv.load(j, tiles);
     float s[8][4], dp[8][4];
-    rows_times_rows_t<T, HD>(s, qs, warp * 16, kv.ks);    // S = Q K^T
-    rows_times_rows_t<T, HD>(dp, dos, warp * 16, kv.vs);  // dP = dO V^T
+    rows_times_rows_t<T, HD>(s, qs, warp * 16, kv.k_tile(j));    // S = Q K^T
+    rows_times_rows_t<T, HD>(dp, dos, warp * 16, kv.v_tile(j));  // dP = dO V^T
+    kv.build_next(j, tiles);
     const int k0 = j * kSmall;
     const bool mask = k0 + kSmall > p.M || row_a - g + 15 >= p.N || (p.causal && k0 + kSmall - 1 > q0 + warp * 16);
 #pragma unroll
@@ -611,10 +635,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_q(const Params<T> p
         const float pv = ok ? exp2f(s[t][e] * p.sl2 - lse[e >> 1]) : 0.f;
         s[t][e] = pv * (dp[t][e] - delta[e >> 1]) * p.scale;
       }
-    probs_times_rows<T, HD>(dq, s, kv.ks);  // dQ += dS K
+    probs_times_rows<T, HD>(dq, s, kv.k_tile(j));  // dQ += dS K
+    kv.finish(j, tiles);
   }
-  __syncthreads();
-  float* fs = reinterpret_cast<float*>(kv.stage);
+  float* fs = reinterpret_cast<float*>(kv.kv);  // free after the last finish's barrier
   store_acc<HD>(fs, dq, warp * 16);
   __syncthreads();
   factor_grads<T, HD>(fs, fq, p.daq, p.dbq, bb, h, p.H, q0);
@@ -646,6 +670,7 @@ Params<T> make_params(const AttentionArgs& a) {
   p.causal = a.causal;
   const int64_t D = a.bq.size(3);
   p.stage_kv = int64_t(kSmall) * (p.Rk + p.Rv) * D * 2 <= kStageBytes;
+  p.stage_kv_dq = int64_t(kSmall) * (p.Rk + p.Rv) * D * 2 <= kStageBytesDq;
   p.stage_q = int64_t(kSmall) * p.Rq * D * 2 <= kStageBytes;
   return p;
 }
