@@ -1,7 +1,8 @@
 // Benchmarks of the TPA family. tpa-decode: the seeds' table (batch 8 and 32, head 32, rank 16 for q and
 // 1 for k and v, dim 128, cache m = 256 ... 32768), one query token per sequence; "fused" is Impl::Fused
 // on CUDA and the CPU reference on the CPU, "composed" materialises q, k and v and attends through
-// primitive ops. tpa-attention: causal training at batch 8, head 16, dim 128, ranks (6, 2, 2): "fused"
+// primitive ops. tpa-attention: causal training at batch 8, head 16 and, on CUDA, at the small model's
+// batch 16, head 6 (dim 128, ranks (6, 2, 2)): "fused"
 // is the tensor-core flash-style kernel pair (Impl::Fused on CUDA, the CPU reference on the CPU),
 // "composed" the same math through primitive ops (up to N = 4096: it holds the N x N scores).
 #include "bench/harness.h"
@@ -49,13 +50,13 @@ std::vector<Config> decode_configs(const RunOptions& o) {
   return out;
 }
 
-std::vector<Config> attention_configs(const RunOptions& o) {
-  const bool cuda = o.device.is_cuda();
-  const int64_t B = cuda ? 8 : 1, H = cuda ? 16 : 2, D = 128, Rq = 6, Rk = 2, Rv = 2;
+// One causal table at batch B, head H, dim 128, ranks (6, 2, 2).
+Config attention_config(const RunOptions& o, int64_t B, int64_t H, const std::vector<int64_t>& cuda_ns) {
+  const int64_t D = 128, Rq = 6, Rk = 2, Rv = 2;
   Config c;
   c.stem = str("tpa_attention-{metric}-{mode}-batch", B, "-head", H, "-dim", D, "-rank6_2_2-causal-",
                dtype_name(o.dtype));
-  c.ns = pick_sizes(o, powers_of_two(1024, 8192), {1024, 2048}, {64, 128});
+  c.ns = pick_sizes(o, cuda_ns, {cuda_ns.front(), cuda_ns[1]}, {64, 128});
   c.make = [=](const Case& k) {
     auto r = [&](const Shape& s, uint64_t i) {
       return randn(s, k.dtype, k.device, k.seed * 8 + i).requires_grad_();
@@ -77,7 +78,13 @@ std::vector<Config> attention_configs(const RunOptions& o) {
     const double fwd = 2.0 * double(B * H * D) * double(n) * double(n);
     return m == Mode::Fwd ? fwd : 2.5 * fwd;
   };
-  return {c};
+  return c;
+}
+
+// The seeds' shape (batch 8, head 16) and, on CUDA, the small language model's (batch 16, head 6).
+std::vector<Config> attention_configs(const RunOptions& o) {
+  if (!o.device.is_cuda()) return {attention_config(o, 1, 2, {1024, 2048})};
+  return {attention_config(o, 8, 16, powers_of_two(1024, 8192)), attention_config(o, 16, 6, {1024, 2048, 4096})};
 }
 
 const Registration decode_bench({"tpa-decode", "TPA decode: one query token over a cache of factor rows",

@@ -359,7 +359,7 @@ std::string fused_attention_unsupported(const Factors& f) {
 }
 
 // Fused attention: forward saves the detached factors, the output and the log-sum-exp; the backward
-// gets dq, dk, dv from the kernels and contracts each with the other factor of its pair.
+// kernels return the six factor gradients (dq, dk, dv are contracted on chip).
 Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
   const char* op = "tpa_attention";
   LT_CHECK(f.aq.is_cuda(), "[", op, "] Impl::Fused needs the factors on a CUDA device; got ", f.aq.device().name());
@@ -385,19 +385,15 @@ Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
     const Tensor dout = g[0].contiguous();
     const Device d = a.aq.device();
     const DType dt = a.aq.dtype();
-    Tensor dq = empty({a.aq.size(0), a.aq.size(1), a.aq.size(2), a.bq.size(3)}, dt, d);
-    Tensor dk = empty({a.ak.size(0), a.ak.size(1), a.ak.size(2), a.bk.size(3)}, dt, d);
-    Tensor dv = empty({a.av.size(0), a.av.size(1), a.av.size(2), a.bv.size(3)}, dt, d);
-    tpa_cuda::attention_backward(a, saved_out, lse, dout, dq, dk, dv);
-    // x = (1/R) a^T b per token: da = (1/R) dx b^T, db = (1/R) a^T dx, batched over (B, tokens).
-    Grads out(6);
-    const std::pair<const Tensor*, const Tensor*> pairs[] = {{&a.aq, &a.bq}, {&a.ak, &a.bk}, {&a.av, &a.bv}};
-    const Tensor* dx[] = {&dq, &dk, &dv};
-    for (int i = 0; i < 3; ++i) {
-      const double inv_r = 1.0 / double(pairs[i].first->size(3));
-      out[size_t(2 * i)] = matmul(*dx[i], *pairs[i].second, false, true) * inv_r;
-      out[size_t(2 * i + 1)] = matmul(*pairs[i].first, *dx[i], true, false) * inv_r;
-    }
+    tpa_cuda::FactorGrads fg;
+    fg.aq = empty(a.aq.shape(), dt, d);
+    fg.bq = empty(a.bq.shape(), dt, d);
+    fg.ak = empty(a.ak.shape(), dt, d);
+    fg.bk = empty(a.bk.shape(), dt, d);
+    fg.av = empty(a.av.shape(), dt, d);
+    fg.bv = empty(a.bv.shape(), dt, d);
+    tpa_cuda::attention_backward(a, saved_out, lse, dout, fg);
+    Grads out{fg.aq, fg.bq, fg.ak, fg.bk, fg.av, fg.bv};
     return out;
   });
   return out;
@@ -408,21 +404,15 @@ Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
 #endif
 }
 
-// Composed attention's (B, H, N, M) scores above this size make Auto take the fused attention. The
-// fused kernels (WMMA, tiles built from global memory) are correct but measured 3-8x slower than the
-// composed form where both fit (H100, B 8, H 16, D 128, N 1024-4096), while holding 13-40x less memory;
-// below the limit speed wins.
-constexpr double kComposedScoresLimit = 4.0 * (1 << 30);
-
 // Auto: Reference on the CPU; on CUDA the fused decode (Composed for f64), and for attention the fused
-// kernels where they apply (bf16/f16, D == E in {64, 128}, ranks up to 16) and the composed scores would
-// pass kComposedScoresLimit, else the composed attention.
+// kernels wherever they apply (bf16/f16, D == E in {64, 128}, ranks up to 16), else the composed
+// attention. The fused pair is faster than composed at every measured shape (docs/BENCHMARKS.md, TPA)
+// and holds no q, k, v or scores, so nothing is gained by composing where both would run.
 Impl resolve(Impl impl, const Factors& f, bool decode) {
   if (impl != Impl::Auto) return impl;
   if (!f.aq.is_cuda()) return Impl::Reference;
   if (decode) return f.aq.dtype() != DType::F64 ? Impl::Fused : Impl::Composed;
-  const double scores = double(f.B) * double(f.H) * double(f.N) * double(f.M) * double(dtype_size(f.aq.dtype()));
-  return fused_attention_unsupported(f).empty() && scores > kComposedScoresLimit ? Impl::Fused : Impl::Composed;
+  return fused_attention_unsupported(f).empty() ? Impl::Fused : Impl::Composed;
 }
 
 }  // namespace

@@ -29,9 +29,8 @@ struct TpaOptions {
 // Training and prefill; out (B, N, H, E) in the factors' dtype. Recorded by autograd: gradients flow to
 // all six factors. Impl::Fused (CUDA, bf16/f16, D == E in {64, 128}, ranks up to 16) runs flash-style
 // tensor-core kernels: q, k, v tiles built from the factors on chip, only the output and the
-// log-sum-exp saved. Impl::Auto runs Reference on the CPU; on CUDA Fused where it applies and the
-// composed form's (B, H, N, M) scores would pass 4 GiB (it is slower than Composed where both fit),
-// else Composed.
+// log-sum-exp saved (the backward contracts dq, dk, dv to the factors on chip). Impl::Auto runs
+// Reference on the CPU; on CUDA Fused where it applies, else Composed.
 Tensor tpa_attention(const Tensor& aq, const Tensor& bq, const Tensor& ak, const Tensor& bk, const Tensor& av,
                      const Tensor& bv, const TpaOptions& options = {}, Impl impl = Impl::Auto);
 

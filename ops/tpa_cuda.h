@@ -53,9 +53,16 @@ std::string attention_unsupported(DType dtype, int64_t D, int64_t E, int64_t Rq,
 // both contiguous and fully written.
 void attention_forward(const AttentionArgs& args, Tensor& out, Tensor& lse);
 
-// The gradients of q, k, v (never stored by the forward): dq (B, N, H, D), dk (B, M, H, D),
-// dv (B, M, H, E) contiguous in the factors' dtype, fully written; dout (B, N, H, E) contiguous.
+// The six factor gradients, shaped like the factors, contiguous, in the factors' dtype.
+struct FactorGrads {
+  Tensor aq, bq, ak, bk, av, bv;
+};
+
+// Fills g (every element written) from dout (B, N, H, E) contiguous, the forward's out and lse. q, k, v
+// and their gradients never reach global memory: each kernel contracts its f32 dq, dk or dv tile to the
+// factors; the basis gradients, summed over heads, go through one f32 workspace of
+// B (N R_q + M R_k + M R_v) D values.
 void attention_backward(const AttentionArgs& args, const Tensor& out, const Tensor& lse, const Tensor& dout,
-                        Tensor& dq, Tensor& dk, Tensor& dv);
+                        FactorGrads& g);
 
 }  // namespace lintape::tpa_cuda

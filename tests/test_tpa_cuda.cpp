@@ -185,10 +185,15 @@ std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factors, cons
 
 TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
-  // Odd N, causal and not, N != M, ranks (6, 2, 2), (1, 1, 1) and up to 16, D = 64 and 128.
-  const AttnShape shapes[] = {{2, 77, 77, 3, 6, 2, 2, 64, true},    {2, 77, 77, 3, 6, 2, 2, 64, false},
-                              {1, 130, 130, 2, 1, 1, 1, 128, true}, {1, 45, 70, 2, 3, 2, 4, 128, false},
-                              {1, 201, 201, 2, 16, 16, 16, 64, true}};
+  // Odd N, causal and not, N != M (more keys than a tile), ranks (6, 2, 2), (1, 1, 1) and up to 16,
+  // D = 64 and 128, several query and key tiles; ranks whose basis rows fit the stage area (K, V: at the
+  // limit with (4, 2) at D = 128) and ranks that build straight from global memory (K, V: (8, 8) and
+  // (16, 16); Q in the dK/dV pass: 16).
+  const AttnShape shapes[] = {{2, 77, 77, 3, 6, 2, 2, 64, true},     {2, 77, 77, 3, 6, 2, 2, 64, false},
+                              {1, 130, 130, 2, 1, 1, 1, 128, true},  {1, 45, 70, 2, 3, 2, 4, 128, false},
+                              {1, 201, 201, 2, 16, 16, 16, 64, true}, {1, 300, 300, 2, 6, 2, 2, 128, true},
+                              {1, 130, 300, 3, 6, 2, 2, 64, false},  {1, 150, 150, 2, 16, 4, 2, 128, false},
+                              {2, 257, 257, 2, 2, 8, 8, 128, true}};
   const char* names[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
   for (const AttnShape& s : shapes)
     for (DType dt : {DType::BF16, DType::F16}) {
@@ -217,13 +222,17 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
       tpa_cuda::attention_forward(a, out, lse);
       CHECK(all_finite(lse));
       CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
-      Tensor dq = empty({s.B, s.N, s.H, s.D}, dt, gpu()), dk = empty({s.B, s.M, s.H, s.D}, dt, gpu()),
-             dv = empty({s.B, s.M, s.H, s.D}, dt, gpu());
-      for (Tensor* t : {&dq, &dk, &dv}) poison_(*t);
-      tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(gpu()), dq, dk, dv);
-      CHECK(all_finite(dq));
-      CHECK(all_finite(dk));
-      CHECK(all_finite(dv));
+      // The backward launcher on six poisoned gradients: each matches the reference.
+      tpa_cuda::FactorGrads fg{empty(in.gpu[0].shape(), dt, gpu()), empty(in.gpu[1].shape(), dt, gpu()),
+                               empty(in.gpu[2].shape(), dt, gpu()), empty(in.gpu[3].shape(), dt, gpu()),
+                               empty(in.gpu[4].shape(), dt, gpu()), empty(in.gpu[5].shape(), dt, gpu())};
+      Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
+      for (Tensor* t : grads) poison_(*t);
+      tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(gpu()), fg);
+      for (size_t i = 0; i < 6; ++i) {
+        CAPTURE(names[i + 1]);
+        CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
+      }
 #endif
     }
 }
@@ -239,6 +248,30 @@ TEST_CASE("cuda tpa attention fused keeps no q, k, v or scores" * LT_CUDA_CASE) 
   // The output and the f32 log-sum-exp; q, k and v would be 3x the output, the scores 32x.
   const size_t extra = memory_stats(gpu()).peak - before;
   CHECK(extra <= out.nbytes() + size_t(s.B * s.N * s.H) * 4 + 4096);
+}
+
+TEST_CASE("cuda tpa attention fused backward keeps no dq, dk or dv" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const AttnShape s{1, 512, 512, 8, 6, 2, 2, 64, true};
+  const Inputs in = attention_inputs(s, DType::BF16, 23);
+  std::vector<Tensor> leaves;
+  size_t grad_bytes = 0;
+  for (const Tensor& t : in.gpu) {
+    leaves.push_back(t.detach().requires_grad_());
+    grad_bytes += t.nbytes();
+  }
+  const Tensor out = tpa_attention(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], {},
+                                   Impl::Fused);
+  const Tensor w = randn(out.shape(), DType::BF16, gpu(), 7);
+  reset_peak_memory(gpu());
+  const size_t before = memory_stats(gpu()).in_use;
+  backward(out, w);
+  // The six gradients, the f32 basis workspace, Delta and slack of one output; dq, dk and dv in bf16
+  // would add 3x the output (1.5 MiB here) on top.
+  const size_t ws = size_t(s.B * (s.N * s.Rq + s.M * (s.Rk + s.Rv)) * s.D) * 4;
+  const size_t extra = memory_stats(gpu()).peak - before;
+  CHECK(extra <= grad_bytes + ws + size_t(s.B * s.N * s.H) * 4 + out.nbytes());
+  for (const Tensor& t : leaves) CHECK(all_finite(t.grad()));
 }
 
 TEST_CASE("cuda tpa decode of the last token equals the last row of the fused attention" * LT_CUDA_CASE) {

@@ -3,11 +3,13 @@
 decode:    the seeds' shapes (batch 8 and 32, head 32, rank 16 for q, 1 for k and v, dim 128, bf16):
            naive (materialise q, k, v, then softmax(q k^T) v in eager PyTorch) and the same under
            torch.compile.
-attention: batch 8, head 16, dim 128, ranks (6, 2, 2), causal: einsum for q, k, v then
-           scaled_dot_product_attention, forward and forward + backward (reported as backward alone).
+attention: batch 8, head 16 (--attention-shapes 8x16,16x6 adds the small model's), dim 128, ranks
+           (6, 2, 2), causal: einsum for q, k, v then scaled_dot_product_attention, forward and
+           forward + backward (reported as backward alone).
 
 Medians of CUDA-event timings after a warm-up; peak memory from torch.cuda.max_memory_allocated.
-Usage: python3 bench/peers/tpa_peer.py [--quick] [--decode-ms 2048,32768] [--attention-ns 2048,8192] [--json FILE]
+Usage: python3 bench/peers/tpa_peer.py [--quick] [--decode-ms 2048,32768] [--attention-ns 2048,8192]
+       [--attention-shapes 8x16,16x6] [--no-decode] [--json FILE]
 (torch.compile recompiles for every decode shape, so a short --decode-ms list keeps the run short.)
 """
 import argparse
@@ -57,38 +59,45 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decode-ms", help="comma-separated cache lengths (default: 256 ... 32768)")
     ap.add_argument("--attention-ns", help="comma-separated sequence lengths (default: 1024 ... 8192)")
+    ap.add_argument("--attention-shapes", default="8x16",
+                    help="comma-separated BxH shapes of the attention table (default 8x16; the model's: 16x6)")
+    ap.add_argument("--no-decode", action="store_true", help="attention tables only")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     print("device:", torch.cuda.get_device_name())
 
-    B, H, D = 8, 16, 128
     ns = [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
     if args.attention_ns:
         ns = [int(x) for x in args.attention_ns.split(",")]
-    print(f"\ntpa_attention batch{B}-head{H}-dim{D}-rank6_2_2-causal-bf16: einsum + SDPA")
-    print(f"{'n':>6} {'fwd ms':>9} {'bwd ms':>9} {'fwd MiB':>9} {'fwd+bwd MiB':>12}")
-    for n in ns:
-        f = factors(B, n, H, D, (6, 2, 2), True)
-        fwd = median_ms(lambda: einsum_sdpa(*f))
-        dout = torch.randn(B, H, n, D, device="cuda", dtype=DT)
+    D = 128
+    for shape in args.attention_shapes.split(","):
+        B, H = (int(x) for x in shape.split("x"))
+        print(f"\ntpa_attention batch{B}-head{H}-dim{D}-rank6_2_2-causal-bf16: einsum + SDPA")
+        print(f"{'n':>6} {'fwd ms':>9} {'bwd ms':>9} {'fwd MiB':>9} {'fwd+bwd MiB':>12}")
+        for n in ns:
+            f = factors(B, n, H, D, (6, 2, 2), True)
+            fwd = median_ms(lambda: einsum_sdpa(*f))
+            dout = torch.randn(B, H, n, D, device="cuda", dtype=DT)
 
-        def fwd_bwd():
-            out = einsum_sdpa(*f)
-            torch.autograd.backward(out, dout)
+            def fwd_bwd():
+                out = einsum_sdpa(*f)
+                torch.autograd.backward(out, dout)
 
-        both = median_ms(fwd_bwd)
-        mem_f = peak_mib(lambda: einsum_sdpa(*f))
-        mem_b = peak_mib(fwd_bwd)
-        print(f"{n:>6} {fwd:>9.3f} {both - fwd:>9.3f} {mem_f:>9.1f} {mem_b:>12.1f}")
-        rows.append({"op": "tpa_attention", "n": n, "fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_mib": mem_f,
-                     "fwd_bwd_mib": mem_b})
+            both = median_ms(fwd_bwd)
+            mem_f = peak_mib(lambda: einsum_sdpa(*f))
+            mem_b = peak_mib(fwd_bwd)
+            print(f"{n:>6} {fwd:>9.3f} {both - fwd:>9.3f} {mem_f:>9.1f} {mem_b:>12.1f}")
+            rows.append({"op": "tpa_attention", "batch": B, "head": H, "n": n, "fwd_ms": fwd, "bwd_ms": both - fwd,
+                         "fwd_mib": mem_f, "fwd_bwd_mib": mem_b})
 
     compiled = torch.compile(naive_decode, dynamic=False)
     ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     if args.decode_ms:
         ms = [int(x) for x in args.decode_ms.split(",")]
-    for B in (8, 32):
+    if args.no_decode:
+        ms = []
+    for B in (8, 32) if ms else ():
         H, Rq, D = 32, 16, 128
         print(f"\ntpa_decode batch{B}-head{H}-rank{Rq}-dim{D}-bf16 (ms, MiB)")
         print(f"{'m':>6} {'naive':>9} {'compiled':>9} {'naive MiB':>10}")
