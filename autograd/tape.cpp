@@ -1,5 +1,7 @@
 #include "autograd/tape.h"
 #include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
 #include "core/kernels.h"
 
 namespace lintape::autograd {
@@ -50,6 +52,37 @@ void accumulate_leaf(TensorImpl& leaf, const Tensor& g) {
   fail(str("[backward] through '", n.name, "' a second time: its saved tensors were freed by the first ",
            "backward; pass retain_graph=true to the first call to keep them"));
 }
+
+// Counts, for each leaf, the edges into it from the nodes reached from `root`, and reports a leaf when the
+// walk has passed the last of them. Producers precede their consumers on the tape, so one reverse sweep
+// finds every node reached from the root.
+class LeafCounter {
+ public:
+  LeafCounter(const Node* root, const LeafReadyFn& ready) : ready_(ready) {
+    if (!ready_) return;
+    reached_.insert(root);
+    for (size_t i = t_tape.size(); i-- > 0;) {
+      std::shared_ptr<Node> node = t_tape[i].lock();
+      if (!node || !reached_.count(node.get())) continue;
+      for (const Edge& e : node->inputs)
+        if (e.node)
+          reached_.insert(e.node.get());
+        else if (e.leaf)
+          ++pending_[e.leaf.get()];
+    }
+  }
+  // After the walk has run `node` (its leaf gradients added) or passed it without a gradient.
+  void passed(const Node& node) {
+    if (!ready_ || !reached_.count(&node)) return;
+    for (const Edge& e : node.inputs)
+      if (e.leaf && --pending_[e.leaf.get()] == 0) ready_(Tensor(e.leaf));
+  }
+
+ private:
+  const LeafReadyFn& ready_;
+  std::unordered_set<const Node*> reached_;
+  std::unordered_map<const TensorImpl*, int> pending_;
+};
 
 }  // namespace
 
@@ -104,7 +137,7 @@ void record(const char* name, const std::vector<Input>& inputs, const std::vecto
   if (t_tape.size() >= t_compact_at) compact_tape();
 }
 
-void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) {
+void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph, const LeafReadyFn& on_leaf_ready) {
   LT_CHECK(loss.defined(), "[backward] the loss is an undefined tensor");
   LT_CHECK(loss.requires_grad(), "[backward] expected a loss that requires grad; this one does not (no input of ",
            "the ops that made it requires grad, or it was computed under NoGradGuard)");
@@ -120,6 +153,7 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
            seed.device().name());
   if (loss.is_leaf()) {
     accumulate_leaf(*loss.impl(), seed);
+    if (on_leaf_ready) on_leaf_ready(loss);
     return;
   }
   std::shared_ptr<Node> root = loss.grad_fn();
@@ -127,12 +161,16 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
   add_into(root->grad_slots[size_t(loss.impl()->output_index)], seed);
 
   NoGradGuard no_grad;
+  LeafCounter leaves(root.get(), on_leaf_ready);
   for (size_t i = t_tape.size(); i-- > 0;) {
     std::shared_ptr<Node> node = t_tape[i].lock();
     if (!node || node->seq > root->seq) continue;
     bool has_grad = false;
     for (const Tensor& g : node->grad_slots) has_grad = has_grad || g.defined();
-    if (!has_grad) continue;
+    if (!has_grad) {
+      leaves.passed(*node);
+      continue;
+    }
     if (node->released) fail_released(*node);
     if (!node->has_backward) fail(str("[", node->name, "] has no backward: no gradient can flow through it"));
     for (const Edge& e : node->inputs)
@@ -164,6 +202,7 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph) 
       node->backward = nullptr;  // frees the saved context
       node->released = true;
     }
+    leaves.passed(*node);
   }
   compact_tape();
 }

@@ -76,8 +76,15 @@ bool needs_grad(const std::vector<Tensor>& inputs);
 void record(const char* name, const std::vector<Input>& inputs, const std::vector<Tensor>& outputs,
             BackwardFn fn);
 
+// Told during backward that a leaf's .grad is final for this pass: called once for each leaf that some
+// node reached from the loss takes as input, right after the last of those nodes has run (or been
+// passed without a gradient), so a leaf used twice (a tied weight) is reported after its second use.
+// The order follows the graph only, the same for every pass over the same graph.
+using LeafReadyFn = std::function<void(const Tensor& leaf)>;
+
 // Reverse-mode pass from loss. grad_output defaults to 1 for a one-element loss.
-void backward(const Tensor& loss, const Tensor& grad_output = {}, bool retain_graph = false);
+void backward(const Tensor& loss, const Tensor& grad_output = {}, bool retain_graph = false,
+              const LeafReadyFn& on_leaf_ready = {});
 
 size_t tape_size();  // live nodes on this thread's tape (for tests and leak checks)
 

@@ -28,7 +28,7 @@ struct TrainArgs {
   std::string preset = "auto", config_file, data, val_data, device = "auto", dtype = "auto", mixers, log,
               checkpoint_dir;
   int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0;
-  double lr = 0;
+  double lr = 0, bucket_mib = 25;
   bool resume = false;
 };
 
@@ -74,6 +74,7 @@ void train(const TrainArgs& a) {
   o.resume = a.resume;
   o.progress = &std::cout;
   o.zero = int(a.zero);
+  o.bucket_mib = a.bucket_mib;
   if (a.resume && a.checkpoint_dir.empty()) throw UsageError("--resume needs --checkpoint-dir");
   Trainer trainer(c, o);
   const Communicator& comm = Communicator::world();
@@ -85,6 +86,9 @@ void train(const TrainArgs& a) {
                                   : o.device.name(),
                dtype_name(dtype), c.steps, c.batch, c.model.seq_len,
                comm.distributed() ? fmt::format(" (global batch; {} sequences a rank)", c.batch / comm.size()) : "");
+  if (leader && trainer.reducer())
+    fmt::print("gradients averaged over the ranks in {} bucket{} started during backward\n",
+               trainer.reducer()->buckets().size(), trainer.reducer()->buckets().size() == 1 ? "" : "s");
   std::cout << std::flush;
   const TrainResult r = trainer.run();
   if (r.stopped_nonfinite) fail(r.message);
@@ -207,6 +211,9 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--seed", args->seed, "seed of the initialisation and the data");
   sub->add_option("--zero", args->zero, "under mpirun: 1 shards the AdamW moments over the ranks (ZeRO-1)")
       ->check(CLI::IsMember({0, 1}));
+  sub->add_option("--bucket-mib", args->bucket_mib,
+                  "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; 0: one")
+      ->check(CLI::NonNegativeNumber);
   return {sub, [args] { train(*args); }};
 }
 

@@ -1,6 +1,7 @@
 // The tape: recording, the reverse pass, gradient accumulation, NoGradGuard, retain_graph, release,
 // non-differentiable inputs, ops without a backward, and gradcheck itself (it must be able to fail).
 // Most cases use small ops defined here with record(), so they test the tape and nothing else.
+#include <map>
 #include "helpers.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
@@ -73,6 +74,17 @@ std::pair<Tensor, Tensor> split2(const Tensor& x) {
     return {from_vector(dx, shape, DType::F64)};
   });
   return {a, b};
+}
+
+// Passes its input on, but its backward gives the input no gradient.
+Tensor blocked(const Tensor& x) {
+  Tensor out;
+  {
+    NoGradGuard no_record;  // clone would record itself; this op stands alone
+    out = x.clone();
+  }
+  record("blocked", {x}, {out}, [](const Grads&) -> Grads { return {Tensor()}; });
+  return out;
 }
 
 std::vector<double> filled(size_t n, double v) { return std::vector<double>(n, v); }
@@ -148,6 +160,47 @@ TEST_CASE("autograd ops with several outputs get the gradients of those used") {
   auto [e, f] = split2(x);
   backward(total(cat({e, f}, 0)));  // both
   CHECK(x.grad().to_vector<double>() == filled(2, 5.0));
+}
+
+TEST_CASE("autograd reports each leaf once, after its last contribution") {
+  Tensor w = leaf({3}, 21), a = leaf({3}, 22), c = leaf({3}, 23), unused = leaf({3}, 24), side = leaf({3}, 25);
+  Tensor h = times(w, a);                  // the first use of w (its gradient arrives last)
+  Tensor dead = scale(side, 2.0);          // recorded, but the loss does not depend on it
+  Tensor stopped = blocked(scale(c, 3.0));  // reached from the loss, but no gradient comes through
+  Tensor y = total(times(times(h, w), stopped));  // the second use of w
+  struct Report {
+    int count = 0;
+    Tensor grad;  // the leaf's gradient when reported
+  };
+  std::map<const TensorImpl*, Report> reports;
+  backward(y, {}, false, [&](const Tensor& leaf) {
+    Report& r = reports[leaf.impl()];
+    ++r.count;
+    r.grad = leaf.grad().defined() ? leaf.grad().clone() : Tensor();
+  });
+  CHECK(reports.size() == 3);
+  for (const Tensor* t : {&w, &a, &c}) {
+    REQUIRE(reports.count(t->impl()));
+    CHECK(reports[t->impl()].count == 1);
+  }
+  CHECK(!reports.count(unused.impl()));
+  CHECK(!reports.count(side.impl()));
+  // Reported after the last contribution: the gradient then is the final one (2 w a s for w).
+  const std::vector<double> wv = w.to_vector<double>(), av = a.to_vector<double>(), sv = stopped.to_vector<double>();
+  const std::vector<double> gw = reports[w.impl()].grad.to_vector<double>();
+  for (size_t i = 0; i < 3; ++i) CHECK(gw[i] == doctest::Approx(2 * wv[i] * av[i] * sv[i]));
+  CHECK(reports[w.impl()].grad.to_vector<double>() == w.grad().to_vector<double>());
+  CHECK(reports[a.impl()].grad.to_vector<double>() == a.grad().to_vector<double>());
+  CHECK(!reports[c.impl()].grad.defined());
+  CHECK(!c.grad().defined());
+  (void)dead;
+
+  // A leaf loss is reported too; without a callback nothing changes.
+  Tensor z = leaf({2}, 26);
+  int z_reports = 0;
+  backward(z, full({2}, 1.0, DType::F64), false, [&](const Tensor& leaf) { z_reports += leaf.impl() == z.impl(); });
+  CHECK(z_reports == 1);
+  backward(total(scale(w, 1.0)));
 }
 
 TEST_CASE("autograd records only when an input requires grad and grad mode is on") {

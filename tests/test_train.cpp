@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <csignal>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -20,8 +22,10 @@
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "train/checkpoint.h"
+#include "train/comm.h"
 #include "train/config.h"
 #include "train/data.h"
+#include "train/grad_reducer.h"
 #include "train/optimizer.h"
 #include "train/sha256.h"
 #include "train/trainer.h"
@@ -101,6 +105,65 @@ TEST_CASE("one training step equals the same step by hand with primitive ops") {
     CHECK(flat_params[i].first == name);
     CHECK(rel_error(*flat_params[i].second, expected) < 1e-5);
     ++i;
+  }
+}
+
+TEST_CASE("gradient buckets: each starts during backward once its parameters' gradients are final") {
+  const TrainConfig c = micro_train_config("mqar");
+  MqarData data(c.batch, c.model.seq_len, 3);
+  const Batch b = data.next_train();
+  LanguageModel model(c.model, 5);
+  model.flatten_parameters(7);  // with padding at the end
+  const Tensor flat = model.flat_gradients();
+  GradReducer reducer(model, Communicator::world(), 4096.0 / (1 << 20));  // 4 KiB: many buckets
+  const auto& buckets = reducer.buckets();
+  REQUIRE(buckets.size() >= 8);
+  // Whole parameters, from the end of the buffer to its start.
+  std::set<int64_t> starts;
+  for (const auto& [offset, length] : model.flat_ranges()) starts.insert(offset);
+  int64_t end = flat.numel();
+  for (const auto& [offset, length] : buckets) {
+    CHECK(offset + length == end);
+    CHECK(starts.count(offset));
+    end = offset;
+  }
+  CHECK(end == 0);
+  CHECK(GradReducer(model, Communicator::world(), 0).buckets().size() == 1);
+
+  // Two micro-batches: only the second backward reports (the tied wte after its two uses).
+  const size_t parameters = model.named_parameters().size();
+  for (int step = 0; step < 2; ++step) {
+    CAPTURE(step);
+    model.zero_grad();
+    backward(model.loss(b.tokens, b.targets));
+    std::map<const TensorImpl*, int> reports;
+    std::vector<Tensor> at_start;  // each bucket's gradients when it started
+    size_t started_before_last = 0;
+    const autograd::LeafReadyFn hook = reducer.on_leaf_ready();
+    backward(model.loss(b.tokens, b.targets), {}, false, [&](const Tensor& leaf) {
+      ++reports[leaf.impl()];
+      hook(leaf);
+      if (reports.size() < parameters) started_before_last = reducer.started();
+      for (size_t i = at_start.size(); i < reducer.started(); ++i)
+        at_start.push_back(flat.narrow(0, buckets[i].first, buckets[i].second).clone());
+    });
+    CHECK(reports.size() == parameters);
+    for (const auto& [name, p] : model.named_parameters()) {
+      CAPTURE(name);
+      CHECK(reports[p->impl()] == 1);
+    }
+    // Every bucket but the one holding wte (reported last, the buffer's head) started during backward.
+    CHECK(started_before_last == buckets.size() - 1);
+    REQUIRE(at_start.size() == buckets.size());
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      CAPTURE(i);
+      CHECK(at_start[i].to_vector<double>() ==
+            flat.narrow(0, buckets[i].first, buckets[i].second).to_vector<double>());
+    }
+    const Tensor before = flat.clone();
+    reducer.finish();  // one rank: nothing to add, nothing to divide
+    CHECK(reducer.started() == 0);
+    CHECK(before.to_vector<double>() == flat.to_vector<double>());
   }
 }
 

@@ -121,6 +121,8 @@ void check_tensor(const Tensor& t, const char* op) {
 struct Communicator::Nccl {
   ncclComm_t comm = nullptr;
   int device = 0;
+  cudaStream_t stream = nullptr;  // the communicator's own stream, for the collectives started early
+  cudaEvent_t ready = nullptr;    // recorded on the device stream before each of them
 };
 
 namespace {
@@ -168,12 +170,19 @@ void nccl_wait(ncclComm_t comm, cudaStream_t stream, const char* what, int rank)
 struct Communicator::Nccl {};
 #endif
 
+struct Communicator::Started {
+#if LINTAPE_WITH_MPI
+  std::vector<MPI_Request> requests;
+#endif
+  int cuda_device = -1;  // >= 0: collectives are queued on that device's communicator stream
+};
+
 Communicator& Communicator::world() {
   static Communicator c;
   return c;
 }
 
-Communicator::Communicator() {
+Communicator::Communicator() : started_(std::make_unique<Started>()) {
   const int launched = launcher_world_size();
 #if LINTAPE_WITH_MPI
   if (launched > 1) {
@@ -202,6 +211,8 @@ Communicator::~Communicator() {
 #if LINTAPE_WITH_NCCL
   if (nccl_) {
     ncclCommDestroy(nccl_->comm);
+    cudaEventDestroy(nccl_->ready);
+    cudaStreamDestroy(nccl_->stream);
     delete nccl_;
   }
 #endif
@@ -233,6 +244,8 @@ Communicator::Nccl* Communicator::nccl_for(const Tensor& t) {
     auto* n = new Nccl;
     n->device = local_rank_;
     LT_NCCL_CHECK(ncclCommInitRank(&n->comm, size_, id, rank_));
+    LT_CUDA_CHECK(cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking));
+    LT_CUDA_CHECK(cudaEventCreateWithFlags(&n->ready, cudaEventDisableTiming));
     nccl_ = n;
   }
   return nccl_;
@@ -259,6 +272,54 @@ void Communicator::all_reduce_sum(Tensor& t) {
     LT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.data(), int(t.numel()), mpi_type(t, "all_reduce"), MPI_SUM,
                                MPI_COMM_WORLD));
   });
+#endif
+}
+
+void Communicator::all_reduce_sum_start(Tensor& t) {
+  check_tensor(t, "all_reduce");
+  if (!distributed() || t.numel() == 0) return;
+  t.storage().version++;
+#if LINTAPE_WITH_NCCL
+  if (t.is_cuda()) {
+    Nccl* n = nccl_for(t);
+    LT_CUDA_CHECK(cudaEventRecord(n->ready, cuda::stream(t.device().index)));
+    LT_CUDA_CHECK(cudaStreamWaitEvent(n->stream, n->ready, 0));
+    LT_NCCL_CHECK(ncclAllReduce(t.data(), t.data(), size_t(t.numel()), nccl_type(t), ncclSum, n->comm, n->stream));
+    started_->cuda_device = t.device().index;
+    return;
+  }
+#endif
+#if LINTAPE_WITH_MPI
+  require_host(t, "all_reduce");
+  MPI_Request request;
+  LT_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.data(), int(t.numel()), mpi_type(t, "all_reduce"), MPI_SUM,
+                              MPI_COMM_WORLD, &request));
+  std::vector<MPI_Request>& pending = started_->requests;
+  pending.push_back(request);
+  // Without a progress thread, MPI moves nonblocking collectives on only inside MPI calls: give it one.
+  int all_done = 0;
+  LT_MPI_CHECK(MPI_Testall(int(pending.size()), pending.data(), &all_done, MPI_STATUSES_IGNORE));
+#endif
+}
+
+void Communicator::wait_started() {
+#if LINTAPE_WITH_NCCL
+  if (started_->cuda_device >= 0) {
+    Nccl* n = nccl_;
+    started_->cuda_device = -1;
+    nccl_wait(n->comm, n->stream, "all_reduce", rank_);
+    // The host has seen them finish; the device stream's own wait orders it after them regardless.
+    LT_CUDA_CHECK(cudaEventRecord(n->ready, n->stream));
+    LT_CUDA_CHECK(cudaStreamWaitEvent(cuda::stream(n->device), n->ready, 0));
+  }
+#endif
+#if LINTAPE_WITH_MPI
+  std::vector<MPI_Request>& pending = started_->requests;
+  if (pending.empty()) return;
+  with_watchdog("all_reduce", rank_, [&] {
+    LT_MPI_CHECK(MPI_Waitall(int(pending.size()), pending.data(), MPI_STATUSES_IGNORE));
+  });
+  pending.clear();
 #endif
 }
 

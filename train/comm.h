@@ -8,6 +8,7 @@
 // are polled while waiting. mpirun ends the other ranks when one exits with an error.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include "../core/tensor.h"
 
@@ -30,6 +31,14 @@ class Communicator {
   void all_reduce_sum(Tensor& t);
   void all_reduce_mean(Tensor& t);
   void broadcast(Tensor& t, int root = 0);
+  // The same sum, started without waiting, so that it runs while other work goes on (train/grad_reducer.h):
+  // on the CPU an MPI_Iallreduce; on CUDA an NCCL all-reduce on the communicator's own stream, after an
+  // event recorded on the tensor's device stream (so after the work queued there so far).
+  // wait_started() completes every sum started (under the timeout, polling NCCL's errors) and makes the
+  // device stream wait for them. Until then nothing may read or write those tensors, and no other
+  // collective may be issued (every rank must issue its collectives in the same order).
+  void all_reduce_sum_start(Tensor& t);
+  void wait_started();
   // In place over a buffer of size x n elements, this rank's slice being [rank n, (rank + 1) n):
   // reduce_scatter leaves the sum of every rank's slice in this rank's slice (the rest is scratch);
   // all_gather fills every slice from its rank.
@@ -53,6 +62,8 @@ class Communicator {
   Communicator();
   struct Nccl;
   Nccl* nccl_for(const Tensor& t);
+  struct Started;  // the collectives started and not yet waited for
+  std::unique_ptr<Started> started_;
   // `buffer` as size() equal slices (checked), marked written; see comm.cpp.
   struct Slices;
   Slices slices_of(Tensor& buffer, const char* op) const;

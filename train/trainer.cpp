@@ -163,6 +163,10 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
   }
   LT_CHECK(options_.zero == 0 || options_.zero == 1, "[train] --zero must be 0 or 1; got ", options_.zero);
   if (options_.zero == 1) optimizer_->shard(comm);
+  LT_CHECK(options_.bucket_mib >= 0, "[train] --bucket-mib must be >= 0; got ", options_.bucket_mib);
+  // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
+  if (comm.distributed() && options_.zero == 0)
+    reducer_ = std::make_unique<GradReducer>(*model_, comm, options_.bucket_mib);
 }
 
 std::pair<double, double> Trainer::validate() {
@@ -231,9 +235,15 @@ TrainResult Trainer::run() {
       const Batch b = rank_slice(data_->next_train(), comm);
       Tensor l = model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
       if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
-      backward(l);
+      // The last micro-batch's backward completes the gradients: it starts the buckets' all-reduces.
+      if (reducer_ && micro + 1 == config_.grad_accum)
+        backward(l, {}, false, reducer_->on_leaf_ready());
+      else
+        backward(l);
       loss += l.item();  // after backward: on CUDA the forward and backward are queued without a wait
     }
+    // Before any other collective: every rank issues them in the same order.
+    if (reducer_) reducer_->finish();
     // The mean over the global batch: every rank's slice has the same number of targets.
     if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
     if (!std::isfinite(loss)) {
@@ -247,9 +257,7 @@ TrainResult Trainer::run() {
     if (optimizer_->sharded()) {
       grad_norm = optimizer_->reduce_and_clip_gradients(config_.grad_clip);
     } else {
-      Tensor grads = model_->flat_gradients();
-      comm.all_reduce_mean(grads);
-      grad_norm = clip_grad_norm(*model_, config_.grad_clip);
+      grad_norm = clip_grad_norm(*model_, config_.grad_clip);  // of the mean over the ranks (reducer_)
     }
     const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
     optimizer_->step(lr);

@@ -16,6 +16,7 @@
 #include "../layers/language_model.h"
 #include "config.h"
 #include "data.h"
+#include "grad_reducer.h"
 #include "optimizer.h"
 
 namespace lintape {
@@ -32,6 +33,9 @@ struct TrainerOptions {
   std::optional<DType> compute_dtype;
   // Several ranks: 1 shards the AdamW moments over them (ZeRO-1); 0 keeps them whole on every rank.
   int zero = 0;
+  // Several ranks without ZeRO-1: the gradient all-reduce's buckets (MiB), started during backward
+  // (train/grad_reducer.h); 0: one bucket, the whole buffer, once backward is done.
+  double bucket_mib = 25.0;
 };
 
 // bfloat16 on CUDA (MODEL.md's mixed precision), float32 on the CPU.
@@ -63,6 +67,8 @@ class Trainer {
   LanguageModel& model() { return *model_; }
   DataSource& data() { return *data_; }
   int64_t step() const { return step_; }
+  // The gradient all-reduce in buckets: several ranks without ZeRO-1 only, null otherwise.
+  const GradReducer* reducer() const { return reducer_.get(); }
 
  private:
   void checkpoint();
@@ -71,6 +77,7 @@ class Trainer {
   std::unique_ptr<LanguageModel> model_;
   std::unique_ptr<DataSource> data_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<GradReducer> reducer_;  // several ranks without ZeRO-1 only
   int64_t step_ = 0;
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;

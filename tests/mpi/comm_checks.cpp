@@ -1,4 +1,4 @@
-// The collectives of train/comm.h across real processes: run by ctest as
+// The collectives of train/comm.h across real processes, blocking and started early: run by ctest as
 //   mpirun -np 2 lintape_comm_checks [cuda]
 // Every rank checks every result against what it computes alone; the exit status is the number of
 // failed checks on this rank (mpirun reports a nonzero status when any rank fails). With `cuda` the
@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 #include "core/tensor.h"
+#include "ops/elementwise.h"
 #include "train/comm.h"
 
 using namespace lintape;
@@ -79,6 +80,27 @@ int main(int argc, char** argv) {
     ok = true;
     for (size_t i = 0; i < got.size(); ++i) ok = ok && got[i] == double(n) * (double(n + 1) / 2 + double(i));
     expect(ok, "all_gather_in_place" + tag);
+
+    // Sums started without waiting (gradient buckets): three views of one buffer, last one first, then
+    // one wait, then a device op on the result. Each element equals the blocking all_reduce_sum's (with
+    // two ranks bit for bit: a + b either way).
+    const int64_t part = 257;
+    std::vector<double> values(size_t(3 * part));
+    for (size_t i = 0; i < values.size(); ++i)
+      values[i] = double(r + 1) * 0.1 * double(i % 97) + 1.0 / double(i + 1);
+    Tensor started = filled(values, dtype, device), blocking = filled(values, dtype, device);
+    for (int64_t k = 2; k >= 0; --k) {
+      Tensor view = started.narrow(0, k * part, part);
+      comm.all_reduce_sum_start(view);
+    }
+    comm.wait_started();
+    comm.all_reduce_sum(blocking);
+    const std::vector<double> a = values_of(mul(started, 2.0)), want = values_of(mul(blocking, 2.0));
+    ok = true;
+    for (size_t i = 0; i < a.size(); ++i)
+      ok = ok && (n == 2 ? a[i] == want[i] : std::fabs(a[i] - want[i]) <= 1e-6 * std::fabs(want[i]));
+    expect(ok, "all_reduce_sum_start" + tag);
+    comm.wait_started();  // nothing started: returns at once
   }
 
   expect(comm.all_reduce_sum(double(r)) == double(n) * (n - 1) / 2, "scalar all_reduce_sum");

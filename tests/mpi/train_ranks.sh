@@ -4,6 +4,9 @@
 # 1. Two ranks train `tiny` (a small shape) with the global batch of one rank: the losses match one
 #    rank's within 1e-5 (relative), step by step.
 #    The same with ZeRO-1 (--zero 1), whose peak memory per rank is lower by the moments' half.
+#    The gradient all-reduce in many small buckets started during backward (--bucket-mib 0.01) gives
+#    the same losses and gradient norms, bit for bit, as one bucket after backward (--bucket-mib 0);
+#    with gradient accumulation (2 micro-batches) too, and then equals one rank within 1e-5.
 # 2. Resume: a 2-rank checkpoint continues on 1 rank and a 1-rank checkpoint on 2 ranks; both give the
 #    uninterrupted run's next losses.
 # 3. A rank killed (SIGKILL) mid-run, and a rank stopped (SIGSTOP, so the other waits in a collective
@@ -55,6 +58,36 @@ echo "== one rank and two ranks, the same global batch"
 grep -q "2 ranks" "$work/two.out" || fail "the two-rank run does not say it runs on 2 ranks"
 grep -q '"peak_mem_mib_per_rank":\[[0-9.]*,[0-9.]*\]' "$work/two/log.jsonl" || fail "no per-rank peak memory in the log"
 same "$work/one/log.jsonl" "$work/two/log.jsonl" 1 6 || fail "two ranks differ from one rank"
+
+# exact A B: the same losses and gradient norms, bit for bit (the log's shortest round-trip decimals)
+exact() {
+  diff <(grep '"loss"' "$1" | grep -o '"grad_norm":[^,]*\|"loss":[^,]*\|"step":[0-9]*') \
+    <(grep '"loss"' "$2" | grep -o '"grad_norm":[^,]*\|"loss":[^,]*\|"step":[0-9]*') >/dev/null
+}
+# buckets OUT: how many buckets the run's start line names
+buckets() { grep -o 'in [0-9]* buckets\? started' "$1" | grep -o '[0-9]*'; }
+
+echo "== the gradient all-reduce in buckets started during backward"
+"${mpirun[@]}" -np 2 "$lintape" "${train[@]}" --steps 6 --bucket-mib 0.01 --log "$work/buckets/log.jsonl" \
+  >"$work/buckets.out" 2>&1 || fail "small buckets: $(tail -n3 "$work/buckets.out")"
+"${mpirun[@]}" -np 2 "$lintape" "${train[@]}" --steps 6 --bucket-mib 0 --log "$work/whole/log.jsonl" \
+  >"$work/whole.out" 2>&1 || fail "one bucket: $(tail -n3 "$work/whole.out")"
+echo "  buckets: $(buckets "$work/buckets.out") of 10 KiB, $(buckets "$work/whole.out") with --bucket-mib 0"
+[ "$(buckets "$work/buckets.out")" -ge 10 ] 2>/dev/null || fail "--bucket-mib 0.01 does not give many buckets"
+[ "$(buckets "$work/whole.out")" = 1 ] || fail "--bucket-mib 0 does not give one bucket"
+exact "$work/buckets/log.jsonl" "$work/whole/log.jsonl" || fail "small buckets differ from one bucket"
+same "$work/one/log.jsonl" "$work/buckets/log.jsonl" 1 6 || fail "two ranks with small buckets differ from one rank"
+# Gradient accumulation over 2 micro-batches: only the last one's backward starts the buckets.
+sed -n '/^  "config": {/,/^  },/p' "$work/one/log.summary.json" | sed '1s/.*/{/; $s/.*/}/' |
+  sed 's/"grad_accum": 1,/"grad_accum": 2,/' >"$work/accum.json"
+grep -q '"grad_accum": 2' "$work/accum.json" || fail "no gradient accumulation config made from the summary"
+for run in one:1:0 buckets:2:0.01 whole:2:0; do
+  IFS=: read -r name ranks mib <<<"$run"
+  "${mpirun[@]}" -np "$ranks" "$lintape" train --config "$work/accum.json" --steps 4 --bucket-mib "$mib" \
+    --log "$work/accum-$name/log.jsonl" >"$work/accum-$name.out" 2>&1 || fail "accumulation, $name: $(tail -n3 "$work/accum-$name.out")"
+done
+exact "$work/accum-buckets/log.jsonl" "$work/accum-whole/log.jsonl" || fail "accumulation: small buckets differ from one"
+same "$work/accum-one/log.jsonl" "$work/accum-buckets/log.jsonl" 1 4 || fail "accumulation: two ranks differ from one"
 
 echo "== ZeRO-1: the AdamW moments sharded over two ranks"
 "${mpirun[@]}" -np 2 "$lintape" "${train[@]}" --steps 6 --zero 1 --log "$work/zero/log.jsonl" \
