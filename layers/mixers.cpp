@@ -6,6 +6,7 @@
 
 #include "ops/fal.h"
 #include "ops/lrpe.h"
+#include "ops/shape.h"
 #include "ops/tpa.h"
 
 namespace lintape {
@@ -45,8 +46,8 @@ FalOptions fal_options(const FalMixer& m, int64_t position) {
 // q, k, v, g (B, N, H, D) of x (B, N, C), from one projection.
 std::array<Tensor, 4> FalMixer::project(const Tensor& x) const {
   const int64_t B = x.size(0), N = x.size(1), HD = heads * head_dim;
-  const Tensor y = qkvg.forward(x);
-  auto part = [&](int64_t i) { return y.narrow(-1, i * HD, HD).reshape({B, N, heads, head_dim}); };
+  const std::vector<Tensor> y = split(qkvg.forward(x), {HD, HD, HD, HD}, -1);
+  auto part = [&](int64_t i) { return y[size_t(i)].reshape({B, N, heads, head_dim}); };
   return {part(0), part(1), part(2), part(3)};
 }
 
@@ -99,13 +100,11 @@ std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position) const
   const int64_t B = x.size(0), N = x.size(1), R = rank_q + rank_k + rank_v;
   const Tensor fa = a.forward(x).view({B, N, heads, R});
   const Tensor fb = b.forward(x).view({B, N, R, head_dim});
-  auto a_part = [&](int64_t start, int64_t len) { return fa.narrow(3, start, len).contiguous(); };
-  auto b_part = [&](int64_t start, int64_t len) { return fb.narrow(2, start, len).contiguous(); };
+  const std::vector<Tensor> as = split(fa, {rank_q, rank_k, rank_v}, 3), bs = split(fb, {rank_q, rank_k, rank_v}, 2);
   LrpeOptions at;
   at.offset = position;
-  const Tensor bq = lrpe_rotate(b_part(0, rank_q), theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
-  return {a_part(0, rank_q),      bq, a_part(rank_q, rank_k), b_part(rank_q, rank_k), a_part(rank_q + rank_k, rank_v),
-          b_part(rank_q + rank_k, rank_v)};
+  const Tensor bq = lrpe_rotate(bs[0].contiguous(), theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
+  return {as[0].contiguous(), bq, as[1].contiguous(), bs[1].contiguous(), as[2].contiguous(), bs[2].contiguous()};
 }
 
 // Causal attention over the tokens of x alone (B, N) and the output projection.

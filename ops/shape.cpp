@@ -189,4 +189,40 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   return out;
 }
 
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
+  const int64_t d = wrap_dim(dim, x.dim(), "split");
+  int64_t total = 0;
+  for (int64_t len : sizes) {
+    LT_CHECK(len >= 0, "[split] sizes must be >= 0; got ", len);
+    total += len;
+  }
+  LT_CHECK(total == x.size(d), "[split] sizes must add up to dim ", d, " of ", shape_str(x.shape()), " (", x.size(d),
+           "); they add up to ", total);
+  std::vector<Tensor> pieces;
+  std::vector<int64_t> starts;
+  {
+    NoGradGuard no_grad;  // the pieces are recorded below, together
+    int64_t at = 0;
+    for (int64_t len : sizes) {
+      pieces.push_back(x.narrow(d, at, len));
+      starts.push_back(at);
+      at += len;
+    }
+  }
+  const Tensor like = x.detach();
+  record("split", {x}, pieces, [like, d, sizes, starts](const Grads& g) -> Grads {
+    bool all = true;
+    const Tensor* any = nullptr;
+    for (const Tensor& gi : g) {
+      all = all && gi.defined();
+      if (gi.defined() && !any) any = &gi;
+    }
+    Tensor full = all ? empty(like.shape(), any->dtype(), any->device()) : zeros(like.shape(), any->dtype(), any->device());
+    for (size_t i = 0; i < g.size(); ++i)
+      if (g[i].defined()) full.detach().narrow(d, starts[i], sizes[i]).copy_(g[i]);
+    return {full};
+  });
+  return pieces;
+}
+
 }  // namespace lintape

@@ -336,6 +336,28 @@ TEST_CASE("gradcheck cat") {
                   (std::vector<Tensor>{leaf({2, 2}, 8), leaf({2, 3}, 9)}));
 }
 
+TEST_CASE("split gives views of consecutive ranges") {
+  Tensor x = iota({2, 7}, DType::F32);
+  std::vector<Tensor> parts = split(x, {3, 0, 4}, -1);
+  REQUIRE(parts.size() == 3);
+  CHECK(parts[0].shape() == Shape{2, 3});
+  CHECK(parts[1].numel() == 0);
+  CHECK(parts[2].to_vector<double>() == x.narrow(1, 3, 4).to_vector<double>());
+  CHECK(parts[2].data() == x.narrow(1, 3, 4).data());  // a view, not a copy
+  check_throws_containing([&] { split(x, {3, 3}, 1); }, {"[split]", "add up to dim 1", "(2, 7)", "add up to 6"});
+}
+
+TEST_CASE("gradcheck split, with a piece left unused and a piece used twice") {
+  CHECK_GRADCHECK(
+      [](const std::vector<Tensor>& in) {
+        std::vector<Tensor> p = split(in[0], {2, 1, 3}, 1);
+        return cat({p[0], p[2], p[0]}, 1);
+      },
+      {leaf({2, 6}, 11)});
+  CHECK_GRADCHECK([](const std::vector<Tensor>& in) { return split(in[0].transpose(0, 1), {1, 3}, 0)[1]; },
+                  {leaf({2, 4}, 12)});
+}
+
 TEST_CASE("gradcheck to dtype") {
   // x -> f32 -> f64 is the identity up to f32 rounding: a wide step keeps the rounding out of the
   // finite differences.
@@ -466,6 +488,13 @@ TEST_CASE("cuda copy, fill, arange and cat match cpu" * LT_CUDA_CASE) {
   CHECK(arange(-3, 1000, DType::I32, gpu()).to_vector<double>() == arange(-3, 1000, DType::I32).to_vector<double>());
   Tensor a = randn({3, 129}, DType::F32, gpu(), 1), b = randn({3, 2}, DType::F32, gpu(), 2);
   CHECK(cat({a, b}, 1).to_vector<double>() == cat({a.to(Device::cpu()), b.to(Device::cpu())}, 1).to_vector<double>());
+  // split's backward: the pieces' gradients in one tensor, zeros where a piece got none
+  Tensor c = randn({4, 10}, DType::BF16, gpu(), 3).requires_grad_();
+  std::vector<Tensor> p = split(c, {4, 2, 4}, 1);
+  backward(cat({p[0], p[2]}, 1), full({4, 8}, 2.0, DType::BF16, gpu()));
+  std::vector<double> expect(40, 2.0);
+  for (int r = 0; r < 4; ++r) expect[size_t(r * 10 + 4)] = expect[size_t(r * 10 + 5)] = 0.0;
+  CHECK(c.grad().to_vector<double>() == expect);
 }
 
 TEST_CASE("cuda randn matches cpu" * LT_CUDA_CASE) {
