@@ -175,6 +175,14 @@ TEST_CASE("fal causal composed over several chunks matches reference") {
   composed_matches_reference({long_causal_config()});
 }
 
+TEST_CASE("fal causal composed matches reference at the language model's head size") {
+  // six heads of D = E = 128 (D' = 256), cosine, silu, per-head decay, as the small preset's FAL mixer
+  Config c{"small preset head, N = 70", options(FalLrpe::Cosine, kSilu, kSilu, kNone, kSilu, true), 1, 70, 70, 6, 128, 128};
+  c.o.theta = rates({6, 128});
+  c.o.decay = decay({0.999, 0.99, 0.97, 0.9, 0.8, 0.5});
+  composed_matches_reference({c});
+}
+
 TEST_CASE("fal reference follows the formula") {
   // B = H = 1, D = E = 1, no acts, no LRPE: noncausal o_t = g_t q_t sum_s k_s v_s; causal with decay o_t = g_t
   // q_t sum_{s <= t} lambda^(t - s) k_s v_s.

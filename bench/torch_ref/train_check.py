@@ -131,12 +131,14 @@ def main():
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     worst = 0.0
-    print(f"{'step':>5} {'lintape loss':>13} {'pytorch loss':>13} {'rel diff':>9} {'lr (lintape, pytorch)':>26}")
-    for step, (loss, lr, _) in ours.items():
+    print(f"{'step':>5} {'lintape loss':>13} {'pytorch loss':>13} {'rel diff':>9} {'lr (lintape, pytorch)':>26}"
+          f" {'grad norm (lintape, pytorch)':>30}")
+    for step, (loss, lr, norm) in ours.items():
         row = theirs[step]
         rel = abs(loss - row["loss"]) / abs(row["loss"])
         worst = max(worst, rel)
-        print(f"{step:5d} {row['loss']:13.6f} {loss:13.6f} {rel:9.2e} {row['lr']:12.4e} {lr:12.4e}")
+        print(f"{step:5d} {row['loss']:13.6f} {loss:13.6f} {rel:9.2e} {row['lr']:12.4e} {lr:12.4e}"
+              f" {row.get('grad_norm', float('nan')):14.7g} {norm:14.7g}")
     ok = worst <= tolerance
     print(f"largest relative difference {worst:.2e} over {len(ours)} steps: "
           f"{'within' if ok else 'OUTSIDE'} {tolerance:g}")
