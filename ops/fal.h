@@ -17,7 +17,8 @@
 // md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). Causal
 // bf16/f16 calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts run the chunk-parallel
 // kernels (bf16/f16 tensor-core products, f32 accumulation and carried states, per-chunk states stored in the
-// inputs' dtype); the others run a chunk sweep (tf32; f32 inputs in split tf32 at f32 accuracy). Impl::Auto
+// inputs' dtype: with f16 inputs a state entry past 65504 overflows, which long sequences without decay can
+// reach; bf16 has f32's range); the others run a chunk sweep (tf32; f32 inputs in split tf32 at f32 accuracy). Impl::Auto
 // runs Reference on the CPU; on CUDA it runs Fused for causal calls that record no gradient or that the
 // chunk-parallel kernels take (faster than Composed both ways, and without its intermediates) and Composed
 // otherwise (the sweep's backwards are slower than the composed ones, and the noncausal forward no faster).
