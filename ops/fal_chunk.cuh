@@ -219,6 +219,21 @@ __device__ __forceinline__ void store2(T* p, float x0, float x1) {
   p[1] = cuda::from_acc<T>(x1);
 }
 
+// acc (a warp's 16 x 32 tile at rows m0, columns 32 wc of a kC x kC matrix) times the causal decay mask
+// (lambda^(i - j) for j <= i, else 0), into dst (leading dim kLdC).
+template <class T>
+__device__ __forceinline__ void store_masked(const Acc<1, 4>& acc, T* dst, int m0, int wc, float log2_lam) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int i = m0 + acc.row(0, r), j = 32 * wc + acc.col(n, r);
+      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f;
+      const float w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
+      store2(dst + i * kLdC + j, acc.x[0][n][r] * w0, acc.x[0][n][r + 1] * w1);
+    }
+}
+
 // Loading a chunk's rows is split in two so that all of a thread's global loads are in flight at once: fetch
 // issues the 16-byte loads into registers (zeros past the sequence or past E), store applies the act (and the
 // LRPE or the gate) and writes the tile to shared memory. Every kernel has kThreads threads.

@@ -33,20 +33,6 @@ struct GradSmem {
   }
 };
 
-// acc (a warp's 16 x 32 tile at rows m0, columns 32 wc of a kC x kC matrix) times M into dst (leading dim kLdC).
-template <class T>
-__device__ __forceinline__ void store_masked(const Acc<1, 4>& acc, T* dst, int m0, int wc, float log2_lam) {
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int i = m0 + acc.row(0, r), j = 32 * wc + acc.col(n, r);
-      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f;
-      const float w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
-      store2(dst + i * kLdC + j, acc.x[0][n][r] * w0, acc.x[0][n][r + 1] * w1);
-    }
-}
-
 template <int NT>
 __device__ __forceinline__ void scale_rows(Acc<1, NT>& acc, int m0, float log2_lam, int base, int sign) {
 #pragma unroll

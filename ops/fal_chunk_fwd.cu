@@ -161,15 +161,7 @@ __global__ void __launch_bounds__(kThreads, 2) output_kernel(Args a) {
     }
   }
   // Masked, decayed scores into shared memory; the state term times gamma.
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int i = m0 + sc.row(0, r), j = 32 * wc + sc.col(n, r);
-      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f;
-      const float w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
-      store2(as + i * kLdC + j, sc.x[0][n][r] * w0, sc.x[0][n][r + 1] * w1);
-    }
+  store_masked(sc, as, m0, wc, log2_lam);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const float gm = decay_pow(log2_lam, m0 + y.row(0, r) + 1);
