@@ -325,6 +325,10 @@ void Communicator::wait_started() {
 
 void Communicator::all_reduce_mean(Tensor& t) {
   all_reduce_sum(t);
+  divide_by_size(t);
+}
+
+void Communicator::divide_by_size(Tensor& t) const {
   if (distributed()) t.copy_(mul(t.detach(), 1.0 / double(size_)));
 }
 

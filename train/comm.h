@@ -29,7 +29,8 @@ class Communicator {
   // In place, over a contiguous float32 or float64 tensor: MPI for CPU tensors, NCCL for CUDA tensors
   // (on the tensor's device stream, so it is ordered after the work that produced the tensor).
   void all_reduce_sum(Tensor& t);
-  void all_reduce_mean(Tensor& t);
+  void all_reduce_mean(Tensor& t);  // all_reduce_sum, then divide_by_size
+  void divide_by_size(Tensor& t) const;  // a sum over the ranks into their mean (nothing on one rank)
   void broadcast(Tensor& t, int root = 0);
   // The same sum, started without waiting, so that it runs while other work goes on (train/grad_reducer.h):
   // on the CPU an MPI_Iallreduce; on CUDA an NCCL all-reduce on the communicator's own stream, after an

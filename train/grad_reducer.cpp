@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include "core/error.h"
-#include "ops/elementwise.h"
 #include "train/comm.h"
 
 namespace lintape {
@@ -62,7 +61,7 @@ void GradReducer::finish() {
   std::fill(waiting_.begin(), waiting_.end(), 0);
   start_ready();
   comm_.wait_started();
-  if (comm_.distributed()) flat_.copy_(mul(flat_.detach(), 1.0 / double(comm_.size())));
+  comm_.divide_by_size(flat_);
   waiting_ = parameters_of_;
   std::fill(reported_.begin(), reported_.end(), 0);
   started_ = 0;
