@@ -12,6 +12,7 @@ thread_local std::vector<std::weak_ptr<Node>> t_tape;
 thread_local uint64_t t_next_seq = 0;
 thread_local size_t t_compact_at = 1024;
 thread_local BackwardObserver t_observer;
+thread_local ForwardObserver t_forward_observer;
 
 void compact_tape() {
   t_tape.erase(std::remove_if(t_tape.begin(), t_tape.end(),
@@ -23,10 +24,16 @@ void compact_tape() {
   t_compact_at = std::max<size_t>(1024, 2 * t_tape.size());
 }
 
-// slot += g, out of place, so that a gradient tensor handed to two consumers is never written twice.
+// slot += g: in place when the slot alone holds its gradient's storage, else out of place, so that a
+// gradient tensor handed to two consumers is never written twice.
 void add_into(Tensor& slot, const Tensor& g) {
   if (!slot.defined()) {
     slot = g;
+    return;
+  }
+  const bool sole = slot.impl_ptr().use_count() == 1 && slot.impl()->storage.use_count() == 1;
+  if (sole && slot.dtype() == g.dtype()) {
+    accumulate_(slot, g);
     return;
   }
   Tensor sum = empty(slot.shape(), slot.dtype(), slot.device());
@@ -104,6 +111,7 @@ void record(const char* name, const std::vector<Input>& inputs, const std::vecto
   bool any = false;
   for (const Input& in : inputs) any = any || (in.tensor.defined() && in.tensor.requires_grad());
   if (!any) return;
+  if (t_forward_observer) t_forward_observer(name);
 
   auto node = std::make_shared<Node>();
   node->name = name;
@@ -208,6 +216,7 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph, 
 }
 
 void set_backward_observer(BackwardObserver observer) { t_observer = std::move(observer); }
+void set_forward_observer(ForwardObserver observer) { t_forward_observer = std::move(observer); }
 
 size_t tape_size() {
   compact_tape();

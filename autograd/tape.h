@@ -93,6 +93,12 @@ size_t tape_size();  // live nodes on this thread's tape (for tests and leak che
 using BackwardObserver = std::function<void(const char* op, bool begin)>;
 void set_backward_observer(BackwardObserver observer);
 
+// For profilers: called on this thread each time an op records a node on the tape, right after its
+// forward work was issued (work that records nothing, such as a view or an op on tensors that need no
+// gradient, runs before the next call and counts towards it). An empty function removes it.
+using ForwardObserver = std::function<void(const char* op)>;
+void set_forward_observer(ForwardObserver observer);
+
 }  // namespace lintape::autograd
 
 namespace lintape {

@@ -195,19 +195,26 @@ ProfileResult profile_train_step(TrainSetup& s) {
   reset_peak_memory(d);
   for (int64_t step = 0; step < s.options.steps; ++step) {
     Stamps stamps(d);
-    // Every node's backward between two stamps, under the kind of the part whose backward runs.
+    // Every op's forward (since the previous record in its part) and every node's backward between two
+    // stamps, under the kind of the part that runs.
     struct OpSpan {
       const std::string* kind;
       std::string op;
       size_t begin, end;
     };
-    std::vector<OpSpan> spans;
+    std::vector<OpSpan> fwd_spans, bwd_spans;
     const std::string* kind_now = nullptr;
+    size_t last_record = 0;
+    autograd::set_forward_observer([&](const char* op) {
+      const size_t now = stamps.mark();
+      fwd_spans.push_back({kind_now, op, last_record, now});
+      last_record = now;
+    });
     autograd::set_backward_observer([&](const char* op, bool begin) {
       if (begin)
-        spans.push_back({kind_now, op, stamps.mark(), 0});
+        bwd_spans.push_back({kind_now, op, stamps.mark(), 0});
       else
-        spans.back().end = stamps.mark();
+        bwd_spans.back().end = stamps.mark();
     });
     s.model->zero_grad();
     std::vector<Tensor> values(parts.size() + 1), outputs(parts.size());
@@ -222,7 +229,8 @@ ProfileResult profile_train_step(TrainSetup& s) {
         leaves[p].push_back(leaf);
       }
       const int64_t before = int64_t(memory_stats(d).in_use);
-      fwd_marks[p].first = stamps.mark();
+      kind_now = &parts[p].kind;
+      fwd_marks[p].first = last_record = stamps.mark();
       outputs[p] = parts[p].run(leaves[p]);
       fwd_marks[p].second = stamps.mark();
       act[p].push_back(double(int64_t(memory_stats(d).in_use) - before) / kMiB);
@@ -248,19 +256,22 @@ ProfileResult profile_train_step(TrainSetup& s) {
       leaves[p].clear();
       grads[out] = Tensor();
     }
+    autograd::set_forward_observer(nullptr);
     autograd::set_backward_observer(nullptr);
     const size_t opt_begin = stamps.mark();
     clip_grad_norm(*s.model, 1.0);
     s.optimizer->step(3e-4);
     const size_t opt_end = stamps.mark();
     synchronize(d);
-    for (const OpSpan& span : spans) {
+    auto add_span = [&](const OpSpan& span, bool forward) {
       ProfileOpRow& row = ops[{*span.kind, span.op}];
       row.kind = *span.kind;
       row.op = span.op;
-      row.bwd_ms += stamps.ms(span.begin, span.end) / double(s.options.steps);
-      row.calls += 1;
-    }
+      (forward ? row.fwd_ms : row.bwd_ms) += stamps.ms(span.begin, span.end) / double(s.options.steps);
+      if (forward) row.calls += 1;
+    };
+    for (const OpSpan& span : fwd_spans) add_span(span, true);
+    for (const OpSpan& span : bwd_spans) add_span(span, false);
     for (size_t p = 0; p < parts.size(); ++p) {
       fwd[p].push_back(stamps.ms(fwd_marks[p].first, fwd_marks[p].second));
       bwd[p].push_back(bwd_marks[p] == std::pair<size_t, size_t>{} ? 0.0
@@ -275,10 +286,11 @@ ProfileResult profile_train_step(TrainSetup& s) {
   for (const ProfileRow& r : result.rows) result.parts_ms += r.fwd_ms + r.bwd_ms;
   for (auto& [key, row] : ops) {
     row.calls /= s.options.steps;
-    result.backward_ops.push_back(row);
+    result.ops.push_back(row);
   }
-  std::sort(result.backward_ops.begin(), result.backward_ops.end(),
-            [](const ProfileOpRow& a, const ProfileOpRow& b) { return a.bwd_ms > b.bwd_ms; });
+  std::sort(result.ops.begin(), result.ops.end(), [](const ProfileOpRow& a, const ProfileOpRow& b) {
+    return a.fwd_ms + a.bwd_ms > b.fwd_ms + b.bwd_ms;
+  });
   result.peak_mib = double(memory_stats(d).peak) / kMiB;
   return result;
 }

@@ -53,15 +53,16 @@ struct ProfileRow {
   std::string kind;  // what rows are summed by: "embedding", "norm", "fal", "tpa", "mlp", ...
   double fwd_ms = 0, bwd_ms = 0, activation_mib = 0;
 };
-// One op's backward inside one layer kind, per step (the mean over the profiled steps).
+// One op inside one layer kind, per step (the mean over the profiled steps): its forward (from the previous
+// op's record to its own, so untaped work such as a view's counts towards the next op) and its backward.
 struct ProfileOpRow {
   std::string kind, op;
-  double bwd_ms = 0;
+  double fwd_ms = 0, bwd_ms = 0;
   int64_t calls = 0;
 };
 struct ProfileResult {
   std::vector<ProfileRow> rows;  // per layer, in execution order
-  std::vector<ProfileOpRow> backward_ops;  // the rows' backward split by op, largest first
+  std::vector<ProfileOpRow> ops;  // the rows split by op, the largest forward + backward first
   double parts_ms = 0;           // sum of the rows
   double step_ms = 0;            // a whole step, timed on its own
   double peak_mib = 0;

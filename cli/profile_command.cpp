@@ -75,17 +75,17 @@ void profile(ProfileArgs a) {
   }
   fmt::print("sum of the parts {:.2f} ms; a whole step timed alone {:.2f} ms (parts / step {:.1f}%); peak {:.0f} MiB\n",
              r.parts_ms, r.step_ms, 100.0 * r.parts_ms / r.step_ms, r.peak_mib);
-  // Where each kind's backward goes, by op: the largest first, those over 1% of the parts' sum.
-  fmt::print("\nbackward by op (ms per step; ops of over 1% of the step):\n{:<26} {:<22} {:>8} {:>10} {:>7}\n", "part",
-             "op", "calls", "bwd ms", "share");
-  for (const bench::ProfileOpRow& op : r.backward_ops)
-    if (op.bwd_ms >= 0.01 * r.parts_ms)
-      fmt::print("{:<26} {:<22} {:>8} {:>10.3f} {:>6.1f}%\n", op.kind, op.op, op.calls, op.bwd_ms,
-                 100.0 * op.bwd_ms / r.parts_ms);
+  // Where each kind's time goes, by op: the largest first, those over 1% of the parts' sum.
+  fmt::print("\nby op (ms per step; ops of over 1% of the step):\n{:<26} {:<22} {:>6} {:>10} {:>10} {:>7}\n", "part",
+             "op", "calls", "fwd ms", "bwd ms", "share");
+  for (const bench::ProfileOpRow& op : r.ops)
+    if (op.fwd_ms + op.bwd_ms >= 0.01 * r.parts_ms)
+      fmt::print("{:<26} {:<22} {:>6} {:>10.3f} {:>10.3f} {:>6.1f}%\n", op.kind, op.op, op.calls, op.fwd_ms, op.bwd_ms,
+                 100.0 * (op.fwd_ms + op.bwd_ms) / r.parts_ms);
   if (a.json.empty()) return;
-  nlohmann::json backward_ops = nlohmann::json::array();
-  for (const bench::ProfileOpRow& op : r.backward_ops)
-    backward_ops.push_back({{"kind", op.kind}, {"op", op.op}, {"calls", op.calls}, {"bwd_ms", op.bwd_ms}});
+  nlohmann::json ops = nlohmann::json::array();
+  for (const bench::ProfileOpRow& op : r.ops)
+    ops.push_back({{"kind", op.kind}, {"op", op.op}, {"calls", op.calls}, {"fwd_ms", op.fwd_ms}, {"bwd_ms", op.bwd_ms}});
   nlohmann::json rows = nlohmann::json::array(), by_kind = nlohmann::json::array();
   for (const bench::ProfileRow& row : r.rows)
     rows.push_back({{"part", row.part}, {"kind", row.kind}, {"fwd_ms", row.fwd_ms}, {"bwd_ms", row.bwd_ms},
@@ -95,7 +95,7 @@ void profile(ProfileArgs a) {
                        {"share", (kinds[k].fwd + kinds[k].bwd) / r.parts_ms}, {"activation_mib", kinds[k].act}});
   write_json(a.json, {{"model", describe(s)}, {"steps", a.train.steps}, {"parts_ms", r.parts_ms},
                       {"step_ms", r.step_ms}, {"peak_mib", r.peak_mib}, {"kinds", by_kind}, {"layers", rows},
-                      {"backward_ops", backward_ops}});
+                      {"ops", ops}});
 }
 
 void add_model_options(CLI::App* sub, bench::TrainBenchOptions& o, std::string& device) {

@@ -16,10 +16,10 @@ __global__ void copy_kernel(D* dst, const S* src, int64_t n, StridedIndex di, St
 }
 
 template <class T>
-__global__ void fill_kernel(T* dst, int64_t n, StridedIndex di, double value) {
+__global__ void fill_kernel(T* dst, int64_t n, StridedIndex di, bool flat, double value) {
   T v = from_double<T>(value);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    dst[di.offset(i)] = v;
+    dst[flat ? i : di.offset(i)] = v;
 }
 
 template <class T>
@@ -35,16 +35,61 @@ __global__ void arange_kernel(T* dst, int64_t n, int64_t start) {
 }
 
 template <class T>
-__global__ void accumulate_kernel(T* dst, const T* src, int64_t n, StridedIndex di, StridedIndex si) {
+__global__ void accumulate_kernel(T* dst, const T* src, int64_t n, StridedIndex di, StridedIndex si, bool flat) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    T& out = dst[di.offset(i)];
-    out = from_double<T>(to_double(out) + to_double(src[si.offset(i)]));
+    T& out = dst[flat ? i : di.offset(i)];
+    out = from_double<T>(to_double(out) + to_double(src[flat ? i : si.offset(i)]));
+  }
+}
+
+// Rows of `width` contiguous elements at pitches dpitch and spitch (elements): one vector word per thread.
+template <class V>
+__global__ void copy_rows_kernel(char* dst, const char* src, int64_t rows, int64_t width_words, int64_t dpitch,
+                                 int64_t spitch) {
+  const int64_t n = rows * width_words;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width_words, c = i - r * width_words;
+    reinterpret_cast<V*>(dst + r * dpitch)[c] = reinterpret_cast<const V*>(src + r * spitch)[c];
   }
 }
 
 unsigned blocks_for(int64_t n) {
   int64_t b = (n + kThreads - 1) / kThreads;
   return unsigned(b < 1 ? 1 : (b > 65536 ? 65536 : b));
+}
+}  // namespace
+
+namespace {
+// A same-dtype copy whose layouts are, after merging dims, `rows` rows of `width` contiguous elements (a
+// slice of a wider tensor: split's backward, contiguous() of a narrow), copied in the widest aligned words.
+bool copy_as_rows(const Tensor& dst, const Tensor& src, cudaStream_t s) {
+  const JointLayout j = merge_dims(dst, src);
+  if (j.ndim > 2 || j.ndim == 0 || j.stride_a[j.ndim - 1] != 1 || j.stride_b[j.ndim - 1] != 1) return false;
+  const int64_t es = int64_t(dtype_size(dst.dtype()));
+  const int64_t width = j.shape[j.ndim - 1] * es, rows = j.ndim == 2 ? j.shape[0] : 1;
+  const int64_t dpitch = (j.ndim == 2 ? j.stride_a[0] : 0) * es, spitch = (j.ndim == 2 ? j.stride_b[0] : 0) * es;
+  if (rows > 1 && (dpitch < width || spitch < width)) return false;
+  char* d = static_cast<char*>(dst.data());
+  const char* sp = static_cast<const char*>(src.data());
+  auto aligned = [&](int64_t bytes) {
+    return width % bytes == 0 && dpitch % bytes == 0 && spitch % bytes == 0 && uintptr_t(d) % bytes == 0 &&
+           uintptr_t(sp) % bytes == 0;
+  };
+  auto launch = [&](auto word) {
+    using V = decltype(word);
+    const int64_t words = width / int64_t(sizeof(V));
+    copy_rows_kernel<V><<<blocks_for(rows * words), kThreads, 0, s>>>(d, sp, rows, words, dpitch, spitch);
+  };
+  if (aligned(16))
+    launch(uint4{});
+  else if (aligned(8))
+    launch(uint2{});
+  else if (aligned(4))
+    launch(uint32_t{});
+  else
+    launch(uint16_t{});  // every dtype is at least 2 bytes
+  LT_CUDA_CHECK_LAUNCH();
+  return true;
 }
 }  // namespace
 
@@ -57,11 +102,13 @@ void copy_cuda(const Tensor& dst, const Tensor& src) {
     LT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), dst.nbytes(), cudaMemcpyDeviceToDevice, s));
     return;
   }
+  if (dst.dtype() == src.dtype() && copy_as_rows(dst, src, s)) return;
+  const JointLayout j = merge_dims(dst, src);
   LT_DISPATCH_ALL_CUDA(dst.dtype(), "copy", D, {
     LT_DISPATCH_ALL_CUDA(src.dtype(), "copy", S, {
       copy_kernel<D, S><<<blocks_for(n), kThreads, 0, s>>>(static_cast<D*>(dst.data()),
-                                                          static_cast<const S*>(src.data()), n,
-                                                          StridedIndex(dst), StridedIndex(src), flat);
+                                                          static_cast<const S*>(src.data()), n, j.index_a(),
+                                                          j.index_b(), flat);
     });
   });
   LT_CUDA_CHECK_LAUNCH();
@@ -70,9 +117,10 @@ void copy_cuda(const Tensor& dst, const Tensor& src) {
 void fill_cuda(const Tensor& dst, double value) {
   int64_t n = dst.numel();
   if (n == 0) return;
+  const JointLayout j = merge_dims(dst, dst);
   LT_DISPATCH_ALL_CUDA(dst.dtype(), "fill", T, {
-    fill_kernel<T><<<blocks_for(n), kThreads, 0, stream(dst.device().index)>>>(static_cast<T*>(dst.data()), n,
-                                                                               StridedIndex(dst), value);
+    fill_kernel<T><<<blocks_for(n), kThreads, 0, stream(dst.device().index)>>>(
+        static_cast<T*>(dst.data()), n, j.index_a(), dst.is_contiguous(), value);
   });
   LT_CUDA_CHECK_LAUNCH();
 }
@@ -100,9 +148,11 @@ void arange_cuda(const Tensor& dst, int64_t start) {
 void accumulate_cuda(const Tensor& dst, const Tensor& src) {
   int64_t n = dst.numel();
   if (n == 0) return;
+  const JointLayout j = merge_dims(dst, src);
+  const bool flat = dst.is_contiguous() && src.is_contiguous();
   LT_DISPATCH_ALL_CUDA(dst.dtype(), "accumulate", T, {
     accumulate_kernel<T><<<blocks_for(n), kThreads, 0, stream(dst.device().index)>>>(
-        static_cast<T*>(dst.data()), static_cast<const T*>(src.data()), n, StridedIndex(dst), StridedIndex(src));
+        static_cast<T*>(dst.data()), static_cast<const T*>(src.data()), n, j.index_a(), j.index_b(), flat);
   });
   LT_CUDA_CHECK_LAUNCH();
 }

@@ -32,6 +32,14 @@ struct StridedIndex {
     }
   }
 
+  // A layout given by its dims (as JointLayout gives them).
+  StridedIndex(int dims, const int64_t* sizes, const int64_t* strides) : ndim(dims) {
+    for (int d = 0; d < dims; ++d) {
+      shape[d] = sizes[d];
+      stride[d] = strides[d];
+    }
+  }
+
   LT_HD int64_t offset(int64_t linear) const {
     int64_t off = 0;
     for (int d = ndim - 1; d >= 0; --d) {
@@ -42,6 +50,35 @@ struct StridedIndex {
     return off;
   }
 };
+
+// Two tensors of one shape walked together in row-major order, with size-1 dims dropped and neighbouring
+// dims merged where both tensors allow it (d and d + 1 merge when stride[d] == stride[d + 1] * size[d + 1] in
+// both): fewer dims to index, and a slice of a wider tensor becomes rows of contiguous elements.
+struct JointLayout {
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {}, stride_a[kMaxDims] = {}, stride_b[kMaxDims] = {};
+  StridedIndex index_a() const { return StridedIndex(ndim, shape, stride_a); }
+  StridedIndex index_b() const { return StridedIndex(ndim, shape, stride_b); }
+};
+
+inline JointLayout merge_dims(const Tensor& a, const Tensor& b) {
+  JointLayout j;
+  for (size_t d = 0; d < a.shape().size(); ++d) {
+    const int64_t n = a.shape()[d], sa = a.strides()[d], sb = b.strides()[d];
+    if (n == 1) continue;
+    if (j.ndim > 0 && j.stride_a[j.ndim - 1] == sa * n && j.stride_b[j.ndim - 1] == sb * n) {
+      j.shape[j.ndim - 1] *= n;
+      j.stride_a[j.ndim - 1] = sa;
+      j.stride_b[j.ndim - 1] = sb;
+    } else {
+      j.shape[j.ndim] = n;
+      j.stride_a[j.ndim] = sa;
+      j.stride_b[j.ndim] = sb;
+      ++j.ndim;
+    }
+  }
+  return j;
+}
 
 // splitmix64 finaliser: a bijective mix of 64 bits.
 LT_HD uint64_t mix64(uint64_t z) {

@@ -405,3 +405,19 @@ TEST_CASE("a backward observer sees each node's backward begin and end, by op na
   backward(z);
   CHECK(seen.size() == 6);
 }
+
+TEST_CASE("a forward observer sees each op as it records itself, and nothing under no_grad") {
+  Tensor x = leaf({3}, 32);
+  std::vector<std::string> seen;
+  autograd::set_forward_observer([&](const char* op) { seen.push_back(op); });
+  Tensor y = sum(mul(exp(x), x));
+  {
+    NoGradGuard no_grad;
+    Tensor unseen = exp(x);
+  }
+  Tensor constant = exp(x.detach());  // records nothing: needs no gradient
+  autograd::set_forward_observer(nullptr);
+  CHECK(seen == std::vector<std::string>{"exp", "mul", "sum"});
+  Tensor z = sum(x);  // removed: no more calls
+  CHECK(seen.size() == 3);
+}

@@ -497,6 +497,34 @@ TEST_CASE("cuda copy, fill, arange and cat match cpu" * LT_CUDA_CASE) {
   CHECK(c.grad().to_vector<double>() == expect);
 }
 
+TEST_CASE("cuda copies of slices of a wider tensor match cpu, at every word width" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // Rows of 1, 3, 8, 64 and 67 elements at offsets 0 and 1 of a (2, 5, 70) tensor: 16-, 8-, 4- and 2-byte
+  // words (and the general kernel where no row layout exists).
+  for (DType t : {DType::BF16, DType::F32, DType::F64}) {
+    for (int64_t width : {1, 3, 8, 64, 67})
+      for (int64_t at : {0, 1}) {
+        INFO(dtype_name(t) << " width " << width << " at " << at);
+        const Tensor wide = iota({2, 5, 70}, t);
+        const Tensor expect = wide.narrow(2, at, width).contiguous();
+        Tensor gathered = empty({2, 5, width}, t, gpu());
+        poison_(gathered);
+        gathered.copy_(wide.to(gpu()).narrow(2, at, width));
+        CHECK(gathered.to_vector<double>() == expect.to_vector<double>());
+        Tensor scattered = zeros({2, 5, 70}, t, gpu());
+        scattered.narrow(2, at, width).copy_(expect.to(gpu()));
+        Tensor cpu_scattered = zeros({2, 5, 70}, t);
+        cpu_scattered.narrow(2, at, width).copy_(expect);
+        CHECK(scattered.to_vector<double>() == cpu_scattered.to_vector<double>());
+      }
+    Tensor cols = empty({1, 70, 5}, t, gpu());  // no row layout: the general kernel, dims merged
+    poison_(cols);
+    cols.copy_(iota({2, 5, 70}, t).to(gpu()).narrow(0, 1, 1).transpose(1, 2));
+    CHECK(cols.to_vector<double>() ==
+          iota({2, 5, 70}, t).narrow(0, 1, 1).transpose(1, 2).contiguous().to_vector<double>());
+  }
+}
+
 TEST_CASE("cuda randn matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // Box-Muller in double on both sides; the device's log/cos may differ in the last bit, so a value
