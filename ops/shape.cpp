@@ -189,6 +189,22 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   return out;
 }
 
+namespace {
+// When the pieces' gradients already lie side by side in one buffer laid out like x (a fused backward or
+// cat's backward wrote them there), that buffer as x's gradient; else undefined.
+Tensor side_by_side(const Grads& g, const Tensor& like, int64_t d, const std::vector<int64_t>& starts) {
+  for (const Tensor& gi : g)
+    if (!gi.defined() || gi.impl()->storage != g[0].impl()->storage || gi.dtype() != like.dtype() ||
+        gi.strides() != like.strides())
+      return Tensor();
+  const int64_t base = g[0].offset() - starts[0] * like.strides()[size_t(d)];
+  for (size_t i = 0; i < g.size(); ++i)
+    if (g[i].offset() != base + starts[i] * like.strides()[size_t(d)]) return Tensor();
+  if (base < 0) return Tensor();
+  return alias(g[0], like.shape(), like.strides(), base);
+}
+}  // namespace
+
 std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
   const int64_t d = wrap_dim(dim, x.dim(), "split");
   int64_t total = 0;
@@ -211,6 +227,7 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
   }
   const Tensor like = x.detach();
   record("split", {x}, pieces, [like, d, sizes, starts](const Grads& g) -> Grads {
+    if (Tensor joined = side_by_side(g, like, d, starts); joined.defined()) return {joined};
     bool all = true;
     const Tensor* any = nullptr;
     for (const Tensor& gi : g) {

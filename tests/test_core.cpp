@@ -358,6 +358,27 @@ TEST_CASE("gradcheck split, with a piece left unused and a piece used twice") {
                   {leaf({2, 4}, 12)});
 }
 
+TEST_CASE("split's backward takes the pieces' gradients uncopied when they lie side by side, else copies") {
+  // cat's backward hands each input a view of its one gradient: in split's order they are x's gradient
+  // as it is; in another order, or with a gap, they must be copied into place.
+  Tensor x = leaf({3, 10}, 13);
+  Tensor dy = randn({3, 10}, DType::F64, Device::cpu(), 14);
+  std::vector<Tensor> p = split(x, {4, 2, 4}, 1);
+  backward(cat({p[0], p[1], p[2]}, 1), dy);
+  CHECK(x.grad().to_vector<double>() == dy.to_vector<double>());
+  x = leaf({3, 10}, 13);
+  p = split(x, {4, 2, 4}, 1);
+  backward(cat({p[2], p[0], p[1]}, 1), dy);
+  CHECK(x.grad().to_vector<double>() == cat({dy.narrow(1, 4, 4), dy.narrow(1, 8, 2), dy.narrow(1, 0, 4)}, 1)
+                                            .to_vector<double>());
+  x = leaf({3, 10}, 13);
+  p = split(x, {4, 2, 4}, 1);
+  Tensor gap = randn({3, 11}, DType::F64, Device::cpu(), 15);  // the pieces at 0, 5 and 7 of 11 columns
+  backward(cat({p[0], zeros({3, 1}, DType::F64), p[1], p[2]}, 1), gap);
+  CHECK(x.grad().to_vector<double>() ==
+        cat({gap.narrow(1, 0, 4), gap.narrow(1, 5, 6)}, 1).to_vector<double>());
+}
+
 TEST_CASE("gradcheck to dtype") {
   // x -> f32 -> f64 is the identity up to f32 rounding: a wide step keeps the rounding out of the
   // finite differences.
