@@ -5,7 +5,7 @@ prints a Markdown table (tokens/s, ms/step, MFU, peak MiB, and lintape's speed-u
 against the compiled PyTorch step); --json writes the rows.
 
 Usage: python3 bench/torch_ref/compare_train.py --lintape build-gpu/lintape [--mixers fal,tpa]
-           [--batch 16] [--seq 2048] [--vocab 32768] [--steps 10] [--json FILE]
+           [--batch 16] [--seq 2048] [--vocab 32768] [--steps 10] [--timeout S] [--json FILE]
 """
 import argparse
 import json
@@ -17,9 +17,13 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_json(cmd, path):
+def run_json(cmd, path, timeout):
     print("$ " + " ".join(cmd), flush=True)
-    done = subprocess.run(cmd)
+    try:
+        done = subprocess.run(cmd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  stopped after {timeout} s", flush=True)
+        return None
     if done.returncode != 0 or not os.path.exists(path):
         print(f"  failed with status {done.returncode}", flush=True)
         return None
@@ -34,6 +38,7 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--timeout", type=float, default=None, help="seconds allowed to each command (default: no limit)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps)]
@@ -41,15 +46,17 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for mixer in args.mixers.split(","):
             ours = run_json([args.lintape, "bench", "train", "--preset", "small", "--mixers", mixer, "--device", "cuda",
-                             "--json", f"{tmp}/lintape-{mixer}.json"] + shape, f"{tmp}/lintape-{mixer}.json")
+                             "--json", f"{tmp}/lintape-{mixer}.json"] + shape, f"{tmp}/lintape-{mixer}.json", args.timeout)
             if ours:
                 rows.append({"mixers": mixer, "provider": "lintape", "tokens_per_s": ours["tokens_per_s"],
                              "step_ms": ours["step_ms"], "mfu": ours["mfu"], "peak_mib": ours["peak_mib"]})
-            theirs = run_json([sys.executable, os.path.join(HERE, "bench_train.py"), "--mixers", mixer,
-                               "--json", f"{tmp}/torch-{mixer}.json"] + shape, f"{tmp}/torch-{mixer}.json")
-            for r in (theirs or {}).get("rows", []):
-                rows.append({k: r[k] for k in ("provider", "tokens_per_s", "step_ms", "mfu", "peak_mib")} |
-                            {"mixers": mixer})
+            for mode in ("eager", "compile"):  # apart, so that a compilation stopped by --timeout loses only itself
+                path = f"{tmp}/torch-{mixer}-{mode}.json"
+                theirs = run_json([sys.executable, os.path.join(HERE, "bench_train.py"), "--mixers", mixer, "--mode",
+                                   mode, "--json", path] + shape, path, args.timeout)
+                for r in (theirs or {}).get("rows", []):
+                    rows.append({k: r[k] for k in ("provider", "tokens_per_s", "step_ms", "mfu", "peak_mib")} |
+                                {"mixers": mixer})
     print(f"\n| mixers | provider | tokens/s | ms/step | MFU | peak MiB | lintape speed-up | lintape memory |")
     print("|---|---|---|---|---|---|---|---|")
     for mixer in args.mixers.split(","):
