@@ -143,7 +143,8 @@ __device__ __forceinline__ const T* at_head(const void* p, int64_t b, int64_t sb
   return static_cast<const T*>(p) + b * sb + h * width;
 }
 
-__device__ __forceinline__ float sigmoid_f(float x) { return __frcp_rn(1.0f + __expf(-x)); }
+// The approximate division is one reciprocal; it gives 0 past 2^126 (x below -87), where sigmoid is 0 in f32.
+__device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 __device__ __forceinline__ float act_f(float x, int act) {
   switch (act) {
@@ -151,6 +152,30 @@ __device__ __forceinline__ float act_f(float x, int act) {
     case FalStepSpec::kSigmoid: return sigmoid_f(x);
     case FalStepSpec::kSilu: return x * sigmoid_f(x);
     default: return x;
+  }
+}
+
+// act over 8 values (one dispatch), or zeros when dead.
+__device__ __forceinline__ void act8(float (&x)[8], int act, bool live) {
+  if (!live) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) x[u] = 0.0f;
+    return;
+  }
+  switch (act) {
+    case FalStepSpec::kRelu:
+#pragma unroll
+      for (int u = 0; u < 8; ++u) x[u] = fmaxf(x[u], 0.0f);
+      break;
+    case FalStepSpec::kSigmoid:
+#pragma unroll
+      for (int u = 0; u < 8; ++u) x[u] = sigmoid_f(x[u]);
+      break;
+    case FalStepSpec::kSilu:
+#pragma unroll
+      for (int u = 0; u < 8; ++u) x[u] *= sigmoid_f(x[u]);
+      break;
+    default: break;
   }
 }
 
@@ -177,24 +202,30 @@ __device__ __forceinline__ float decay_pow(float log2_lam, int e) { return e <= 
 // here): pos * rate = hi + lo exactly (pos < 2^24 is exact in f32), then hi - k 2 pi with 2 pi in three parts
 // (Cody-Waite; the first has 8 significant bits); within 4e-7 of the exact reduction (checked against double
 // for positions up to 2^22). Larger positions reduce in double. On [-pi, pi] the fast sincos is within 2^-21.
-__device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
-  float r;
-  if (pos < (int64_t(1) << 24)) {
-    const float p = float(pos), hi = __fmul_rn(p, rate), lo = fmaf(p, rate, -hi);
-    const float k = rintf(hi * 0.15915494309189535f);
-    r = fmaf(-k, 6.28125f, hi);
-    r = fmaf(-k, 1.9353071795864769e-3f, r);
-    r = fmaf(-k, 1.025313168e-11f, r) + lo;
-  } else {
-    const double ang = double(pos) * double(rate);
-    r = float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535));
-  }
-  __sincosf(r, &s, &c);
+constexpr int64_t kF32Positions = int64_t(1) << 24;
+__device__ __forceinline__ float reduce_f32(float rate, float p) {
+  const float hi = __fmul_rn(p, rate), lo = fmaf(p, rate, -hi);
+  const float k = rintf(hi * 0.15915494309189535f);
+  float r = fmaf(-k, 6.28125f, hi);
+  r = fmaf(-k, 1.9353071795864769e-3f, r);
+  return fmaf(-k, 1.025313168e-11f, r) + lo;
 }
-
+__device__ __forceinline__ float reduce_f64(float rate, int64_t pos) {
+  const double ang = double(pos) * double(rate);
+  return float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535));
+}
+__device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
+  __sincosf(pos < kF32Positions ? reduce_f32(rate, float(pos)) : reduce_f64(rate, pos), &s, &c);
+}
 __device__ __forceinline__ float rate_of(const Args& a, int h, int j) {
   const float* r = a.theta + (a.theta_rows == 1 ? 0 : h * a.theta_cols);
   return a.theta_cols == 1 ? r[0] : j < a.theta_cols ? r[j] : 0.0f;
+}
+
+// The rates of columns j ... j + 7.
+__device__ __forceinline__ void rates8(const Args& a, int h, int j, float (&rate)[8]) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) rate[u] = rate_of(a, h, j + u);
 }
 
 // 8 values as 16 bytes.
@@ -207,27 +238,33 @@ __device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
   *reinterpret_cast<uint4*>(p) = u;
 }
 
-// Two consecutive values (4 bytes) as floats, and back.
+// Two consecutive values (4 bytes, one access: every caller's offset is even from a 16-byte aligned row) as
+// floats, and back.
 template <class T>
 __device__ __forceinline__ void load2(const T* p, float& x0, float& x1) {
-  x0 = cuda::to_acc(p[0]);
-  x1 = cuda::to_acc(p[1]);
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
+  const T* e = reinterpret_cast<const T*>(&u);
+  x0 = cuda::to_acc(e[0]);
+  x1 = cuda::to_acc(e[1]);
 }
 template <class T>
 __device__ __forceinline__ void store2(T* p, float x0, float x1) {
-  p[0] = cuda::from_acc<T>(x0);
-  p[1] = cuda::from_acc<T>(x1);
+  uint32_t u;
+  T* e = reinterpret_cast<T*>(&u);
+  e[0] = cuda::from_acc<T>(x0);
+  e[1] = cuda::from_acc<T>(x1);
+  *reinterpret_cast<uint32_t*>(p) = u;
 }
 
-// acc (a warp's 16 x 32 tile at rows m0, columns 32 wc of a kC x kC matrix) times the causal decay mask
+// acc (a warp's 16 x 8 NT tile at rows m0, columns n0 of a kC x kC matrix) times the causal decay mask
 // (lambda^(i - j) for j <= i, else 0), into dst (leading dim kLdC).
-template <class T>
-__device__ __forceinline__ void store_masked(const Acc<1, 4>& acc, T* dst, int m0, int wc, float log2_lam) {
+template <class T, int NT>
+__device__ __forceinline__ void store_masked(const Acc<1, NT>& acc, T* dst, int m0, int n0, float log2_lam) {
 #pragma unroll
-  for (int n = 0; n < 4; ++n)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {
-      const int i = m0 + acc.row(0, r), j = 32 * wc + acc.col(n, r);
+      const int i = m0 + acc.row(0, r), j = n0 + acc.col(n, r);
       const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f;
       const float w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
       store2(dst + i * kLdC + j, acc.x[0][n][r] * w0, acc.x[0][n][r + 1] * w1);
@@ -236,22 +273,24 @@ __device__ __forceinline__ void store_masked(const Acc<1, 4>& acc, T* dst, int m
 
 // Loading a chunk's rows is split in two so that all of a thread's global loads are in flight at once: fetch
 // issues the 16-byte loads into registers (zeros past the sequence or past E), store applies the act (and the
-// LRPE or the gate) and writes the tile to shared memory. Every kernel has kThreads threads.
+// LRPE or the gate) and writes the tile to shared memory. The kernels have NThr = kThreads threads (the
+// gradient kernel twice as many); a thread's 8 columns are the same in every piece it loads.
 constexpr int kThreads = 256;
 
-template <int W>
+template <int W, int NThr = kThreads>
 struct Raw {
-  static constexpr int kIt = kC * (W / 8) / kThreads;  // 16-byte pieces per thread
+  static_assert(kC * (W / 8) % NThr == 0 && NThr % (W / 8) == 0, "whole pieces, fixed columns per thread");
+  static constexpr int kIt = kC * (W / 8) / NThr;  // 16-byte pieces per thread
   uint4 u[kIt];
 };
 
 // Rows t0 ... t0 + kC - 1, columns [c0, c0 + W) of x (at (b, token 0, h, 0), token stride ts; cols columns).
-template <class T, int W>
+template <class T, int W, int NThr>
 __device__ __forceinline__ void fetch(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t0, int c0,
-                                      int cols, Raw<W>& r) {
+                                      int cols, Raw<W, NThr>& r) {
 #pragma unroll
-  for (int it = 0; it < Raw<W>::kIt; ++it) {
-    const int idx = threadIdx.x + it * kThreads, i = idx / (W / 8), c = c0 + (idx % (W / 8)) * 8;
+  for (int it = 0; it < Raw<W, NThr>::kIt; ++it) {
+    const int idx = threadIdx.x + it * NThr, i = idx / (W / 8), c = c0 + (idx % (W / 8)) * 8;
     const int64_t t = t0 + i;
     r.u[it] = t < a.N && c < cols ? *reinterpret_cast<const uint4*>(x + t * ts + c) : make_uint4(0, 0, 0, 0);
   }
@@ -267,15 +306,17 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&x)[8]) {
 // q or k rows of angle slice `slice` (fetched with c0 = slice kSlice): half0 (and half1 with the cosine LRPE)
 // are kC x kSlice tiles of leading dimension kLdS. Rows past the sequence are zeros. With r2 (q and k of the
 // same tokens) the second rows go to r2_half0 and r2_half1 through the same angles.
-template <class T>
-__device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice>& r, int act, T* half0, T* half1,
-                                              const Raw<kSlice>* r2, int act2, T* r2_half0, T* r2_half1, int h,
+template <class T, int NThr>
+__device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice, NThr>& r, int act, T* half0, T* half1,
+                                              const Raw<kSlice, NThr>* r2, int act2, T* r2_half0, T* r2_half1, int h,
                                               int64_t t0, int slice) {
+  const int c8 = (threadIdx.x % (kSlice / 8)) * 8;
+  float rate[8];
+  if (a.lrpe == FalStepSpec::kCosine) rates8(a, h, slice * kSlice + c8, rate);
 #pragma unroll
-  for (int it = 0; it < Raw<kSlice>::kIt; ++it) {
-    const int idx = threadIdx.x + it * kThreads, i = idx / (kSlice / 8), c8 = (idx % (kSlice / 8)) * 8;
+  for (int it = 0; it < Raw<kSlice, NThr>::kIt; ++it) {
+    const int i = (threadIdx.x + it * NThr) / (kSlice / 8);
     const int64_t t = t0 + i;
-    const int j = slice * kSlice + c8;  // column (and angle) index of the first value
     const bool live = t < a.N;
     float x[8], y[8];
     unpack8<T>(r.u[it], x);
@@ -286,13 +327,13 @@ __device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice>& 
 #pragma unroll
       for (int u = 0; u < 8; ++u) y[u] = live ? act_f(y[u], act2) : 0.0f;
     }
-    if (a.lrpe == FalStepSpec::kCosine) {
+    if (a.lrpe == FalStepSpec::kCosine) {  // dead rows are zeros whatever their angles
       const int64_t pos = a.position + t;
       float xs[8], ys[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        float c = 0.0f, s = 0.0f;
-        if (live) angle_cs(rate_of(a, h, j + u), pos, c, s);
+        float c, s;
+        angle_cs(rate[u], pos, c, s);
         xs[u] = x[u] * s;
         x[u] *= c;
         ys[u] = y[u] * s;
@@ -308,17 +349,16 @@ __device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice>& 
 
 // v rows (act), or gb o dO when d is given, each row times scale[i] when given, into a kC x W tile (leading
 // dimension W + kPad); fetched with c0 = e0. Columns past E and rows past the sequence are zeros.
-template <class T, int W>
-__device__ __forceinline__ void store_rows(const Args& a, const Raw<W>& r, const Raw<W>* d, int act, int64_t t0,
-                                           int e0, const float* scale, T* tile) {
+template <class T, int W, int NThr>
+__device__ __forceinline__ void store_rows(const Args& a, const Raw<W, NThr>& r, const Raw<W, NThr>* d, int act,
+                                           int64_t t0, int e0, const float* scale, T* tile) {
 #pragma unroll
-  for (int it = 0; it < Raw<W>::kIt; ++it) {
-    const int idx = threadIdx.x + it * kThreads, i = idx / (W / 8), c8 = (idx % (W / 8)) * 8;
+  for (int it = 0; it < Raw<W, NThr>::kIt; ++it) {
+    const int idx = threadIdx.x + it * NThr, i = idx / (W / 8), c8 = (idx % (W / 8)) * 8;
     const bool live = t0 + i < a.N && e0 + c8 < a.E;
     float y[8];
     unpack8<T>(r.u[it], y);
-#pragma unroll
-    for (int u = 0; u < 8; ++u) y[u] = live ? act_f(y[u], act) : 0.0f;
+    act8(y, act, live);
     if (d) {
       float z[8];
       unpack8<T>(d->u[it], z);
@@ -342,11 +382,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // Rows [p0, p0 + kSlice) of a chunk's stored state (P x E in T, row stride E) into a kSlice x EP tile (leading
 // dimension EP + kPad) through cp.async (wait with cp_async_wait_all); columns past E are zeros.
-template <class T, int EP>
+template <class T, int EP, int NThr = kThreads>
 __device__ __forceinline__ void load_state_async(const Args& a, const T* __restrict__ st, int p0, T* tile) {
 #pragma unroll
-  for (int it = 0; it < kSlice * (EP / 8) / kThreads; ++it) {
-    const int idx = threadIdx.x + it * kThreads, p = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
+  for (int it = 0; it < kSlice * (EP / 8) / NThr; ++it) {
+    const int idx = threadIdx.x + it * NThr, p = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
     T* dst = tile + p * (EP + kPad) + c8;
     if (c8 < a.E)
       cp_async16(dst, st + int64_t(p0 + p) * a.E + c8);
@@ -359,9 +399,9 @@ __device__ __forceinline__ void load_state_async(const Args& a, const T* __restr
 // True when these kernels take the call: bf16/f16, LRPE none or cosine, D 64 or 128, E a multiple of 8 up to
 // 128, elementwise acts.
 bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
-// The state passes: forward S_c into a.states and S_final from S0; reverse R_(c+1) into a.rstates and dS0
-// from dS_final; both in one launch when both are asked for.
-void state_pass(const Args& a, DType dtype, int64_t BH, bool forward, bool reverse, cudaStream_t st);
+// The state pass: forward (reverse false) S_c into a.states and S_final from S0; reverse R_(c+1) into
+// a.rstates and dS0 from dS_final.
+void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st);
 void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);   // state pass, then the outputs
 void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // both state passes, then the grads
 

@@ -1,5 +1,5 @@
-// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the backward. Both state passes in one launch (S_c forward,
-// R_(c+1) reverse), then one block per (chunk, b, h) for dq, dk, dv and dg.
+// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the backward. Both state passes (S_c forward, R_(c+1)
+// reverse), then one block per (chunk, b, h) for dq, dk, dv and dg.
 #include "ops/fal_chunk.cuh"
 
 namespace lintape::fal_cuda::chunk {
@@ -45,20 +45,21 @@ __device__ __forceinline__ void scale_rows(Acc<1, NT>& acc, int m0, float log2_l
 
 // One slice's gradient of the encoded rows (half hf) folded into the raw rows' gradient x through the
 // transposed LRPE: dx = cos dx_0 + sin dx_1 (without LRPE cos = 1 and one half).
-__device__ __forceinline__ void fold(Acc<1, 4>& x, const Acc<1, 4>& d, const float (&cs)[16], const float (&sn)[16],
-                                     int hf) {
+template <int NT>
+__device__ __forceinline__ void fold(Acc<1, NT>& x, const Acc<1, NT>& d, const float (&cs)[4 * NT],
+                                     const float (&sn)[4 * NT], int hf) {
 #pragma unroll
-  for (int n = 0; n < 4; ++n)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int r = 0; r < 4; ++r) x.x[0][n][r] += (hf == 0 ? cs[4 * n + r] : sn[4 * n + r]) * d.x[0][n][r];
 }
 
-// dx = act'(x) g for a warp's 16 x 32 tile of the raw rows' gradient: rows m0, columns col0 + 32 wc.
-template <class T>
-__device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, 4>& gx, const T* x, int64_t xts, T* dx,
+// dx = act'(x) g for a warp's 16 x 8 NT tile of the raw rows' gradient: rows m0, columns col0.
+template <class T, int NT>
+__device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, NT>& gx, const T* x, int64_t xts, T* dx,
                                                int64_t dts, int64_t t0, int m0, int col0, int act) {
 #pragma unroll
-  for (int n = 0; n < 4; ++n)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {
       const int64_t t = t0 + m0 + gx.row(0, r);
@@ -70,14 +71,20 @@ __device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, 4>& g
     }
 }
 
-// Warp w owns rows 16 (w % 4) of the chunk and half w / 4 of the columns of every product.
+// 16 warps: warp w owns rows 16 (w % 4) of the chunk and quarter w / 4 of the columns of every product. The
+// shared tiles allow one block per SM; 16 warps rather than 8 keep each thread's accumulators within 128
+// registers and give the SM twice the warps to hide the products' latency.
+constexpr int kGradThreads = 512;
+
 template <class T, int EP>
-__global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
+__global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
+  constexpr int NThr = kGradThreads, kParts = NThr / 128;
   using Smem = GradSmem<T, EP>;
-  constexpr int ldE = Smem::ldE, NT = EP / 16;
+  constexpr int ldE = Smem::ldE, NT = EP / (8 * kParts), NS = kC / (8 * kParts);  // n-tiles of E and of a slice
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem sm(reinterpret_cast<T*>(smem_raw));
   const int warp = threadIdx.x >> 5, m0 = 16 * (warp % 4), wc = warp / 4;
+  const int ec = wc * EP / kParts, sc0 = wc * kC / kParts;  // the warp's first column of E and of a slice
   const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
   const int h = int(bh % a.H);
   const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
@@ -98,30 +105,41 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
   auto issue_states = [&](int slice) {
     for (int hf = 0; hf < halves; ++hf) {
       const int p0 = (hf == 0 ? 0 : a.D) + slice * kSlice, buf = (slice & 1) * 2 + hf;
-      load_state_async<T, EP>(a, S, p0, sm.ss + buf * kSlice * ldE);
-      load_state_async<T, EP>(a, R, p0, sm.rs + buf * kSlice * ldE);
+      load_state_async<T, EP, NThr>(a, S, p0, sm.ss + buf * kSlice * ldE);
+      load_state_async<T, EP, NThr>(a, R, p0, sm.rs + buf * kSlice * ldE);
     }
     cp_async_commit();
   };
+  // Q and K of an angle slice, encoded, into qs and ks.
+  auto fetch_qk = [&](int slice, Raw<kSlice, NThr>& qr, Raw<kSlice, NThr>& kr) {
+    fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
+    fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
+  };
+  auto store_qk = [&](int slice, const Raw<kSlice, NThr>& qr, const Raw<kSlice, NThr>& kr) {
+    store_encoded(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0, slice);
+  };
   issue_states(0);
-  {
-    Raw<EP> vr, gr, dr;
+  {  // the first slice's q and k rows load with v, g and dO
+    Raw<kSlice, NThr> qr, kr;
+    Raw<EP, NThr> vr, gr, dr;
+    fetch_qk(0, qr, kr);
     fetch(a, v, a.sv_t, t0, 0, a.E, vr);
     fetch(a, g, a.sg_t, t0, 0, a.E, gr);
     fetch(a, dout, out_ts, t0, 0, a.E, dr);
-    store_rows<T, EP>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
-    store_rows<T, EP>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
+    store_qk(0, qr, kr);
+    store_rows<T, EP, NThr>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
+    store_rows<T, EP, NThr>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
   }
   __syncthreads();
   {
-    Acc<1, 4> bsc;
+    Acc<1, NS> bsc;
     bsc.zero();
-    warp_mma<T, false, false>(bsc, sm.ys, ldE, m0, sm.vs, ldE, 32 * wc, EP);
-    store_masked(bsc, sm.bm, m0, wc, log2_lam);
+    warp_mma<T, false, false>(bsc, sm.ys, ldE, m0, sm.vs, ldE, sc0, EP);
+    store_masked(bsc, sm.bm, m0, sc0, log2_lam);
   }
 
-  Acc<1, 4> sc;    // Q K^T: rows m0, columns 32 wc
-  Acc<1, NT> y;    // Y: rows m0, columns wc EP / 2
+  Acc<1, NS> sc;   // Q K^T: rows m0, columns sc0
+  Acc<1, NT> y;    // Y: rows m0, columns ec
   Acc<1, NT> dvo;  // dV
   sc.zero();
   y.zero();
@@ -129,23 +147,11 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
   for (int slice = 0; slice < slices; ++slice) {
     __syncthreads();  // bm written; the previous slice's tiles are consumed
     if (slice + 1 < slices) issue_states(slice + 1);
-    {
-      Raw<kSlice> qr, kr;
-      fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
-      fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
-      store_encoded(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0, slice);
+    if (slice > 0) {
+      Raw<kSlice, NThr> qr, kr;
+      fetch_qk(slice, qr, kr);
+      store_qk(slice, qr, kr);
     }
-    // The angles of this thread's elements of the slice's 16 x 32 gradient tiles.
-    float cs[16], sn[16];
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        cs[4 * n + r] = 1.0f, sn[4 * n + r] = 0.0f;
-        if (a.lrpe != FalStepSpec::kNoLrpe)
-          angle_cs(rate_of(a, h, slice * kSlice + 32 * wc + Acc<1, 4>::col(n, r)),
-                   a.position + t0 + m0 + Acc<1, 4>::row(0, r), cs[4 * n + r], sn[4 * n + r]);
-      }
     if (slice + 1 < slices)
       cp_async_wait<1>();  // this slice's group has landed; the next one's may still be in flight
     else
@@ -155,27 +161,38 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
     for (int hf = 0; hf < halves; ++hf) {
       const T* qh = sm.qs + hf * kC * kLdS;
       const T* kh = sm.ks + hf * kC * kLdS;
-      warp_mma<T, false, false>(sc, qh, kLdS, m0, kh, kLdS, 32 * wc, kSlice);
-      warp_mma<T, false, true>(y, qh, kLdS, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, wc * EP / 2, kSlice);
-      warp_mma<T, false, true>(dvo, kh, kLdS, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, wc * EP / 2, kSlice);
+      warp_mma<T, false, false>(sc, qh, kLdS, m0, kh, kLdS, sc0, kSlice);
+      warp_mma<T, false, true>(y, qh, kLdS, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, ec, kSlice);
+      warp_mma<T, false, true>(dvo, kh, kLdS, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, ec, kSlice);
     }
+    // The angles of this thread's elements of the slice's 16 x 8 NS gradient tiles.
+    float cs[4 * NS], sn[4 * NS];
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        cs[4 * n + r] = 1.0f, sn[4 * n + r] = 0.0f;
+        if (a.lrpe != FalStepSpec::kNoLrpe)
+          angle_cs(rate_of(a, h, slice * kSlice + sc0 + Acc<1, NS>::col(n, r)),
+                   a.position + t0 + m0 + Acc<1, NS>::row(0, r), cs[4 * n + r], sn[4 * n + r]);
+      }
     // dQ = diag(gamma) dY S^T + Bm K, then dK = diag(delta) V R^T + Bm^T Q, each over both halves and folded
     // through the transposed LRPE into the raw rows' gradient (one of them live at a time).
-    const int col0 = slice * kSlice + 32 * wc;
+    const int col0 = slice * kSlice + sc0;
     for (int which = 0; which < 2; ++which) {
-      Acc<1, 4> gx;
+      Acc<1, NS> gx;
       gx.zero();
       for (int hf = 0; hf < halves; ++hf) {
-        Acc<1, 4> d;
+        Acc<1, NS> d;
         d.zero();
         if (which == 0) {
-          warp_mma<T, false, false>(d, sm.ys, ldE, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, 32 * wc, EP);
+          warp_mma<T, false, false>(d, sm.ys, ldE, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, sc0, EP);
           scale_rows(d, m0, log2_lam, 1, 1);
-          warp_mma<T, false, true>(d, sm.bm, kLdC, m0, sm.ks + hf * kC * kLdS, kLdS, 32 * wc, kC);
+          warp_mma<T, false, true>(d, sm.bm, kLdC, m0, sm.ks + hf * kC * kLdS, kLdS, sc0, kC);
         } else {
-          warp_mma<T, false, false>(d, sm.vs, ldE, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, 32 * wc, EP);
+          warp_mma<T, false, false>(d, sm.vs, ldE, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, sc0, EP);
           scale_rows(d, m0, log2_lam, cl - 1, -1);
-          warp_mma<T, true, true>(d, sm.bm, kLdC, m0, sm.qs + hf * kC * kLdS, kLdS, 32 * wc, kC);
+          warp_mma<T, true, true>(d, sm.bm, kLdC, m0, sm.qs + hf * kC * kLdS, kLdS, sc0, kC);
         }
         fold(gx, d, cs, sn, hf);
       }
@@ -188,12 +205,12 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
     }
   }
   // The intra-chunk terms: Y += Am V, dV = diag(delta) K R + Am^T dY.
-  store_masked(sc, sm.am, m0, wc, log2_lam);
+  store_masked(sc, sm.am, m0, sc0, log2_lam);
   scale_rows(y, m0, log2_lam, 1, 1);
   scale_rows(dvo, m0, log2_lam, cl - 1, -1);
   __syncthreads();
-  warp_mma<T, false, true>(y, sm.am, kLdC, m0, sm.vs, ldE, wc * EP / 2, kC);
-  warp_mma<T, true, true>(dvo, sm.am, kLdC, m0, sm.ys, ldE, wc * EP / 2, kC);
+  warp_mma<T, false, true>(y, sm.am, kLdC, m0, sm.vs, ldE, ec, kC);
+  warp_mma<T, true, true>(dvo, sm.am, kLdC, m0, sm.ys, ldE, ec, kC);
   T* dv = static_cast<T*>(a.dv) + b * a.N * out_ts + h * a.E;
   T* dg = static_cast<T*>(a.dg) + b * a.N * out_ts + h * a.E;
 #pragma unroll
@@ -201,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) grad_kernel(Args a) {
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {
       const int64_t t = t0 + m0 + y.row(0, r);
-      const int e = wc * EP / 2 + y.col(n, r);
+      const int e = ec + y.col(n, r);
       if (t >= a.N || e >= a.E) continue;
       float g0, g1, d0, d1, v0, v1;
       load2(g + t * a.sg_t + e, g0, g1);
@@ -217,14 +234,15 @@ template <class T, int EP>
 void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = GradSmem<T, EP>::bytes();
   LT_CUDA_CHECK(cudaFuncSetAttribute(grad_kernel<T, EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  grad_kernel<T, EP><<<dim3(unsigned(a.nC), unsigned(BH)), kThreads, smem, st>>>(a);
+  grad_kernel<T, EP><<<dim3(unsigned(a.nC), unsigned(BH)), kGradThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
 void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
-  state_pass(a, dtype, BH, true, true, st);  // S_c and R_(c+1) are independent: one launch runs both
+  state_pass(a, dtype, BH, false, st);
+  state_pass(a, dtype, BH, true, st);
   const bool wide = a.E > 64;
   if (dtype == DType::BF16)
     wide ? launch_grad<__nv_bfloat16, 128>(a, BH, st) : launch_grad<__nv_bfloat16, 64>(a, BH, st);

@@ -13,13 +13,12 @@ constexpr int kEtile = 64;  // E columns of a state block
 // D' that the angle slice gives (64 or 128) times 64 columns, a 16 x 64 f32 tile per warp in registers:
 //   forward  store S_c; S <- lambda^cl S + X^T Z       (c = 0 ... nC-1, from S0; S_final after)
 //   reverse  store R_(c+1); R <- lambda^cl R + X^T Z   (c = nC-1 ... 0, from dS_final; dS0 after)
-// The state tiles in shared memory (scale by the chunk's parity: written before the barrier that ends its
-// last reads).
+// The state tiles in shared memory.
 template <class T>
 struct StateSmem {
   __align__(16) T xs[2][kC * kLdS];
   __align__(16) T zs[kC * (kEtile + kPad)];
-  float scale[2][kC];
+  float scale[kC];
 };
 
 template <class T, bool Reverse>
@@ -56,26 +55,24 @@ __device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& 
     }
   T* states = static_cast<T*>(Reverse ? a.rstates : a.states) + bh * a.nC * PE;
 
-  // Software pipelined: the rows of the next chunk are fetched while this chunk's product runs.
+  // Each chunk's rows load after the barrier and go straight to shared memory: with three blocks per SM the
+  // others hide the latency, and the registers stay with the state tile.
   const int x_act = Reverse ? a.act_q : a.act_k, z_act = Reverse ? a.act_g : a.act_v;
-  Raw<kSlice> xr;
-  Raw<kEtile> zr, dr;
-  auto fetch_chunk = [&](int64_t c) {
-    fetch(a, x, xts, c * kC, slice * kSlice, a.D, xr);
-    fetch(a, z, zts, c * kC, e0, a.E, zr);
-    if (Reverse) fetch(a, dout, dts, c * kC, e0, a.E, dr);
-  };
-  fetch_chunk(Reverse ? a.nC - 1 : 0);
   for (int64_t step = 0; step < a.nC; ++step) {
     const int64_t c = Reverse ? a.nC - 1 - step : step, t0 = c * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
-    float* sc = scale[step & 1];
     for (int i = threadIdx.x; i < kC; i += kThreads)
-      sc[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
-    __syncthreads();  // sc written; the previous chunk's product is done with xs and zs
-    store_encoded<T>(a, xr, x_act, xs[0], xs[1], nullptr, 0, nullptr, nullptr, h, t0, slice);
-    store_rows<T, kEtile>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, sc, zs);
-    if (step + 1 < a.nC) fetch_chunk(Reverse ? c - 1 : c + 1);
+      scale[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
+    __syncthreads();  // scale written; the previous chunk's product is done with xs and zs
+    {
+      Raw<kSlice> xr;
+      Raw<kEtile> zr, dr;
+      fetch(a, x, xts, t0, slice * kSlice, a.D, xr);
+      fetch(a, z, zts, t0, e0, a.E, zr);
+      if (Reverse) fetch(a, dout, dts, t0, e0, a.E, dr);
+      store_encoded<T, kThreads>(a, xr, x_act, xs[0], xs[1], nullptr, 0, nullptr, nullptr, h, t0, slice);
+      store_rows<T, kEtile, kThreads>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, scale, zs);
+    }
     if (active) {
       T* dst = states + c * PE;
 #pragma unroll
@@ -104,15 +101,10 @@ __device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& 
       }
 }
 
-// Mode 0 forward, 1 reverse, 2 both at once (grid.z holds the forward E tiles, then the reverse ones).
-template <class T, int Mode>
+template <class T, bool Reverse>
 __global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
   __shared__ StateSmem<T> sm;
-  const int tiles = (a.E + kEtile - 1) / kEtile, z = int(blockIdx.z);
-  if (Mode == 0 || (Mode == 2 && z < tiles))
-    state_body<T, false>(a, z * kEtile, sm);
-  else
-    state_body<T, true>(a, (z % tiles) * kEtile, sm);
+  state_body<T, Reverse>(a, int(blockIdx.z) * kEtile, sm);
 }
 
 // One block per (chunk, b, h): Y = diag(gamma) Q S_c + (Q K^T o M) V, out = gb o Y. Warp w owns rows 16 (w % 4)
@@ -136,19 +128,26 @@ __global__ void __launch_bounds__(kThreads, 2) output_kernel(Args a) {
   const T* k = at_head<T>(a.k, b, a.sk_b, h, a.D);
   const T* state = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
 
+  // The first slice's state rows are in flight while v's rows load.
+  auto issue_state = [&](int slice) {
+    for (int hf = 0; hf < halves; ++hf)
+      load_state_async<T, EP>(a, state, (hf == 0 ? 0 : a.D) + slice * kSlice, ss + hf * kSlice * ldE);
+  };
+  issue_state(0);
   {
     Raw<EP> vr;
     fetch(a, at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, t0, 0, a.E, vr);
-    store_rows<T, EP>(a, vr, nullptr, a.act_v, t0, 0, nullptr, vs);
+    store_rows<T, EP, kThreads>(a, vr, nullptr, a.act_v, t0, 0, nullptr, vs);
   }
   Acc<1, 4> sc;  // scores: rows m0, columns 32 wc
   Acc<1, NT> y;  // rows m0, columns wc EP / 2
   sc.zero();
   y.zero();
   for (int slice = 0; slice < a.D / kSlice; ++slice) {
-    if (slice > 0) __syncthreads();
-    for (int hf = 0; hf < halves; ++hf)
-      load_state_async<T, EP>(a, state, (hf == 0 ? 0 : a.D) + slice * kSlice, ss + hf * kSlice * ldE);
+    if (slice > 0) {
+      __syncthreads();
+      issue_state(slice);
+    }
     Raw<kSlice> qr, kr;
     fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
     fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
@@ -161,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 2) output_kernel(Args a) {
     }
   }
   // Masked, decayed scores into shared memory; the state term times gamma.
-  store_masked(sc, as, m0, wc, log2_lam);
+  store_masked(sc, as, m0, 32 * wc, log2_lam);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const float gm = decay_pow(log2_lam, m0 + y.row(0, r) + 1);
@@ -191,15 +190,12 @@ size_t output_smem() {
 }
 
 template <class T>
-void launch_state(const Args& a, int64_t BH, bool forward, bool reverse, cudaStream_t st) {
-  const unsigned tiles = unsigned((a.E + kEtile - 1) / kEtile);
-  const dim3 grid(unsigned(BH), unsigned(a.D / kSlice), forward && reverse ? 2 * tiles : tiles);
-  if (forward && reverse)
-    state_kernel<T, 2><<<grid, kThreads, 0, st>>>(a);
-  else if (reverse)
-    state_kernel<T, 1><<<grid, kThreads, 0, st>>>(a);
+void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
+  const dim3 grid(unsigned(BH), unsigned(a.D / kSlice), unsigned((a.E + kEtile - 1) / kEtile));
+  if (reverse)
+    state_kernel<T, true><<<grid, kThreads, 0, st>>>(a);
   else
-    state_kernel<T, 0><<<grid, kThreads, 0, st>>>(a);
+    state_kernel<T, false><<<grid, kThreads, 0, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -222,15 +218,15 @@ bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
   return true;
 }
 
-void state_pass(const Args& a, DType dtype, int64_t BH, bool forward, bool reverse, cudaStream_t st) {
+void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
   if (dtype == DType::BF16)
-    launch_state<__nv_bfloat16>(a, BH, forward, reverse, st);
+    launch_state<__nv_bfloat16>(a, BH, reverse, st);
   else
-    launch_state<__half>(a, BH, forward, reverse, st);
+    launch_state<__half>(a, BH, reverse, st);
 }
 
 void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
-  state_pass(a, dtype, BH, true, false, st);
+  state_pass(a, dtype, BH, false, st);
   const bool wide = a.E > 64;
   if (dtype == DType::BF16)
     wide ? launch_output<__nv_bfloat16, 128>(a, BH, st) : launch_output<__nv_bfloat16, 64>(a, BH, st);
