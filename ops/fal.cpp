@@ -5,6 +5,7 @@
 // ops on the CPU (and for f64) and through its fused kernel (ops/fal_step.cu) on CUDA.
 #include "ops/fal.h"
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <memory>
 #include "autograd/tape.h"
@@ -590,6 +591,32 @@ bool chunked(const Tensor& q, const Tensor& v, const FalOptions& o) {
 #endif
 }
 
+#if LINTAPE_WITH_CUDA
+// Gradients for q, k, v, g (B, N, H, D or E). When the four are consecutive column ranges of one (B, N, W)
+// tensor (one projection split four ways) and the chunk kernels write them, they go to the same columns of
+// one fresh (B, N, W) buffer, so that split's backward hands that buffer on uncopied; else dense tensors.
+std::array<Tensor, 4> gradient_buffers(const std::array<Tensor, 4>& x, bool chunk_kernels) {
+  const Tensor& q = x[0];
+  const int64_t B = q.size(0), N = q.size(1), W = q.strides()[1];
+  bool side_by_side = chunk_kernels && q.strides()[0] == N * W;
+  int64_t base = q.offset(), end = q.offset();
+  for (const Tensor& t : x) {
+    side_by_side = side_by_side && t.impl()->storage == q.impl()->storage && t.strides()[0] == q.strides()[0] &&
+                   t.strides()[1] == W && t.strides()[3] == 1 && t.strides()[2] == t.size(3);
+    base = std::min(base, t.offset());
+    end = std::max(end, t.offset() + t.size(2) * t.size(3));
+  }
+  side_by_side = side_by_side && end - base <= W && W % 8 == 0;  // rows of 16 bytes for the kernels' stores
+  for (const Tensor& t : x) side_by_side = side_by_side && (t.offset() - base) % 8 == 0;
+  std::array<Tensor, 4> g;
+  const Tensor buffer = side_by_side ? empty({B, N, W}, q.dtype(), q.device()) : Tensor();
+  for (size_t i = 0; i < 4; ++i)
+    g[i] = side_by_side ? buffer.narrow(2, x[i].offset() - base, x[i].size(2) * x[i].size(3)).reshape(x[i].shape())
+                        : empty(x[i].shape(), x[i].dtype(), x[i].device());
+  return g;
+}
+#endif
+
 // The fused kernels: forward now, backward recorded on the tape (it saves q, k, v, g and kv or S0).
 std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                     const Tensor& S0, const FalOptions& o, const char* op) {
@@ -615,12 +642,13 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
   std::vector<Tensor> outputs{out};
   if (causal) outputs.push_back(state);
   const Tensor kv = causal ? Tensor() : state;
-  record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, causal, state_shape](const Grads& gin) -> Grads {
+  const bool chunk_kernels = causal && chunked(q, v, o);
+  record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, causal, state_shape, chunk_kernels](const Grads& gin)
+                                   -> Grads {
     const Device d = qc.device();
     const Tensor dout = gin[0].defined() ? gin[0].contiguous() : zeros(gc.shape(), gc.dtype(), d);
     const Tensor dS = causal && gin.size() > 1 && gin[1].defined() ? gin[1].contiguous() : Tensor();
-    Tensor dq = empty(qc.shape(), qc.dtype(), d), dk = empty(kc.shape(), kc.dtype(), d);
-    Tensor dv = empty(vc.shape(), vc.dtype(), d), dg = empty(gc.shape(), gc.dtype(), d);
+    auto [dq, dk, dv, dg] = gradient_buffers({qc, kc, vc, gc}, chunk_kernels);
     Tensor dS0 = s0.defined() ? empty(state_shape, DType::F32, d) : Tensor();
     if (causal)
       fal_cuda::causal_backward(qc, kc, vc, gc, spec, s0, dout, dS, dq, dk, dv, dg, dS0);

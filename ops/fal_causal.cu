@@ -187,10 +187,18 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     a.states = states.data();
     a.rstates = rstates.data();
     a.dout = dout.data();
+    // The gradients may be strided like the inputs (rows of one buffer, as split's backward wants them).
+    for (const Tensor* x : {&dq, &dk, &dv, &dg})
+      LT_CHECK(chunk_readable(*x), "[fal] internal: a gradient's layout does not suit the chunk kernels: strides ",
+               shape_str(x->strides()));
     a.dq = dq.data();
     a.dk = dk.data();
     a.dv = dv.data();
     a.dg = dg.data();
+    a.sdq_b = dq.strides()[0], a.sdq_t = dq.strides()[1];
+    a.sdk_b = dk.strides()[0], a.sdk_t = dk.strides()[1];
+    a.sdv_b = dv.strides()[0], a.sdv_t = dv.strides()[1];
+    a.sdg_b = dg.strides()[0], a.sdg_t = dg.strides()[1];
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
     a.dS_final = dS_final.defined() ? dS_final.data_ptr<float>() : nullptr;
     a.dS0 = dS0.defined() ? dS0.data_ptr<float>() : nullptr;

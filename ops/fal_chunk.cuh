@@ -37,6 +37,7 @@ struct Args {
   const void *q, *k, *v, *g, *dout;
   void *out, *dq, *dk, *dv, *dg;
   int64_t sq_b, sq_t, sk_b, sk_t, sv_b, sv_t, sg_b, sg_t;  // batch and token strides (elements); heads at h*D / h*E
+  int64_t sdq_b, sdq_t, sdk_b, sdk_t, sdv_b, sdv_t, sdg_b, sdg_t;  // the same for the gradients (backward)
   void* states;            // (B, H, nC, D', E) in T: S_c, the state entering chunk c
   void* rstates;           // (B, H, nC, D', E) in T (backward): R_(c+1), the gradient of the state leaving chunk c
   const float* S0;         // (B, H, D', E) f32 or null (zeros)
@@ -137,10 +138,14 @@ __device__ __forceinline__ void warp_mma(Acc<MT, NT>& acc, const T* A, int lda, 
 // ---------------------------------------------------------------------------------------------------
 // Rows: acts, LRPE, vector loads.
 
-// An input's row (b, token 0, h, 0): batch stride sb, heads width apart inside a token.
+// An input's (or a gradient's) row (b, token 0, h, 0): batch stride sb, heads width apart inside a token.
 template <class T>
 __device__ __forceinline__ const T* at_head(const void* p, int64_t b, int64_t sb, int64_t h, int64_t width) {
   return static_cast<const T*>(p) + b * sb + h * width;
+}
+template <class T>
+__device__ __forceinline__ T* at_head(void* p, int64_t b, int64_t sb, int64_t h, int64_t width) {
+  return static_cast<T*>(p) + b * sb + h * width;
 }
 
 // The approximate division is one reciprocal; it gives 0 past 2^126 (x below -87), where sigmoid is 0 in f32.

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
   const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
   const size_t PE = size_t(a.P) * a.E;
-  const int64_t out_ts = int64_t(a.H) * a.E, in_ts = int64_t(a.H) * a.D;  // token strides of dout, dv, dg; dq, dk
+  const int64_t out_ts = int64_t(a.H) * a.E;  // dout's token stride
   const T* q = at_head<T>(a.q, b, a.sq_b, h, a.D);
   const T* k = at_head<T>(a.k, b, a.sk_b, h, a.D);
   const T* v = at_head<T>(a.v, b, a.sv_b, h, a.E);
@@ -197,11 +197,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
         fold(gx, d, cs, sn, hf);
       }
       if (which == 0)
-        store_raw_grad(a, gx, q, a.sq_t, static_cast<T*>(a.dq) + b * a.N * in_ts + h * a.D, in_ts, t0, m0, col0,
-                       a.act_q);
+        store_raw_grad(a, gx, q, a.sq_t, at_head<T>(a.dq, b, a.sdq_b, h, a.D), a.sdq_t, t0, m0, col0, a.act_q);
       else
-        store_raw_grad(a, gx, k, a.sk_t, static_cast<T*>(a.dk) + b * a.N * in_ts + h * a.D, in_ts, t0, m0, col0,
-                       a.act_k);
+        store_raw_grad(a, gx, k, a.sk_t, at_head<T>(a.dk, b, a.sdk_b, h, a.D), a.sdk_t, t0, m0, col0, a.act_k);
     }
   }
   // The intra-chunk terms: Y += Am V, dV = diag(delta) K R + Am^T dY.
@@ -211,8 +209,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   __syncthreads();
   warp_mma<T, false, true>(y, sm.am, kLdC, m0, sm.vs, ldE, ec, kC);
   warp_mma<T, true, true>(dvo, sm.am, kLdC, m0, sm.ys, ldE, ec, kC);
-  T* dv = static_cast<T*>(a.dv) + b * a.N * out_ts + h * a.E;
-  T* dg = static_cast<T*>(a.dg) + b * a.N * out_ts + h * a.E;
+  T* dv = at_head<T>(a.dv, b, a.sdv_b, h, a.E);
+  T* dg = at_head<T>(a.dg, b, a.sdg_b, h, a.E);
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -224,9 +222,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
       load2(g + t * a.sg_t + e, g0, g1);
       load2(dout + t * out_ts + e, d0, d1);
       load2(v + t * a.sv_t + e, v0, v1);
-      store2(dg + t * out_ts + e, act_grad(g0, d0 * y.x[0][n][r], a.act_g),
+      store2(dg + t * a.sdg_t + e, act_grad(g0, d0 * y.x[0][n][r], a.act_g),
              act_grad(g1, d1 * y.x[0][n][r + 1], a.act_g));
-      store2(dv + t * out_ts + e, act_grad(v0, dvo.x[0][n][r], a.act_v), act_grad(v1, dvo.x[0][n][r + 1], a.act_v));
+      store2(dv + t * a.sdv_t + e, act_grad(v0, dvo.x[0][n][r], a.act_v),
+             act_grad(v1, dvo.x[0][n][r + 1], a.act_v));
     }
 }
 

@@ -378,6 +378,11 @@ TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_
     CAPTURE(i);
     CHECK(rel_error(grads.narrow(2, i * H, H).contiguous(), copies[size_t(i)].grad().to(Device::cpu())) == 0.0);
   }
+  // Through split (the mixer's way): the kernels write the four gradients side by side, handed on uncopied.
+  const Tensor proj2 = proj.detach().clone().requires_grad_();
+  const std::vector<Tensor> pieces = split(proj2, {H, H, H, H}, 2);
+  backward(sum(fal(pieces[0], pieces[1], pieces[2], pieces[3], o, Impl::Auto).to(DType::F32) * dout.to(DType::F32)));
+  CHECK(rel_error(proj2.grad().to(Device::cpu()), grads) == 0.0);
 }
 
 TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
