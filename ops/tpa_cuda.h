@@ -59,9 +59,10 @@ struct FactorGrads {
 };
 
 // Fills g (every element written) from dout (B, N, H, E) contiguous, the forward's out and lse. q, k, v
-// and their gradients never reach global memory: each kernel contracts its f32 dq, dk or dv tile to the
-// factors; the basis gradients, summed over heads, go through one f32 workspace of
-// B (N R_q + M R_k + M R_v) D values.
+// and dk, dv never reach global memory: the kernel contracts its f32 dk and dv tiles to the factors (the
+// basis gradients summed over heads in f32); dq is summed over key tiles in f32 and contracted by a
+// second kernel. Their workspace, (N H + M R_k + M R_v) D floats a batch entry, covers the batch
+// entries of one launch.
 void attention_backward(const AttentionArgs& args, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         FactorGrads& g);
 

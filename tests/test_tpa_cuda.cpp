@@ -188,7 +188,7 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
   // Odd N, causal and not, N != M (more keys than a tile), ranks (6, 2, 2), (1, 1, 1) and up to 16,
   // D = 64 and 128, several query and key tiles; ranks whose basis rows fit the stage area (K, V: at the
   // limit with (4, 2) at D = 128) and ranks that build straight from global memory (K, V: (8, 8) and
-  // (16, 16); Q in the dK/dV pass: 16).
+  // (16, 16); Q in the backward: 16).
   const AttnShape shapes[] = {{2, 77, 77, 3, 6, 2, 2, 64, true},     {2, 77, 77, 3, 6, 2, 2, 64, false},
                               {1, 130, 130, 2, 1, 1, 1, 128, true},  {1, 45, 70, 2, 3, 2, 4, 128, false},
                               {1, 201, 201, 2, 16, 16, 16, 64, true}, {1, 300, 300, 2, 6, 2, 2, 128, true},
@@ -266,9 +266,10 @@ TEST_CASE("cuda tpa attention fused backward keeps no dq, dk or dv" * LT_CUDA_CA
   reset_peak_memory(gpu());
   const size_t before = memory_stats(gpu()).in_use;
   backward(out, w);
-  // The six gradients, the f32 basis workspace, Delta and slack of one output; dq, dk and dv in bf16
-  // would add 3x the output (1.5 MiB here) on top.
-  const size_t ws = size_t(s.B * (s.N * s.Rq + s.M * (s.Rk + s.Rv)) * s.D) * 4;
+  // The six gradients, the f32 workspace (dq summed over key tiles; the k and v basis gradients summed
+  // over heads), Delta and slack of one output; dq, dk and dv in bf16 would add 3x the output (1.5 MiB
+  // here) on top.
+  const size_t ws = size_t(s.B * (s.N * s.H + s.M * (s.Rk + s.Rv)) * s.D) * 4;
   const size_t extra = memory_stats(gpu()).peak - before;
   CHECK(extra <= grad_bytes + ws + size_t(s.B * s.N * s.H) * 4 + out.nbytes());
   for (const Tensor& t : leaves) CHECK(all_finite(t.grad()));

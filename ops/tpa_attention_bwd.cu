@@ -1,0 +1,315 @@
+// Backward of the fused TPA attention (see ops/tpa_attention.cu): Delta = rowsum(dO o O), then one pass
+// over key tiles in the flash-attention 2 layout, recomputing P = 2^(S scale log2 e - lse) and
+// dS = P (dP - Delta) scale per (key tile, query tile). dK and dV stay in registers and are contracted to
+// their factors at the end of the block: da (this head's values, written once) and db (a sum over heads:
+// f32 atomics into a workspace). dQ is summed over key tiles by f32 atomics into a workspace, then a
+// second kernel contracts it to aq and bq per token, over all heads at once (no atomics).
+#include "ops/tpa_attention_parts.cuh"
+
+namespace lintape::tpa_cuda {
+
+namespace {
+using namespace attention_parts;
+
+// delta[row] = sum_e dout[row, e] out[row, e]: a warp per row of (B N H) rows.
+template <class T>
+__global__ void attention_delta(const T* __restrict__ out, const T* __restrict__ dout, float* __restrict__ delta,
+                                int64_t rows, int E) {
+  const int64_t row = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % 32;
+  float s = 0.f;
+  for (int e = 2 * lane; e < E; e += 64) {
+    const float2 a = unpack2<T>(*reinterpret_cast<const uint32_t*>(out + row * E + e));
+    const float2 b = unpack2<T>(*reinterpret_cast<const uint32_t*>(dout + row * E + e));
+    s += a.x * b.x + a.y * b.y;
+  }
+  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (lane == 0) delta[row] = s;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Backward: a block per (key tile of kBig rows, head, batch entry), over the query tiles of kSmall rows
+// that see it. Per query tile: S^T = K Q^T and dP^T = V dO^T (a warp per 16 keys), P and dS; dV += P^T dO
+// and dK += dS^T Q stay in registers; dS^T goes to shared memory and dQ = dS K (a warp per 16 queries x
+// HD / 2 columns) is added to an f32 workspace by atomics. The grid's slowest dimension counts the key
+// tiles, so causal blocks start heaviest first across all heads and batch entries.
+
+template <int HD>
+constexpr size_t bwd_smem() {
+  // K, V (kBig rows); Q, dO (kSmall rows); dS^T (kBig x kSmall); mixing values; lse and Delta; stage area.
+  return size_t(2 * kBig + 2 * kSmall) * (HD + 8) * 2 + size_t(kBig) * (kSmall + 8) * 2 + kMixMax * 4 +
+         2 * kSmall * 4 + kStageBytes;
+}
+static_assert(bwd_smem<128>() <= 227 * 1024, "a block fits an sm_90 multiprocessor");
+// The f32 dK and dV tiles (kBig x (HD + 4)) go through the stage area at the end.
+static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(kStageBytes), "f32 results fit the stage area");
+
+__device__ __forceinline__ void atomic_add_pair(float* dst, float lo, float hi) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(lo, hi));
+#else
+  atomicAdd(dst, lo);
+  atomicAdd(dst + 1, hi);
+#endif
+}
+
+template <class T, int HD>
+__global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) {
+  constexpr int LD = HD + 8, LDS = kSmall + 8, QW = kSmall / 2;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* ks = reinterpret_cast<T*>(smem);
+  T* vs = ks + kBig * LD;
+  T* qs = vs + kBig * LD;
+  T* dos = qs + kSmall * LD;
+  T* dst = dos + kSmall * LD;  // dS^T: kBig keys x kSmall queries
+  float* mix_s = reinterpret_cast<float*>(dst + kBig * LDS);
+  float* lse_s = mix_s + kMixMax;
+  float* delta_s = lse_s + kSmall;
+  T* stage = reinterpret_cast<T*>(delta_s + kSmall);
+  const int h = blockIdx.x, kt = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2,
+            c = (lane & 3) * 2;
+  const int64_t bb = p.b0 + blockIdx.y;
+  const int k0 = kt * kBig;
+  const Pair<T> fq{p.aq, p.bq, p.N, p.Rq, p.inv_rq}, fk{p.ak, p.bk, p.M, p.Rk, p.inv_rk},
+      fv{p.av, p.bv, p.M, p.Rv, p.inv_rv};
+  const int first = p.causal ? k0 / kSmall : 0, last = (p.N + kSmall - 1) / kSmall;
+  float mix[kMixMax / kThreads] = {};
+  float stat = 0.f;  // lse (threads < kSmall) or Delta (the next kSmall) of the next query tile's rows
+  // The next query tile's Q basis rows and statistics go first (the stage area is free once Q is built),
+  // its dO rows once the current dO is consumed.
+  auto prefetch_q = [&](int i) {
+    const int q0 = i * kSmall;
+    if (p.stage_q) stage_pair<T, HD, kSmall>(stage, mix, 0, fq, bb, h, p.H, q0);
+    const int n = q0 + int(threadIdx.x) % kSmall;
+    stat = threadIdx.x < 2 * kSmall && n < p.N ? (threadIdx.x < kSmall ? p.lse : p.delta)[(bb * p.N + n) * p.H + h]
+                                               : 0.f;
+    cp_async_commit();
+  };
+  auto prefetch_dout = [&](int i) {
+    copy_rows_async<T, HD, kSmall>(dos, p.dout, bb, h, p.H, p.N, i * kSmall);
+    cp_async_commit();
+  };
+  if (first < last) {
+    prefetch_q(first);
+    prefetch_dout(first);
+  }
+  build_global<T, HD, kBig>(ks, fk, bb, h, p.H, k0);
+  build_global<T, HD, kBig>(vs, fv, bb, h, p.H, k0);
+
+  float dk[HD / 8][4], dv[HD / 8][4];
+  zero<HD>(dk);
+  zero<HD>(dv);
+  const int key_a = k0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
+  const int dq_row = (warp & 3) * 16, dq_col = (warp >> 2) * (HD / 2);  // this warp's part of dQ
+  for (int i = first; i < last; ++i) {
+    const int q0 = i * kSmall;
+    const bool next = i + 1 < last;
+    cp_async_wait<0>();
+    if (p.stage_q)
+#pragma unroll
+      for (int q = 0; q < kMixMax / kThreads; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
+    if (threadIdx.x < 2 * kSmall) lse_s[threadIdx.x] = stat;  // lse_s, then delta_s
+    __syncthreads();
+    if (p.stage_q)
+      build_tile<T, HD, kSmall>(qs, stage, mix_s, fq.R, fq.R, fq.inv_r, min(kSmall, p.N - q0));
+    else
+      build_global<T, HD, kSmall>(qs, fq, bb, h, p.H, q0);
+    __syncthreads();
+    if (next) prefetch_q(i + 1);
+    // The query tile in two halves of QW columns: fewer live registers beside dK and dV.
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      const int c0 = part * QW;
+      float st[QW / 8][4], dpt[QW / 8][4];
+      rows_times_rows_t<T, HD, QW / 8>(st, ks, warp * 16, qs, c0);    // S^T = K Q^T
+      rows_times_rows_t<T, HD, QW / 8>(dpt, vs, warp * 16, dos, c0);  // dP^T = V dO^T
+      const bool mask =
+          q0 + c0 + QW > p.N || k0 + kBig > p.M || (p.causal && k0 + warp * 16 + 15 > q0 + c0);
+      // Base-2 logits; the bounds and the causal rule only where this warp's part of the tile needs them
+      // (evaluating them everywhere cost 13% of the pass).
+#pragma unroll
+      for (int t = 0; t < QW / 8; ++t) {
+        const float2 lse = *reinterpret_cast<const float2*>(lse_s + c0 + t * 8 + c);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[t][e] = st[t][e] * p.sl2 - (e & 1 ? lse.y : lse.x);
+      }
+      if (mask)
+#pragma unroll
+        for (int t = 0; t < QW / 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = q0 + c0 + t * 8 + c + (e & 1), key = key_a + (e >> 1) * 8;
+            if (col >= p.N || key >= p.M || (p.causal && key > col)) st[t][e] = -INFINITY;
+          }
+#pragma unroll
+      for (int t = 0; t < QW / 8; ++t) {
+        const float2 delta = *reinterpret_cast<const float2*>(delta_s + c0 + t * 8 + c);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pv = exp2f(st[t][e]);
+          st[t][e] = pv;
+          dpt[t][e] = pv * (dpt[t][e] - (e & 1 ? delta.y : delta.x)) * p.scale;
+        }
+      }
+      probs_times_rows<T, HD, QW / 16>(dv, st, dos, c0);  // dV += P^T dO
+      probs_times_rows<T, HD, QW / 16>(dk, dpt, qs, c0);  // dK += dS^T Q
+#pragma unroll
+      for (int t = 0; t < QW / 8; ++t) {  // dS^T, rounded as in dK's product
+        const int col = c0 + t * 8 + c;
+        *reinterpret_cast<uint32_t*>(dst + (warp * 16 + g) * LDS + col) = pack2<T>(dpt[t][0], dpt[t][1]);
+        *reinterpret_cast<uint32_t*>(dst + (warp * 16 + g + 8) * LDS + col) = pack2<T>(dpt[t][2], dpt[t][3]);
+      }
+    }
+    __syncthreads();  // dS^T published; Q, dO and the statistics free
+    if (next) prefetch_dout(i + 1);
+    float dq[HD / 16][4];  // dQ = dS K: rows dq_row.., columns dq_col..
+#pragma unroll
+    for (int t = 0; t < HD / 16; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kBig / 16; ++kk) {
+      uint32_t fa[4];
+      load_a_km<LDS>(fa, dst, kk * 16, dq_row);
+#pragma unroll
+      for (int np = 0; np < HD / 32; ++np) {
+        uint32_t fb[4];
+        load_b_kn<LD>(fb, ks, kk * 16, dq_col + np * 16);
+        mma16816<T>(dq[2 * np], fa, fb[0], fb[1]);
+        mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int n = q0 + dq_row + g + rr * 8;
+      if (n >= p.N) continue;
+      float* row = p.dq + (((bb - p.b0) * p.N + n) * p.H + h) * HD + dq_col + c;
+#pragma unroll
+      for (int t = 0; t < HD / 16; ++t) atomic_add_pair(row + t * 8, dq[t][2 * rr], dq[t][2 * rr + 1]);
+    }
+  }
+  __syncthreads();  // the stage area is free: stage the f32 results there
+  float* fs = reinterpret_cast<float*>(stage);
+  store_acc<HD>(fs, dk, warp * 16);
+  __syncthreads();
+  factor_grads<T, HD>(fs, fk, p.dak, p.dbk, bb, p.b0, h, p.H, k0);
+  __syncthreads();
+  store_acc<HD>(fs, dv, warp * 16);
+  __syncthreads();
+  factor_grads<T, HD>(fs, fv, p.dav, p.dbv, bb, p.b0, h, p.H, k0);
+}
+
+// dQ (f32, batch entries from t0 / N) to its factors, a warp per token, every value written once:
+// daq[t, h, r] = inv_r dq[t, h] . bq[t, r] and dbq[t, r, :] = inv_r sum_h aq[t, h, r] dq[t, h, :]. The
+// token's dq rows are read once per rank; after the first they come from L1.
+template <class T, int HD>
+__global__ void attention_q_factor_grads(const float* __restrict__ dq, const T* __restrict__ aq,
+                                         const T* __restrict__ bq, T* __restrict__ daq, T* __restrict__ dbq,
+                                         int64_t t0, int64_t tokens, int H, int R, float inv_r) {
+  constexpr int E = HD / 32;
+  const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (w >= tokens) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t t = t0 + w;
+  for (int r = 0; r < R; ++r) {
+    float b[E], db[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      b[e] = to_acc(bq[(t * R + r) * HD + lane + 32 * e]);
+      db[e] = 0.f;
+    }
+    for (int h = 0; h < H; ++h) {
+      float x[E], dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        x[e] = dq[(w * H + h) * HD + lane + 32 * e];
+        dot += x[e] * b[e];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      const int64_t ai = (t * H + h) * R + r;
+      if (lane == 0) daq[ai] = from_acc<T>(dot * inv_r);
+      const float wr = to_acc(aq[ai]) * inv_r;
+#pragma unroll
+      for (int e = 0; e < E; ++e) db[e] += wr * x[e];
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) dbq[(t * R + r) * HD + lane + 32 * e] = from_acc<T>(db[e]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Launcher.
+
+// Batch entries per backward launch. A launch's f32 workspace stays within the bytes of dout (about a
+// third of the batch: dQ alone is twice dout), as long as the launch still fills the device twice over;
+// the launches share the batch evenly.
+int64_t backward_batch_chunk(int64_t B, int64_t ws_entry_bytes, int64_t dout_entry_bytes, int64_t entry_blocks,
+                             int device) {
+  int sms = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t by_memory = std::max<int64_t>(1, dout_entry_bytes * B / ws_entry_bytes);
+  const int64_t to_fill = (2 * int64_t(sms) + entry_blocks - 1) / entry_blocks;
+  const int64_t chunk = std::min(B, std::max(by_memory, to_fill));
+  const int64_t launches = (B + chunk - 1) / chunk;
+  return (B + launches - 1) / launches;
+}
+
+template <class T, int HD>
+void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                    FactorGrads& g) {
+  const Device dev = a.aq.device();
+  cudaStream_t st = stream(dev.index);
+  Params<T> p = make_params<T>(a);
+  const int64_t B = a.aq.size(0), rows = B * p.N * p.H;
+  Tensor delta = empty({B, p.N, p.H}, DType::F32, dev);
+  attention_delta<T><<<grid_for(rows, kThreads / 32), kThreads, 0, st>>>(
+      static_cast<const T*>(out.data()), static_cast<const T*>(dout.data()), delta.data_ptr<float>(), rows, HD);
+  LT_CUDA_CHECK_LAUNCH();
+  p.lse = const_cast<float*>(lse.data_ptr<float>());
+  p.dout = static_cast<const T*>(dout.data());
+  p.delta = delta.data_ptr<float>();
+  p.daq = static_cast<T*>(g.aq.data());
+  p.dak = static_cast<T*>(g.ak.data());
+  p.dav = static_cast<T*>(g.av.data());
+  // One zeroed f32 workspace per launch of `chunk` batch entries: dQ (N H HD a batch entry, summed over
+  // key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk, g.bv.
+  const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.Rk * HD,
+                dbv_len = int64_t(p.M) * p.Rv * HD, key_tiles = (p.M + kBig - 1) / kBig;
+  const int64_t chunk = backward_batch_chunk(B, (dq_len + dbk_len + dbv_len) * 4, int64_t(p.N) * p.H * HD * 2,
+                                             key_tiles * p.H, dev.index);
+  Tensor ws = empty({chunk * (dq_len + dbk_len + dbv_len)}, DType::F32, dev);
+  static bool configured = false;
+  allow_smem(attention_bwd<T, HD>, bwd_smem<HD>(), configured);
+  for (int64_t b0 = 0; b0 < B; b0 += chunk) {
+    const int64_t n = std::min(chunk, B - b0);
+    p.b0 = b0;
+    p.dq = ws.data_ptr<float>();
+    p.dbk = p.dq + n * dq_len;
+    p.dbv = p.dbk + n * dbk_len;
+    LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * (dq_len + dbk_len + dbv_len)) * 4, st));
+    const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
+    attention_bwd<T, HD><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
+    LT_CUDA_CHECK_LAUNCH();
+    const int64_t tokens = n * p.N;
+    attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
+        p.dq, p.aq, p.bq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.Rq, p.inv_rq);
+    LT_CUDA_CHECK_LAUNCH();
+    Tensor dbk = g.bk.narrow(0, b0, n), dbv = g.bv.narrow(0, b0, n);
+    dbk.copy_(ws.narrow(0, n * dq_len, n * dbk_len).view(dbk.shape()));
+    dbv.copy_(ws.narrow(0, n * (dq_len + dbk_len), n * dbv_len).view(dbv.shape()));
+  }
+}
+
+}  // namespace
+
+void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                        FactorGrads& g) {
+  const bool bf16 = a.aq.dtype() == DType::BF16;
+  const bool wide = a.bq.size(3) == 128;
+  if (bf16)
+    wide ? backward_typed<__nv_bfloat16, 128>(a, out, lse, dout, g) : backward_typed<__nv_bfloat16, 64>(a, out, lse, dout, g);
+  else
+    wide ? backward_typed<__half, 128>(a, out, lse, dout, g) : backward_typed<__half, 64>(a, out, lse, dout, g);
+}
+
+}  // namespace lintape::tpa_cuda

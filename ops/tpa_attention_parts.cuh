@@ -1,0 +1,331 @@
+// Internal to the fused TPA attention (ops/tpa_attention.cu, ops/tpa_attention_bwd.cu): the shared
+// device pieces. Tiles built in shared memory from the factors, x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :]
+// in f32, rounded once, and staged through cp.async; m16n8k16 fragments and the products of the
+// flash-attention 2 layout (8 warps, each owning 16 rows of its block's tile); the contraction of an f32
+// gradient tile to its factors; the kernels' parameters.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include "core/cuda.h"
+#include "core/cuda_types.cuh"
+#include "ops/tpa_cuda.h"
+#include "ops/tpa_mma.cuh"
+
+namespace lintape::tpa_cuda::attention_parts {
+using namespace lintape::cuda;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBig = 16 * kWarps;  // the rows a block owns: queries (forward) or keys (backward)
+constexpr int kSmall = 64;         // the rows of each repeated tile
+constexpr int kStageBytes = 96 * 1024;  // basis rows of the next repeated tile
+constexpr int kMixMax = 4 * kThreads;  // mixing values staged per tile (64 rows x the ranks)
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <class T>
+struct Params {
+  const T *aq, *bq, *ak, *bk, *av, *bv;
+  T* out;
+  float* lse;
+  const T* dout;
+  const float* delta;
+  T *daq, *dak, *dav;        // written once per (token, head, rank)
+  float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads
+  float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles
+  int64_t b0;                // a backward launch's first batch entry: where its workspaces start
+  int N, M, H, Rq, Rk, Rv;
+  float inv_rq, inv_rk, inv_rv, scale, sl2;  // sl2 = scale log2(e)
+  bool causal, stage_kv, stage_q;  // whether the repeated tiles' basis rows fit the stage area
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Tiles in shared memory: rows of HD 16-bit values with a 16-byte pad (ldmatrix without bank conflicts).
+
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
+template <class T>
+__device__ __forceinline__ float load_f(const T* p) { return to_acc(*p); }
+
+// dst[i, :] = inv_r sum_r a[i * a_stride + r] b[(i R + r) HD + :] for i < valid, 0 for the other rows up to
+// ROWS. b and a point at global memory or at a staged copy (a staged as f32). Each thread owns PER
+// 16-byte chunks and issues the loads of G of them together, rank by rank (G < PER saves registers).
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class A>
+__device__ void build_tile(T* dst, const T* b, const A* a, int a_stride, int R, float inv_r, int valid) {
+  constexpr int LD = HD + 8, CH = HD / 8, PER = ROWS * CH / kThreads;
+  static_assert(ROWS * CH % kThreads == 0 && PER % G == 0, "whole chunks per thread and per group");
+#pragma unroll 1
+  for (int k0 = 0; k0 < PER; k0 += G) {
+    float acc[G][8];
+#pragma unroll
+    for (int k = 0; k < G; ++k)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
+        if (i < valid) {
+          const float w = load_f(a + size_t(i) * a_stride + r);
+          const uint4 v = *reinterpret_cast<const uint4*>(b + (size_t(i) * R + r) * HD + c8 * 8);
+          const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = unpack2<T>(u[e]);
+            acc[k][2 * e] += w * f.x;
+            acc[k][2 * e + 1] += w * f.y;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < G; ++k) {
+      const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
+      uint4 o;
+      o.x = pack2<T>(acc[k][0] * inv_r, acc[k][1] * inv_r);
+      o.y = pack2<T>(acc[k][2] * inv_r, acc[k][3] * inv_r);
+      o.z = pack2<T>(acc[k][4] * inv_r, acc[k][5] * inv_r);
+      o.w = pack2<T>(acc[k][6] * inv_r, acc[k][7] * inv_r);
+      *reinterpret_cast<uint4*>(dst + i * LD + c8 * 8) = o;
+    }
+  }
+}
+
+// One factor pair of one (batch entry, head): a (B, L, H, R), b (B, L, R, HD).
+template <class T>
+struct Pair {
+  const T* a;
+  const T* b;
+  int L, R;
+  float inv_r;
+};
+
+// Builds rows row0.. of a pair's tile straight from global memory.
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
+__device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int H, int row0) {
+  const int64_t t0 = bb * f.L + row0;
+  build_tile<T, HD, ROWS, G>(dst, f.b + t0 * f.R * HD, f.a + (t0 * H + h) * f.R, H * f.R, f.R, f.inv_r,
+                          min(ROWS, f.L - row0));
+}
+
+// Starts staging rows row0.. of a pair: its basis rows (one contiguous block) by cp.async into `stage`
+// (zero past the end), its mixing values for head h into mix[] (slot = thread + k kThreads, from `slot0`).
+template <class T, int HD, int ROWS>
+__device__ void stage_pair(T* stage, float (&mix)[kMixMax / kThreads], int slot0, const Pair<T>& f, int64_t bb,
+                           int h, int H, int row0) {
+  const int valid = max(0, min(ROWS, f.L - row0));
+  const int64_t t0 = bb * f.L + row0;
+  const T* src = f.b + t0 * f.R * HD;
+  const int chunks = ROWS * f.R * HD / 8, valid_chunks = valid * f.R * HD / 8;
+  for (int c = threadIdx.x; c < chunks; c += kThreads) {
+    const bool ok = c < valid_chunks;
+    cp_async16(stage + c * 8, src + (ok ? c * 8 : 0), ok);
+  }
+#pragma unroll
+  for (int k = 0; k < kMixMax / kThreads; ++k) {
+    const int slot = int(threadIdx.x) + k * kThreads - slot0;
+    if (slot >= 0 && slot < ROWS * f.R) {
+      const int i = slot / f.R, r = slot % f.R;
+      mix[k] = i < valid ? to_acc(f.a[((t0 + i) * H + h) * f.R + r]) : 0.f;
+    }
+  }
+}
+
+// Copies rows row0.. of x (B, L, H, HD) for head h into a padded tile by cp.async, zero past L.
+template <class T, int HD, int ROWS>
+__device__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, int L, int row0) {
+  constexpr int LD = HD + 8, CH = HD / 8;
+  for (int idx = threadIdx.x; idx < ROWS * CH; idx += kThreads) {
+    const int i = idx / CH, c8 = idx % CH, n = row0 + i;
+    const bool ok = n < L;
+    cp_async16(dst + i * LD + c8 * 8, x + ((bb * L + (ok ? n : 0)) * H + h) * HD + c8 * 8, ok);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Fragments (see ops/tpa_mma.cuh for the m16n8k16 layouts). Tiles are row-major with LD elements a row.
+
+// A (16 x 16) at rows r0.., columns k0..
+template <int LD, class T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* t, int r0, int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, t + (r0 + (lane & 15)) * LD + k0 + (lane >> 4) * 8);
+}
+// A (16 x 16) at rows m0.., columns k0.. from a tile stored k-major (row k holds m), through the
+// transposing load.
+template <int LD, class T>
+__device__ __forceinline__ void load_a_km(uint32_t (&a)[4], const T* t, int k0, int m0) {
+  const int lane = threadIdx.x % 32, m = lane >> 3;
+  ldmatrix_x4_trans(a, t + (k0 + (lane & 7) + (m >> 1) * 8) * LD + m0 + (m & 1) * 8);
+}
+// B for the n-tiles n0 and n0 + 8, k16 at k0, from a tile stored n-major (row n holds k): b[0..1] for n0,
+// b[2..3] for n0 + 8.
+template <int LD, class T>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* t, int n0, int k0) {
+  const int lane = threadIdx.x % 32, m = lane >> 3;
+  ldmatrix_x4(b, t + (n0 + (lane & 7) + (m >> 1) * 8) * LD + k0 + (m & 1) * 8);
+}
+// The same from a tile stored k-major (row k holds n), through the transposing load.
+template <int LD, class T>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* t, int k0, int n0) {
+  const int lane = threadIdx.x % 32, m = lane >> 3;
+  ldmatrix_x4_trans(b, t + (k0 + (lane & 7) + (m & 1) * 8) * LD + n0 + (m >> 1) * 8);
+}
+
+// acc (16 x 8 NT, NT n-tiles) = A rows r0.. of `a` times rows n0.. of `b` (both HD wide), transposed.
+template <class T, int HD, int NT = 8>
+__device__ __forceinline__ void rows_times_rows_t(float (&acc)[NT][4], const T* a, int r0, const T* b, int n0 = 0) {
+  constexpr int LD = HD + 8;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    uint32_t fa[4];
+    load_a<LD>(fa, a, r0, kk * 16);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t fb[4];
+      load_b_nk<LD>(fb, b, n0 + np * 16, kk * 16);
+      mma16816<T>(acc[2 * np], fa, fb[0], fb[1]);
+      mma16816<T>(acc[2 * np + 1], fa, fb[2], fb[3]);
+    }
+  }
+}
+
+// The same with the A fragments (16 x HD) already in registers.
+template <class T, int HD>
+__device__ __forceinline__ void frags_times_rows_t(float (&acc)[8][4], const uint32_t (&fa)[HD / 16][4],
+                                                   const T* b) {
+  constexpr int LD = HD + 8;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t fb[4];
+      load_b_nk<LD>(fb, b, np * 16, kk * 16);
+      mma16816<T>(acc[2 * np], fa[kk], fb[0], fb[1]);
+      mma16816<T>(acc[2 * np + 1], fa[kk], fb[2], fb[3]);
+    }
+}
+
+// acc (16 x HD) += P (16 x 16 KT, accumulator layout, rounded to T) times rows k0.. of the HD-wide tile x
+// (k-major).
+template <class T, int HD, int KT = 4>
+__device__ __forceinline__ void probs_times_rows(float (&acc)[HD / 8][4], const float (&p)[2 * KT][4], const T* x,
+                                                 int k0 = 0) {
+  constexpr int LD = HD + 8;
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    const uint32_t fa[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                            pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                            pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int ep = 0; ep < HD / 16; ++ep) {
+      uint32_t fb[4];
+      load_b_kn<LD>(fb, x, k0 + kk * 16, ep * 16);
+      mma16816<T>(acc[2 * ep], fa, fb[0], fb[1]);
+      mma16816<T>(acc[2 * ep + 1], fa, fb[2], fb[3]);
+    }
+  }
+}
+
+template <int HD>
+__device__ __forceinline__ void zero(float (&acc)[HD / 8][4]) {
+#pragma unroll
+  for (int t = 0; t < HD / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+}
+
+// Writes a warp's 16 x HD accumulator (rows r0..) into an f32 tile with HD + 4 floats a row.
+template <int HD>
+__device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4], int r0) {
+  constexpr int LDF = HD + 4;
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
+#pragma unroll
+  for (int e = 0; e < HD / 8; ++e) {
+    *reinterpret_cast<float2*>(t + (r0 + g) * LDF + e * 8 + c) = make_float2(acc[e][0], acc[e][1]);
+    *reinterpret_cast<float2*>(t + (r0 + g + 8) * LDF + e * 8 + c) = make_float2(acc[e][2], acc[e][3]);
+  }
+}
+
+// From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the factor gradients of its
+// pair: da[t, h, r] = inv_r dx[t] . b[t, r] (written) and db[t, r, :] += inv_r a[t, h, r] dx[t] (f32 atomics
+// into a workspace that starts at batch entry b0).
+template <class T, int HD>
+__device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db, int64_t bb, int64_t b0, int h,
+                             int H, int row0) {
+  constexpr int LDF = HD + 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = warp; i < kBig; i += kWarps) {
+    const int n = row0 + i;
+    if (n >= f.L) break;
+    const int64_t t = bb * f.L + n;
+    float x[HD / 32];
+#pragma unroll
+    for (int e = 0; e < HD / 32; ++e) x[e] = dx[i * LDF + lane + 32 * e];
+    for (int r = 0; r < f.R; ++r) {
+      const T* br = f.b + (t * f.R + r) * HD;
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < HD / 32; ++e) dot += x[e] * to_acc(br[lane + 32 * e]);
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      const int64_t ai = (t * H + h) * f.R + r;
+      if (lane == 0) da[ai] = from_acc<T>(dot * f.inv_r);
+      const float w = to_acc(f.a[ai]) * f.inv_r;
+      float* dbr = db + ((t - b0 * f.L) * f.R + r) * HD;
+#pragma unroll
+      for (int e = 0; e < HD / 32; ++e) atomicAdd(dbr + lane + 32 * e, w * x[e]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Launchers.
+
+template <class T>
+Params<T> make_params(const AttentionArgs& a) {
+  Params<T> p{};
+  p.aq = static_cast<const T*>(a.aq.data());
+  p.bq = static_cast<const T*>(a.bq.data());
+  p.ak = static_cast<const T*>(a.ak.data());
+  p.bk = static_cast<const T*>(a.bk.data());
+  p.av = static_cast<const T*>(a.av.data());
+  p.bv = static_cast<const T*>(a.bv.data());
+  p.N = int(a.aq.size(1));
+  p.M = int(a.ak.size(1));
+  p.H = int(a.aq.size(2));
+  p.Rq = int(a.aq.size(3));
+  p.Rk = int(a.ak.size(3));
+  p.Rv = int(a.av.size(3));
+  p.inv_rq = 1.f / float(p.Rq);
+  p.inv_rk = 1.f / float(p.Rk);
+  p.inv_rv = 1.f / float(p.Rv);
+  p.scale = float(a.scale);
+  p.sl2 = float(a.scale) * kLog2e;
+  p.causal = a.causal;
+  const int64_t D = a.bq.size(3);
+  p.stage_kv = int64_t(kSmall) * (p.Rk + p.Rv) * D * 2 <= kStageBytes;
+  p.stage_q = int64_t(kSmall) * p.Rq * D * 2 <= kStageBytes;
+  return p;
+}
+
+// Raises a kernel's dynamic shared memory limit once per process.
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t smem, bool& configured) {
+  if (!configured) {
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    configured = true;
+  }
+}
+
+}  // namespace lintape::tpa_cuda::attention_parts
