@@ -46,10 +46,35 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* op) {
 }
 
 // A view needs a contiguous tensor; anything else goes through reshape(), which copies.
+// Strides that show t's elements, in order, with `shape`, when t's layout allows it without a copy: t's dims
+// fall into runs that are contiguous among themselves (a split of one projection's last dim is), and each
+// run must map onto whole new dims, which take their strides from the run's innermost stride.
 bool view_strides(const Tensor& t, const Shape& shape, Shape& strides) {
-  if (!t.is_contiguous()) return false;
-  strides = contiguous_strides(shape);
-  return true;
+  if (t.is_contiguous()) {
+    strides = contiguous_strides(shape);
+    return true;
+  }
+  const Shape& old = t.shape();
+  const Shape& old_st = t.strides();
+  if (old.empty() || t.numel() == 0) return false;
+  strides.assign(shape.size(), 0);
+  int64_t new_d = int64_t(shape.size()) - 1, base = old_st.back(), run = 1, mapped = 1;
+  for (int64_t d = int64_t(old.size()) - 1; d >= 0; --d) {
+    run *= old[size_t(d)];
+    const bool run_ends = d == 0 || (old[size_t(d - 1)] != 1 && old_st[size_t(d - 1)] != run * base);
+    if (!run_ends) continue;
+    while (new_d >= 0 && (mapped < run || shape[size_t(new_d)] == 1)) {
+      strides[size_t(new_d)] = mapped * base;
+      mapped *= shape[size_t(new_d)];
+      --new_d;
+    }
+    if (mapped != run) return false;
+    if (d > 0) {
+      base = old_st[size_t(d - 1)];
+      run = mapped = 1;
+    }
+  }
+  return new_d == -1;
 }
 
 Tensor copy_to(const Tensor& t, DType dtype, Device device) {
@@ -63,8 +88,8 @@ Tensor Tensor::view(const Shape& shape_in) const {
   Shape shape = infer_shape(shape_in, numel(), "view");
   Shape st;
   LT_CHECK(view_strides(*this, shape, st), "[view] a tensor of shape ", shape_str(this->shape()),
-           " with strides ", shape_str(strides()), " is not contiguous and cannot be viewed as ",
-           shape_str(shape), "; call reshape() (which copies) or contiguous() first");
+           " with strides ", shape_str(strides()), " cannot be viewed as ", shape_str(shape),
+           " without a copy; call reshape() (which copies when it must) or contiguous() first");
   Tensor out = alias(*this, shape, st, offset());
   Shape in_shape = this->shape();
   record("view", {*this}, {out}, [in_shape](const Grads& g) -> Grads { return {g[0].reshape(in_shape)}; });

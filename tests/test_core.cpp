@@ -592,7 +592,34 @@ TEST_CASE("bad input copy_ with a shape mismatch") {
 
 TEST_CASE("bad input view of a non-contiguous tensor") {
   Tensor t = empty({2, 3}).transpose(0, 1);
-  check_throws_containing([&] { t.view({6}); }, {"[view]", "not contiguous", "reshape()"});
+  check_throws_containing([&] { t.view({6}); }, {"[view]", "cannot be viewed as (6)", "reshape()"});
+  // A slice of the last dim merges no dims across the slice: (2, 3) of (2, 5) cannot become (6).
+  Tensor s = empty({2, 5}).narrow(1, 1, 3);
+  check_throws_containing([&] { s.view({6}); }, {"[view]", "strides (5, 1)", "cannot be viewed as (6)"});
+}
+
+TEST_CASE("view and reshape of strided tensors share storage where the layout allows") {
+  // One projection split four ways: (B, N, 4 W) sliced to (B, N, W), viewed as (B, N, H, D).
+  Tensor x = iota({2, 3, 24}, DType::F32);
+  Tensor piece = x.narrow(2, 6, 6);
+  Tensor heads = piece.view({2, 3, 2, 3});
+  CHECK(heads.strides() == Shape{72, 24, 3, 1});
+  CHECK(heads.data() == piece.data());
+  CHECK(heads.to_vector<double>() == piece.contiguous().view({2, 3, 2, 3}).to_vector<double>());
+  CHECK(heads.view({6, 6}).data() == piece.data());  // (B, N) merge: batch stride = N x token stride
+  Tensor ones = heads.view({2, 1, 3, 1, 6});  // size-1 dims anywhere
+  CHECK(ones.data() == piece.data());
+  CHECK(ones.to_vector<double>() == piece.contiguous().to_vector<double>());
+  // Merging across the slice needs a copy; reshape makes one.
+  Tensor flat = piece.reshape({2, 18});
+  CHECK(flat.data() != piece.data());
+  CHECK(flat.to_vector<double>() == piece.contiguous().to_vector<double>());
+  // A transposed tensor splits and merges dims within its runs.
+  Tensor t = iota({4, 6}, DType::F32).transpose(0, 1);  // (6, 4), strides (1, 6)
+  CHECK(t.view({2, 3, 4}).strides() == Shape{3, 1, 6});
+  CHECK(t.view({2, 3, 4}).to_vector<double>() == t.contiguous().view({2, 3, 4}).to_vector<double>());
+  CHECK_GRADCHECK([](const std::vector<Tensor>& in) { return in[0].narrow(1, 2, 4).reshape({2, 2, 2}); },
+                  {leaf({2, 7}, 3)});
 }
 
 TEST_CASE("bad input view to a wrong number of elements") {
