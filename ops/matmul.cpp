@@ -65,9 +65,8 @@ Dims dims_of(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   return d;
 }
 
-template <class T>
-void gemm_eigen(const T* a, const T* b, T* c, const Dims& d, bool ta, bool tb) {
-  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+void gemm_eigen(const double* a, const double* b, double* c, const Dims& d, bool ta, bool tb) {
+  using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   int64_t sa = d.shared_a ? 0 : d.m * d.k, sb = d.shared_b ? 0 : d.k * d.n;
   for (int64_t i = 0; i < d.batch; ++i) {
     Eigen::Map<const Mat> A(a + i * sa, ta ? d.k : d.m, ta ? d.m : d.k);
@@ -91,19 +90,16 @@ void gemm(const Operand& a, const Operand& b, Tensor c, const Dims& d, int rank)
   if (c.is_cuda()) return cuda_ops::gemm_cuda(a.t, b.t, c, d.batch, d.m, d.n, d.k, a.trans, b.trans, rank);
 #endif
   LT_CHECK(rank == 0, "[matmul] the CPU has one algorithm; heuristic_rank must be 0, got ", rank);
-  switch (c.dtype()) {
-    case DType::F64:
-      gemm_eigen(a.t.data_ptr<double>(), b.t.data_ptr<double>(), c.data_ptr<double>(), d, a.trans, b.trans);
-      break;
-    case DType::F32:
-      gemm_eigen(a.t.data_ptr<float>(), b.t.data_ptr<float>(), c.data_ptr<float>(), d, a.trans, b.trans);
-      break;
-    default: {  // bf16, f16: through f32 copies
-      Tensor a32 = a.t.to(DType::F32), b32 = b.t.to(DType::F32), c32 = empty(c.shape(), DType::F32);
-      gemm_eigen(a32.data_ptr<float>(), b32.data_ptr<float>(), c32.data_ptr<float>(), d, a.trans, b.trans);
-      c.copy_(c32);
-    }
+  if (c.dtype() == DType::F64) {
+    gemm_eigen(a.t.data_ptr<double>(), b.t.data_ptr<double>(), c.data_ptr<double>(), d, a.trans, b.trans);
+    return;
   }
+  // f32, bf16, f16: through f64 copies, as every CPU path accumulates. Eigen's f32 product (no FMA in a
+  // generic x86-64 build) rounds about twice as much as a tuned BLAS, and the language model's gradient
+  // carries that rounding into training (docs/BENCHMARKS.md, "Correctness against PyTorch").
+  Tensor a64 = a.t.to(DType::F64), b64 = b.t.to(DType::F64), c64 = empty(c.shape(), DType::F64);
+  gemm_eigen(a64.data_ptr<double>(), b64.data_ptr<double>(), c64.data_ptr<double>(), d, a.trans, b.trans);
+  c.copy_(c64);
 }
 
 // op(a) @ op(b) without autograd; either operand may be 2-D and shared (backward needs a shared a).

@@ -1,5 +1,5 @@
-// Matrix products. CPU: Eigen (f32/f64; bf16/f16 through f32). CUDA: cuBLASLt with f32 accumulation,
-// transposes folded into the call, a cached workspace.
+// Matrix products. CPU: Eigen in f64 (other dtypes through f64 copies, rounded once at the end). CUDA:
+// cuBLASLt with f32 accumulation, transposes folded into the call, a cached workspace.
 #pragma once
 #include "../core/tensor.h"
 

@@ -1,4 +1,7 @@
+#include <algorithm>
+#include <cmath>
 #include "helpers.h"
+#include "ops/elementwise.h"
 #include "ops/matmul.h"
 #if LINTAPE_WITH_CUDA
 #include "ops/matmul_cuda.h"
@@ -56,6 +59,17 @@ TEST_CASE("matmul cpu matches a naive product") {
         INFO(dtype_name(dt) << " a " << shape_str(a.shape()) << " b " << shape_str(b.shape()));
         CHECK_CLOSE_TENSOR(matmul(a, b, ta, tb), naive_matmul(a, b, ta, tb), dt);
       }
+}
+
+TEST_CASE("matmul cpu f32 rounds the exact product once") {
+  // Same-signed terms over a long inner dim: an f32 accumulation drifts by several ulps.
+  Tensor a = randn({16, 2048}, DType::F32, Device::cpu(), 5) + 2.0;
+  Tensor b = randn({2048, 8}, DType::F32, Device::cpu(), 6) + 1.0;
+  const std::vector<double> out = matmul(a, b).to_vector<double>();
+  const std::vector<double> exact = naive_matmul(a, b, false, false).to_vector<double>();
+  double worst = 0;
+  for (size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::abs(out[i] - exact[i]) / std::abs(exact[i]));
+  CHECK(worst <= std::ldexp(1.0, -24));  // half an f32 ulp
 }
 
 TEST_CASE("matmul reads transposed views in place and copies other layouts") {

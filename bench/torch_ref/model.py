@@ -24,24 +24,30 @@ def model_config(config):
     return config["model"] if "model" in config else config
 
 
+def at_least_f32(dtype):
+    """The dtype of statistics, angles, states and the loss: f32, or f64 for an f64 model (MODEL.md's "in
+    f32" is a floor, and an f64 run that rounds any of them to f32 is no f64 reference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_norm(x, w, eps):
-    # Statistics in f32 whatever x's dtype (MODEL.md).
-    xf = x.float()
+    # Statistics in f32 (at least) whatever x's dtype (MODEL.md).
+    xf = x.to(at_least_f32(x.dtype))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w.to(x.dtype)
 
 
 def lrpe_cosine(x, theta, offset=0):
-    """x (B, N, H, D), theta (H, D): [x cos(angle), x sin(angle)] of width 2D, angle in f32."""
-    n = x.shape[1]
-    pos = torch.arange(n, device=x.device, dtype=torch.float32) + offset
-    angle = pos[:, None, None] * theta[None].float()  # (N, H, D)
+    """x (B, N, H, D), theta (H, D): [x cos(angle), x sin(angle)] of width 2D, angle in f32 (at least)."""
+    n, at = x.shape[1], at_least_f32(x.dtype)
+    pos = torch.arange(n, device=x.device, dtype=at) + offset
+    angle = pos[:, None, None] * theta[None].to(at)  # (N, H, D)
     return torch.cat([x * torch.cos(angle).to(x.dtype), x * torch.sin(angle).to(x.dtype)], dim=-1)
 
 
 def rotary(x, theta):
     """Half-split rotary over the last dim of x (B, N, R, D) at positions 0..N-1; theta (D/2)."""
-    n, half = x.shape[1], x.shape[-1] // 2
-    angle = torch.arange(n, device=x.device, dtype=torch.float32)[:, None, None] * theta.float()  # (N, 1, D/2)
+    n, half, at = x.shape[1], x.shape[-1] // 2, at_least_f32(x.dtype)
+    angle = torch.arange(n, device=x.device, dtype=at)[:, None, None] * theta.to(at)  # (N, 1, D/2)
     cos, sin = torch.cos(angle).to(x.dtype), torch.sin(angle).to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -50,19 +56,19 @@ def rotary(x, theta):
 def causal_decayed_linear_attention(q, k, v, lam, chunk=64):
     """o_t = sum_{s <= t} lam^(t - s) (q_t . k_s) v_s per head; q, k (B, N, H, P), v (B, N, H, E), lam (H).
 
-    Chunkwise: a masked decayed product inside each chunk and a P x E state in f32 across chunks.
+    Chunkwise: a masked decayed product inside each chunk and a P x E state in f32 (at least) across chunks.
     """
     B, N, H, P = q.shape
     E = v.shape[-1]
-    dt = q.dtype
-    qf, kf, vf = q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2)  # (B, H, N, .)
-    log_lam = torch.log(lam.float())[None, :, None]  # (1, H, 1)
-    state = q.new_zeros(B, H, P, E, dtype=torch.float32)
+    dt, at = q.dtype, at_least_f32(q.dtype)
+    qf, kf, vf = q.to(at).transpose(1, 2), k.to(at).transpose(1, 2), v.to(at).transpose(1, 2)  # (B, H, N, .)
+    log_lam = torch.log(lam.to(at))[None, :, None]  # (1, H, 1)
+    state = q.new_zeros(B, H, P, E, dtype=at)
     out = []
     for start in range(0, N, chunk):
         qc, kc, vc = qf[:, :, start:start + chunk], kf[:, :, start:start + chunk], vf[:, :, start:start + chunk]
         c = qc.shape[2]
-        i = torch.arange(c, device=q.device, dtype=torch.float32)
+        i = torch.arange(c, device=q.device, dtype=at)
         # lam^(t - s) for s <= t inside the chunk, 0 above the diagonal.
         diff = i[:, None] - i[None, :]
         decay = torch.where(diff >= 0, torch.exp(log_lam[..., None] * diff.clamp(min=0)), torch.zeros(()))
@@ -190,7 +196,8 @@ class LanguageModel(nn.Module):
 
     def loss(self, tokens, targets):
         logits = self.logits(tokens)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+        logits = logits.to(at_least_f32(logits.dtype))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
 
     # -- MODEL.md's parameter names <-> this module's
     def lintape_names(self):

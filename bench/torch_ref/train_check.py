@@ -7,8 +7,16 @@ steps: the batches of `lintape train` (windows of seq + 1 tokens from the data p
 the file held out), its learning-rate schedule, global-norm clipping and AdamW (MODEL.md). The script
 prints both losses per step and exits 1 when one differs by more than --tolerance (relative).
 
+Free-running, the two trajectories part by rounding alone: early in training a one-step difference grows
+about tenfold per step, so that two PyTorch float32 replays of the same checkpoint (its CPU results vary
+from run to run) or PyTorch float32 against float64 differ by more than 1e-4 within 4 to 8 steps. --per-step
+takes lintape's checkpoint of every step instead: each PyTorch step starts from lintape's parameters and
+moments, the loss compares one forward, and "update diff" is |PyTorch's update - lintape's| / |lintape's|
+over all parameters.
+
 Usage: python3 bench/torch_ref/train_check.py --lintape build/lintape --data FILE [--preset tiny]
-           [--device cpu|cuda] [--dtype f32|bf16] [--batch B] [--seq N] [--mixers fal,tpa] [--workdir DIR]
+           [--device cpu|cuda] [--dtype f32|bf16] [--batch B] [--seq N] [--mixers fal,tpa] [--per-step]
+           [--workdir DIR]
 """
 import argparse
 import json
@@ -54,21 +62,44 @@ class Batches:
         return w[:, :-1], w[:, 1:]
 
 
-def run_lintape(args, workdir):
-    ckpt, log = os.path.join(workdir, "ckpt"), os.path.join(workdir, "train.jsonl")
-    cmd = [args.lintape, "train", "--preset", args.preset, "--data", args.data, "--device", args.device,
-           "--steps", str(args.start + args.steps), "--checkpoint-dir", ckpt,
-           "--checkpoint-every", str(args.start), "--log", log, "--seed", "0"]
+def lintape_train(args, ckpt, log, steps, checkpoint_every, config=""):
+    cmd = [args.lintape, "train", "--data", args.data, "--device", args.device, "--steps", str(steps),
+           "--checkpoint-dir", ckpt, "--checkpoint-every", str(checkpoint_every), "--log", log, "--seed", "0"]
+    cmd += ["--config", config] if config else ["--preset", args.preset]
     for flag in ("batch", "seq", "mixers", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", str(getattr(args, flag))]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     rows = [json.loads(line) for line in open(log) if '"loss"' in line]
-    return os.path.join(ckpt, f"step_{args.start:08d}"), {r["step"]: r for r in rows}
+    return {r["step"]: r for r in rows}
 
 
-def replay(args, step_dir):
+def run_lintape(args, workdir):
+    """lintape's log rows by step and its checkpoint directory: the start step's checkpoint, or with
+    --per-step every step's (the command line keeps 3, so a config from a one-step run keeps them all)."""
+    ckpt, log = os.path.join(workdir, "ckpt"), os.path.join(workdir, "train.jsonl")
+    total = args.start + args.steps
+    if not args.per_step:
+        return ckpt, lintape_train(args, ckpt, log, total, args.start)
+    probe = os.path.join(workdir, "probe")
+    lintape_train(args, probe, os.path.join(workdir, "probe.jsonl"), 1, 1)
+    with open(os.path.join(probe, "step_00000001", "state.json")) as f:
+        config = json.load(f)["config"]
+    config.update(steps=total, checkpoint_every=1, keep_checkpoints=total)
+    config_path = os.path.join(workdir, "config.json")
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return ckpt, lintape_train(args, ckpt, log, total, 1, config_path)
+
+
+def step_dir_of(ckpt, step):
+    return os.path.join(ckpt, f"step_{step:08d}")
+
+
+def replay(args, step_dir, steps):
+    """PyTorch's `steps` steps from a lintape checkpoint: {step: (loss, lr, grad norm)} and the parameters
+    by MODEL.md name."""
     from safetensors.torch import load_file
 
     device = torch.device(args.device)
@@ -82,7 +113,7 @@ def replay(args, step_dir):
     batches = Batches(load_tokens(args.data), cfg["batch"], model.cfg["seq_len"], train["data_position"])
     b1, b2, eps, wd = 0.9, 0.95, 1e-8, cfg["weight_decay"]
     losses = {}
-    for step in range(train["step"], train["step"] + args.steps):
+    for step in range(train["step"], train["step"] + steps):
         tokens, targets = (t.to(device) for t in batches.next())
         model.zero_grad(set_to_none=True)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
@@ -102,7 +133,26 @@ def replay(args, step_dir):
                 v[n].mul_(b2).addcmul_(g, g, value=1 - b2)
                 p.sub_(lr * (m[n] / (1 - b1 ** t)) / (torch.sqrt(v[n] / (1 - b2 ** t)) + eps))
         losses[step + 1] = (loss.item(), lr, norm.item())
-    return losses
+    return losses, names
+
+
+def update_difference(ckpt, step, names):
+    """|PyTorch's update from lintape's checkpoint at step - 1 - lintape's update| / |lintape's update|."""
+    from safetensors.torch import load_file
+
+    before, after = (load_file(os.path.join(step_dir_of(ckpt, s), "model.safetensors")) for s in (step - 1, step))
+    diff = sum(((p.detach().cpu().double() - after[n].double()) ** 2).sum() for n, p in names.items())
+    update = sum(((after[n].double() - before[n].double()) ** 2).sum() for n in names)
+    return math.sqrt(diff / update)
+
+
+def replay_each_step(args, ckpt):
+    """One PyTorch step from lintape's checkpoint of each step: {step: (loss, lr, grad norm, update diff)}."""
+    rows = {}
+    for step in range(args.start, args.start + args.steps):
+        losses, names = replay(args, step_dir_of(ckpt, step), 1)
+        rows[step + 1] = losses[step + 1] + (update_difference(ckpt, step + 1, names),)
+    return rows
 
 
 def main():
@@ -118,6 +168,7 @@ def main():
     ap.add_argument("--start", type=int, default=5, help="the checkpoint step both start from")
     ap.add_argument("--steps", type=int, default=10, help="steps compared")
     ap.add_argument("--fla", action="store_true", help="FAL mixer on flash-linear-attention's kernel")
+    ap.add_argument("--per-step", action="store_true", help="each PyTorch step from lintape's parameters")
     ap.add_argument("--tolerance", type=float, default=0.0, help="relative; default 1e-4 (f32), 2e-2 (bf16)")
     ap.add_argument("--workdir", default="")
     args = ap.parse_args()
@@ -125,20 +176,21 @@ def main():
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="lintape-train-check-")
     try:
-        step_dir, theirs = run_lintape(args, workdir)
-        ours = replay(args, step_dir)
+        ckpt, theirs = run_lintape(args, workdir)
+        ours = replay_each_step(args, ckpt) if args.per_step else replay(args, step_dir_of(ckpt, args.start),
+                                                                         args.steps)[0]
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     worst = 0.0
     print(f"{'step':>5} {'lintape loss':>13} {'pytorch loss':>13} {'rel diff':>9} {'lr (lintape, pytorch)':>26}"
-          f" {'grad norm (lintape, pytorch)':>30}")
-    for step, (loss, lr, norm) in ours.items():
+          f" {'grad norm (lintape, pytorch)':>30}" + (f" {'update diff':>11}" if args.per_step else ""))
+    for step, (loss, lr, norm, *update) in ours.items():
         row = theirs[step]
         rel = abs(loss - row["loss"]) / abs(row["loss"])
         worst = max(worst, rel)
         print(f"{step:5d} {row['loss']:13.6f} {loss:13.6f} {rel:9.2e} {row['lr']:12.4e} {lr:12.4e}"
-              f" {row.get('grad_norm', float('nan')):14.7g} {norm:14.7g}")
+              f" {row.get('grad_norm', float('nan')):14.7g} {norm:14.7g}" + "".join(f" {u:11.2e}" for u in update))
     ok = worst <= tolerance
     print(f"largest relative difference {worst:.2e} over {len(ours)} steps: "
           f"{'within' if ok else 'OUTSIDE'} {tolerance:g}")
