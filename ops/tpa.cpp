@@ -316,6 +316,7 @@ Tensor run_composed(const Factors& f, double scale, const Visibility& vis) {
   return matmul(softmax(s, 3), v).permute({0, 2, 1, 3}).contiguous();  // (B, N, H, E)
 }
 
+#if LINTAPE_WITH_CUDA
 // Fused decode reads the k/v factors in place when each batch entry's rows are contiguous (a TpaCache's
 // buffers narrowed to the used rows are).
 Tensor rows_contiguous(const Tensor& t) {
@@ -323,6 +324,7 @@ Tensor rows_contiguous(const Tensor& t) {
   const bool ok = st[3] == 1 && st[2] == t.size(3) && st[1] == t.size(2) * t.size(3);
   return ok ? t : t.contiguous();
 }
+#endif
 
 Tensor run_fused_decode(const Factors& f, double scale, const std::vector<int64_t>& lengths) {
   const char* op = "tpa_decode";
