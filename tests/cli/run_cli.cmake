@@ -67,6 +67,6 @@ if(NOT EXISTS "${WORK}/train.json")
   message(SEND_ERROR "bench train --json ${WORK}/train.json wrote no JSON")
 endif()
 expect(2 "--batch applies to bench train only" bench copy --device cpu --batch 4)
-expect(0 "fal +3 .*tpa +1 .*optimizer .*sum of the parts [0-9.]+ ms; a whole step timed alone" profile --device cpu
+expect(0 "fal +3 .*tpa +1 .*optimizer .*sum of the parts [0-9.]+ ms; a whole step timed alone.*by op .*fwd ms +bwd ms .*fal +fal +3 +[0-9.]+ +[0-9.]+ +[0-9.]+%" profile --device cpu
        --preset tiny --batch 1 --seq 32 --vocab 256 --steps 1 --warmup 0)
 expect(2 "--preset: huge not in" profile --device cpu --preset huge)
