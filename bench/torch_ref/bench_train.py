@@ -20,10 +20,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import LanguageModel, rms_norm  # noqa: E402
+from model import LanguageModel  # noqa: E402
 
 SMALL = {"vocab_size": 32768, "width": 768, "layers": 12, "heads": 6, "head_dim": 128, "mlp_hidden": 2048,
          "tpa_ranks": [6, 2, 2], "seq_len": 2048, "norm_eps": 1e-6}
@@ -51,25 +50,13 @@ def make_optimizer(model, lr):
 def compiled_loss(model, scope):
     """model.loss under torch.compile. scope "model": the whole loss as one graph (twelve blocks unrolled:
     minutes to compile); "blocks": each block compiled in place (one compiled graph serves all twelve, as
-    their code and shapes are equal) and the embedding, final norm, head and loss compiled on their own."""
+    their code and shapes are equal) and the final norm, head and loss compiled on their own."""
     if scope == "model":
         return torch.compile(model.loss)
     for block in model.blocks:
         block.compile()
-    eps = model.cfg["norm_eps"]
-
-    @torch.compile
-    def head_loss(x, wte, norm, targets):
-        logits = rms_norm(x, norm, eps) @ wte.to(x.dtype).t()
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
-
-    def loss(tokens, targets):
-        x = model.wte[tokens]
-        for block in model.blocks:
-            x = block(x)
-        return head_loss(x, model.wte, model.norm, targets)
-
-    return loss
+    head_loss = torch.compile(model.head_loss)
+    return lambda tokens, targets: head_loss(model.hidden(tokens), targets)
 
 
 def time_steps(model, opt, args, compiled):

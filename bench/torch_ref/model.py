@@ -188,16 +188,27 @@ class LanguageModel(nn.Module):
                     std = out_std if name.endswith("out.weight") or name.endswith("mlp.down.weight") else 0.02
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def logits(self, tokens):
+    def hidden(self, tokens):
+        """The embedding and the blocks: the last block's output."""
         x = self.wte[tokens]
         for block in self.blocks:
             x = block(x)
+        return x
+
+    def head(self, x):
+        """The final norm and the tied head: logits from the last block's output."""
         return rms_norm(x, self.norm, self.cfg["norm_eps"]) @ self.wte.to(x.dtype).t()
 
-    def loss(self, tokens, targets):
-        logits = self.logits(tokens)
+    def head_loss(self, x, targets):
+        logits = self.head(x)
         logits = logits.to(at_least_f32(logits.dtype))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+
+    def logits(self, tokens):
+        return self.head(self.hidden(tokens))
+
+    def loss(self, tokens, targets):
+        return self.head_loss(self.hidden(tokens), targets)
 
     # -- MODEL.md's parameter names <-> this module's
     def lintape_names(self):
