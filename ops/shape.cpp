@@ -45,7 +45,6 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* op) {
   return out;
 }
 
-// A view needs a contiguous tensor; anything else goes through reshape(), which copies.
 // Strides that show t's elements, in order, with `shape`, when t's layout allows it without a copy: t's dims
 // fall into runs that are contiguous among themselves (a split of one projection's last dim is), and each
 // run must map onto whole new dims, which take their strides from the run's innermost stride.
