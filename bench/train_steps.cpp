@@ -9,10 +9,8 @@
 #include "autograd/tape.h"
 #include "bench/harness.h"
 #include "core/allocator.h"
-#include "ops/cross_entropy.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
-#include "ops/matmul.h"
 #include "train/trainer.h"
 #if LINTAPE_WITH_CUDA
 #include "core/cuda.h"
@@ -110,9 +108,7 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, siz
   }
   size_t normed = add_part("norm", "final norm", {x}, [&m](const std::vector<Tensor>& v) { return m.norm.forward(v[0]); });
   *loss_value = add_part("head and loss", "head and loss", {normed}, [&m, targets](const std::vector<Tensor>& v) {
-    Tensor logits = matmul(v[0], m.wte.to(m.compute_dtype()), false, true);
-    const int64_t rows = targets.numel();
-    return cross_entropy(logits.reshape({rows, m.config().vocab_size}), targets.reshape({rows}), -1);
+    return m.head_loss(v[0], m.wte.to(m.compute_dtype()), targets);
   });
   return parts;
 }

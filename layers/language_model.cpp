@@ -127,22 +127,30 @@ void LanguageModel::set_compute_dtype(DType dtype) {
 
 DType LanguageModel::compute_dtype() const { return has_compute_dtype_ ? compute_dtype_ : wte.dtype(); }
 
-Tensor LanguageModel::forward(const Tensor& tokens) const {
+Tensor LanguageModel::normed_hidden(const Tensor& tokens, const Tensor& w) const {
   LT_CHECK(tokens.dim() == 2, "[LanguageModel] tokens must be (B, N); got ", shape_str(tokens.shape()));
-  const Tensor w = wte.to(compute_dtype());
   Tensor x = embedding(w, tokens);
   for (const auto& block : blocks) x = block->forward(x);
-  return matmul(norm.forward(x), w, false, true);
+  return norm.forward(x);
+}
+
+Tensor LanguageModel::forward(const Tensor& tokens) const {
+  const Tensor w = wte.to(compute_dtype());
+  return matmul(normed_hidden(tokens, w), w, false, true);
 }
 
 Tensor LanguageModel::loss(const Tensor& tokens, const Tensor& targets) const {
   LT_CHECK(targets.shape() == tokens.shape(), "[LanguageModel] targets must have the tokens' shape ",
            shape_str(tokens.shape()), "; got ", shape_str(targets.shape()));
-  Tensor logits = forward(tokens);
-  // The loss and its softmax statistics are float32 even under 16-bit activations (cross_entropy reads
-  // 16-bit logits and accumulates in float32, so no float32 copy of the logits is made).
-  const int64_t rows = tokens.numel(), V = config_.vocab_size;
-  return cross_entropy(logits.reshape({rows, V}), targets.reshape({rows}), -1);
+  const Tensor w = wte.to(compute_dtype());
+  return head_loss(normed_hidden(tokens, w), w, targets);
+}
+
+Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& w, const Tensor& targets) const {
+  // The loss and its softmax statistics are float32 even under 16-bit activations; the logits exist one
+  // chunk of rows at a time (linear_cross_entropy).
+  const int64_t rows = targets.numel();
+  return linear_cross_entropy(h.reshape({rows, config_.width}), w, targets.reshape({rows}), -1);
 }
 
 DecodeState LanguageModel::start_decoding(int64_t batch) const {

@@ -62,6 +62,9 @@ class LanguageModel : public Module {
   // Mean cross-entropy over the targets (B, N) that are not -1; float32 (float64 for f64 parameters),
   // whatever the compute dtype.
   Tensor loss(const Tensor& tokens, const Tensor& targets) const;
+  // The tied head and the loss on the final norm's output h (B, N, C), with w = wte in the compute dtype:
+  // linear_cross_entropy, so the (B, N, V) logits are never held (loss() is normed_hidden + this).
+  Tensor head_loss(const Tensor& h, const Tensor& w, const Tensor& targets) const;
 
   // Mixed precision: the parameters stay as they are (the float32 master weights the optimizer updates);
   // forward casts wte to `dtype` once (a recorded cast, used by the embedding and the tied head), so the
@@ -85,6 +88,8 @@ class LanguageModel : public Module {
   RMSNorm norm;
 
  private:
+  // Embedding, blocks and the final norm: (B, N, C) in the compute dtype; w is wte in that dtype.
+  Tensor normed_hidden(const Tensor& tokens, const Tensor& w) const;
   ModelConfig config_;
   bool has_compute_dtype_ = false;
   DType compute_dtype_ = DType::F32;

@@ -49,7 +49,8 @@ SwiGluMlp::SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_
 }
 
 Tensor SwiGluMlp::forward(const Tensor& x) const {
-  return down.forward(swiglu(up.forward(x)));  // up's rows: [u, gate]
+  // up's rows: [u, gate]; the SwiGLU output is made again in the backward rather than held.
+  return swiglu_linear(up.forward(x), weight_as(down.weight, x));
 }
 
 }  // namespace lintape

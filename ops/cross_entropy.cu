@@ -1,5 +1,6 @@
 // cross_entropy kernels. Forward: one block per row reads the row once with an online max / sum-exp
-// (one exp per element), then a single block sums the row losses and counts the rows not ignored.
+// (one exp per element), then a single block sums the row losses and counts the rows not ignored
+// (linear_cross_entropy runs the row kernel per chunk of rows and the sum once).
 // Backward: one block per row writes (exp(x - lse) - onehot) * dloss / count. Rows are read in 16-byte
 // packs from their first 16-byte boundary on, so an odd V (50257) keeps vector loads.
 #include <cstdint>
@@ -57,7 +58,7 @@ template <class T> constexpr int kVec = 16 / sizeof(T);
 template <class T, class I>
 __global__ void forward_rows_kernel(const T* __restrict__ logits, const I* __restrict__ targets, int64_t classes,
                                     int64_t ignore_index, acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ row_loss,
-                                    long long* bad) {
+                                    long long* bad, int64_t row_offset) {
   using A = acc_t<T>;
   constexpr int V = kVec<T>;
   using P = Pack<T, V>;
@@ -104,7 +105,8 @@ __global__ void forward_rows_kernel(const T* __restrict__ logits, const I* __res
   A loss = 0;
   if (t != ignore_index) {
     if (t < 0 || t >= classes) {
-      if (atomicCAS(reinterpret_cast<unsigned long long*>(bad), 0ull, (unsigned long long)(row + 1)) == 0ull)
+      if (atomicCAS(reinterpret_cast<unsigned long long*>(bad), 0ull, (unsigned long long)(row_offset + row + 1)) ==
+          0ull)
         bad[1] = t;
     } else {
       loss = l - to_acc(x[t]);
@@ -113,19 +115,18 @@ __global__ void forward_rows_kernel(const T* __restrict__ logits, const I* __res
   row_loss[row] = loss;
 }
 
-// One block: loss = sum of row losses / count (0 when count is 0).
-template <class T, class I>
-__global__ void forward_reduce_kernel(const acc_t<T>* __restrict__ row_loss, const I* __restrict__ targets,
-                                      int64_t rows, int64_t ignore_index, acc_t<T>* __restrict__ loss,
-                                      long long* __restrict__ count) {
-  using A = acc_t<T>;
+// One block: loss = sum of row losses / count (0 when count is 0). Without row losses (and loss) it only
+// counts the rows not ignored.
+template <class A, class I>
+__global__ void forward_reduce_kernel(const A* __restrict__ row_loss, const I* __restrict__ targets, int64_t rows,
+                                      int64_t ignore_index, A* __restrict__ loss, long long* __restrict__ count) {
   __shared__ A s_sum[32];
   __shared__ long long s_cnt[32];
   A sum = 0;
   long long cnt = 0;
   for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
     if (int64_t(targets[i]) == ignore_index) continue;
-    sum += row_loss[i];
+    if (row_loss) sum += row_loss[i];
     ++cnt;
   }
   for (int o = 16; o > 0; o >>= 1) {
@@ -148,7 +149,7 @@ __global__ void forward_reduce_kernel(const acc_t<T>* __restrict__ row_loss, con
   }
   if (lane == 0) {
     *count = cnt;
-    *loss = cnt > 0 ? sum / A(cnt) : A(0);
+    if (loss) *loss = cnt > 0 ? sum / A(cnt) : A(0);
   }
 }
 
@@ -185,25 +186,33 @@ __global__ void backward_kernel(const acc_t<T>* __restrict__ dloss, const T* __r
 }
 
 template <class T, class I>
-void forward(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss, const Tensor& lse,
-             const Tensor& count, const Tensor& bad) {
+void rows_forward(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
+                  const Tensor& row_loss, const Tensor& bad, int64_t row_offset) {
   using A = acc_t<T>;
-  int64_t rows = logits.size(0), classes = logits.size(1);
-  cudaStream_t s = stream(logits.device().index);
-  const T* x = static_cast<const T*>(logits.data());
-  const I* tg = static_cast<const I*>(targets.data());
-  Tensor row_loss = empty({rows}, lse.dtype(), logits.device());
-  if (rows > 0) {
-    auto* lp = static_cast<A*>(lse.data());
-    auto* rp = static_cast<A*>(row_loss.data());
-    auto* bp = static_cast<long long*>(bad.data());
-    forward_rows_kernel<T, I><<<unsigned(rows), kThreads, 0, s>>>(x, tg, classes, ignore_index, lp, rp, bp);
-    LT_CUDA_CHECK_LAUNCH();
-  }
-  forward_reduce_kernel<T, I><<<1, kReduceThreads, 0, s>>>(static_cast<const A*>(row_loss.data()), tg, rows,
-                                                           ignore_index, static_cast<A*>(loss.data()),
-                                                           static_cast<long long*>(count.data()));
+  const int64_t rows = logits.size(0), classes = logits.size(1);
+  if (rows == 0) return;
+  forward_rows_kernel<T, I><<<unsigned(rows), kThreads, 0, stream(logits.device().index)>>>(
+      static_cast<const T*>(logits.data()), static_cast<const I*>(targets.data()), classes, ignore_index,
+      static_cast<A*>(lse.data()), static_cast<A*>(row_loss.data()), static_cast<long long*>(bad.data()), row_offset);
   LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class A, class I>
+void reduce(const Tensor& row_loss, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
+            const Tensor& count) {
+  forward_reduce_kernel<A, I><<<1, kReduceThreads, 0, stream(targets.device().index)>>>(
+      row_loss.defined() ? static_cast<const A*>(row_loss.data()) : nullptr, static_cast<const I*>(targets.data()),
+      targets.numel(), ignore_index, loss.defined() ? static_cast<A*>(loss.data()) : nullptr,
+      static_cast<long long*>(count.data()));
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+// Calls f.template operator()<I>() with I the targets' index type.
+template <class F> void with_index_type(const Tensor& targets, F&& f) {
+  if (targets.dtype() == DType::I64)
+    f(int64_t{});
+  else
+    f(int32_t{});
 }
 
 template <class T, class I>
@@ -214,7 +223,8 @@ void backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets, 
   if (rows == 0) return;
   cudaStream_t s = stream(logits.device().index);
   auto launch = [&](auto kernel) {
-    kernel<<<unsigned(rows), kThreads, 0, s>>>(static_cast<const A*>(dloss.data()), static_cast<const T*>(logits.data()),
+    kernel<<<unsigned(rows), kThreads, 0, s>>>(static_cast<const A*>(dloss.data()),
+                                               static_cast<const T*>(logits.data()),
                                                static_cast<const I*>(targets.data()), classes, ignore_index,
                                                static_cast<const A*>(lse.data()),
                                                static_cast<const long long*>(count.data()),
@@ -230,23 +240,39 @@ void backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets, 
 
 }  // namespace
 
+void cross_entropy_rows_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
+                             const Tensor& row_loss, const Tensor& bad, int64_t row_offset) {
+  LT_DISPATCH_FLOAT_CUDA(logits.dtype(), "cross_entropy", T, {
+    with_index_type(targets, [&](auto index) {
+      rows_forward<T, decltype(index)>(logits, targets, ignore_index, lse, row_loss, bad, row_offset);
+    });
+  });
+}
+
+void cross_entropy_reduce_cuda(const Tensor& row_loss, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
+                               const Tensor& count, DType acc_dtype) {
+  with_index_type(targets, [&](auto index) {
+    using I = decltype(index);
+    if (acc_dtype == DType::F64)
+      reduce<double, I>(row_loss, targets, ignore_index, loss, count);
+    else
+      reduce<float, I>(row_loss, targets, ignore_index, loss, count);
+  });
+}
+
 void cross_entropy_forward_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
                                 const Tensor& lse, const Tensor& count, const Tensor& bad) {
-  LT_DISPATCH_FLOAT_CUDA(logits.dtype(), "cross_entropy", T, {
-    if (targets.dtype() == DType::I64)
-      forward<T, int64_t>(logits, targets, ignore_index, loss, lse, count, bad);
-    else
-      forward<T, int32_t>(logits, targets, ignore_index, loss, lse, count, bad);
-  });
+  Tensor row_loss = empty({logits.size(0)}, lse.dtype(), logits.device());
+  cross_entropy_rows_cuda(logits, targets, ignore_index, lse, row_loss, bad, 0);
+  cross_entropy_reduce_cuda(row_loss, targets, ignore_index, loss, count, lse.dtype());
 }
 
 void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, const Tensor& targets,
                                  int64_t ignore_index, const Tensor& lse, const Tensor& count, const Tensor& dlogits) {
   LT_DISPATCH_FLOAT_CUDA(logits.dtype(), "cross_entropy", T, {
-    if (targets.dtype() == DType::I64)
-      backward<T, int64_t>(dloss, logits, targets, ignore_index, lse, count, dlogits);
-    else
-      backward<T, int32_t>(dloss, logits, targets, ignore_index, lse, count, dlogits);
+    with_index_type(targets, [&](auto index) {
+      backward<T, decltype(index)>(dloss, logits, targets, ignore_index, lse, count, dlogits);
+    });
   });
 }
 

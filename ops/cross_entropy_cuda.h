@@ -10,6 +10,13 @@ namespace lintape::cuda_ops {
 // dtype). A target out of range is recorded in `bad` (2 x i64, zeroed by the caller) as (row + 1, target).
 void cross_entropy_forward_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
                                 const Tensor& lse, const Tensor& count, const Tensor& bad);
+// The forward's two halves. Rows: lse and row_loss (T each, contiguous) for a chunk of rows whose first row
+// is row `row_offset` of the whole (for `bad`). Reduce: loss = sum(row_loss) / count over the rows not
+// ignored, and count; with row_loss and loss undefined it only counts. acc_dtype: f32, or f64 for f64.
+void cross_entropy_rows_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
+                             const Tensor& row_loss, const Tensor& bad, int64_t row_offset);
+void cross_entropy_reduce_cuda(const Tensor& row_loss, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
+                               const Tensor& count, DType acc_dtype);
 // dlogits (T, V) = (softmax - onehot) * dloss / count; rows ignored (or all, when count is 0) get 0.
 void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, const Tensor& targets,
                                  int64_t ignore_index, const Tensor& lse, const Tensor& count, const Tensor& dlogits);

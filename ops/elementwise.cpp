@@ -6,6 +6,7 @@
 #include "autograd/tape.h"
 #include "core/strided.h"
 #include "ops/elementwise_cuda.h"
+#include "ops/matmul.h"
 #include "ops/reduce.h"
 
 namespace lintape {
@@ -195,9 +196,10 @@ Tensor silu(const Tensor& x) { return activation(UnaryOp::Silu, BinaryOp::SiluBa
 Tensor gelu(const Tensor& x) { return activation(UnaryOp::Gelu, BinaryOp::GeluBackward, false, "gelu", x); }
 
 namespace {
-// The CPU SwiGLU, one row at a time: out = silu(g) u, or (dy given) du = dy silu(g), dg = silu'(g) dy u.
+// The CPU SwiGLU, one row at a time: out = silu(g) u, or (dy given) du = dy silu(g), dg = silu'(g) dy u,
+// and out = silu(g) u into `recomputed` when it is given.
 template <class T>
-void swiglu_cpu(const T* h, const T* dy, T* out, int64_t rows, int64_t F) {
+void swiglu_cpu(const T* h, const T* dy, T* out, T* recomputed, int64_t rows, int64_t F) {
   using C = cpu_compute_t<T>;
   for (int64_t r = 0; r < rows; ++r) {
     const T *u = h + r * 2 * F, *g = u + F;
@@ -209,45 +211,91 @@ void swiglu_cpu(const T* h, const T* dy, T* out, int64_t rows, int64_t F) {
         const C d = C(dy[r * F + j]);
         out[r * 2 * F + j] = T(d * elementwise::Silu{}(gj));
         out[r * 2 * F + F + j] = T(elementwise::SiluBackward{}(gj, d * uj));
+        if (recomputed) recomputed[r * F + j] = T(elementwise::Silu{}(gj) * uj);
       }
     }
   }
 }
+
+// out = swiglu(h) (h contiguous (rows, 2F), out (rows, F)).
+void swiglu_forward(const Tensor& h, const Tensor& out, int64_t rows, int64_t F) {
+  if (out.numel() == 0) return;
+#if LINTAPE_WITH_CUDA
+  if (h.is_cuda()) return elementwise::swiglu_forward_cuda(h, out);
+#endif
+  LT_DISPATCH_FLOAT(h.dtype(), "swiglu", T,
+                    { swiglu_cpu<T>(h.data_ptr<T>(), nullptr, out.data_ptr<T>(), nullptr, rows, F); });
+}
+
+// dh (rows, 2F) from h and dy (rows, F); the forward's output into `recomputed` when it is defined.
+void swiglu_backward(const Tensor& h, const Tensor& dy, const Tensor& dh, const Tensor& recomputed, int64_t rows,
+                     int64_t F) {
+  if (dh.numel() == 0) return;
+#if LINTAPE_WITH_CUDA
+  if (dh.is_cuda()) return elementwise::swiglu_backward_cuda(h, dy, dh, recomputed);
+#endif
+  LT_DISPATCH_FLOAT(dh.dtype(), "swiglu", T, {
+    swiglu_cpu<T>(h.data_ptr<T>(), dy.data_ptr<T>(), dh.data_ptr<T>(),
+                  recomputed.defined() ? recomputed.data_ptr<T>() : nullptr, rows, F);
+  });
+}
+
+int64_t swiglu_width(const Tensor& h, const char* op) {
+  check_float(h, op);
+  LT_CHECK(h.dim() >= 1 && h.size(-1) % 2 == 0, "[", op, "] h must be (..., 2F) with an even last dim; got ",
+           shape_str(h.shape()));
+  return h.size(-1) / 2;
+}
 }  // namespace
 
 Tensor swiglu(const Tensor& h) {
-  check_float(h, "swiglu");
-  LT_CHECK(h.dim() >= 1 && h.size(-1) % 2 == 0, "[swiglu] h must be (..., 2F) with an even last dim; got ",
-           shape_str(h.shape()));
-  const int64_t F = h.size(-1) / 2, rows = F == 0 ? 0 : h.numel() / (2 * F);
+  const int64_t F = swiglu_width(h, "swiglu"), rows = F == 0 ? 0 : h.numel() / (2 * F);
   Shape out_shape = h.shape();
   out_shape.back() = F;
   Tensor hc = h.detach().contiguous(), out = empty(out_shape, h.dtype(), h.device());
-  if (out.numel() > 0) {
-#if LINTAPE_WITH_CUDA
-    if (h.is_cuda())
-      elementwise::swiglu_forward_cuda(hc, out);
-    else
-#endif
-      LT_DISPATCH_FLOAT(h.dtype(), "swiglu", T, { swiglu_cpu<T>(hc.data_ptr<T>(), nullptr, out.data_ptr<T>(), rows, F); });
-  }
+  swiglu_forward(hc, out, rows, F);
   if (autograd::needs_grad({h})) {
     record("swiglu", {h}, {out}, [hc, rows, F](const Grads& g) -> Grads {
-      Tensor dy = g[0].detach().contiguous(), dh = empty(hc.shape(), hc.dtype(), hc.device());
-      if (dh.numel() == 0) return {dh};
-#if LINTAPE_WITH_CUDA
-      if (dh.is_cuda()) {
-        elementwise::swiglu_backward_cuda(hc, dy, dh);
-        return {dh};
-      }
-#endif
-      LT_DISPATCH_FLOAT(dh.dtype(), "swiglu", T, {
-        swiglu_cpu<T>(hc.data_ptr<T>(), dy.data_ptr<T>(), dh.data_ptr<T>(), rows, F);
-      });
+      Tensor dh = empty(hc.shape(), hc.dtype(), hc.device());
+      swiglu_backward(hc, g[0].detach().contiguous(), dh, Tensor(), rows, F);
       return {dh};
     });
   }
   return out;
+}
+
+Tensor swiglu_linear(const Tensor& h, const Tensor& w) {
+  const int64_t F = swiglu_width(h, "swiglu_linear"), rows = F == 0 ? 0 : h.numel() / (2 * F);
+  LT_CHECK(w.dim() == 2 && w.size(1) == F, "[swiglu_linear] w must be (C, F) with F = ", F, " (half of h's last dim ",
+           2 * F, "); got ", shape_str(w.shape()));
+  LT_CHECK(w.dtype() == h.dtype() && w.device() == h.device(), "[swiglu_linear] w must have h's dtype and device (",
+           dtype_name(h.dtype()), " on ", h.device().name(), "); got ", dtype_name(w.dtype()), " on ",
+           w.device().name());
+  const int64_t C = w.size(0);
+  Shape out_shape = h.shape();
+  out_shape.back() = C;
+  Tensor hc = h.detach().contiguous(), wd = w.detach(), y = empty(out_shape, h.dtype(), h.device());
+  {
+    Tensor s = empty({rows, F}, h.dtype(), h.device());  // freed on return: the backward makes it again
+    swiglu_forward(hc, s, rows, F);
+    matmul_out(s, wd, y.view({rows, C}), false, true);
+  }
+  if (autograd::needs_grad({h, w})) {
+    const bool need_w = autograd::needs_grad({w});
+    record("swiglu_linear", {h, w}, {y}, [hc, wd, rows, F, C, need_w](const Grads& g) -> Grads {
+      Tensor dy = g[0].detach().contiguous().view({rows, C});
+      Tensor ds = empty({rows, F}, hc.dtype(), hc.device()), dh = empty(hc.shape(), hc.dtype(), hc.device());
+      Tensor s = need_w ? empty({rows, F}, hc.dtype(), hc.device()) : Tensor(), dw;
+      matmul_out(dy, wd, ds, false, false);
+      swiglu_backward(hc, ds, dh, s, rows, F);
+      if (need_w) {
+        dw = empty(wd.shape(), wd.dtype(), wd.device());
+        matmul_out(dy, s, dw, true, false);
+      }
+      return {dh, dw};
+    });
+  }
+  return y;
 }
 
 Tensor sum_to_shape(const Tensor& grad, const Shape& shape) {

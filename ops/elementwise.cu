@@ -158,7 +158,7 @@ namespace {
 // SwiGLU, V outputs (F % V == 0, 16-byte rows) or one per thread: element i of out is row i / F, column
 // i % F of u = h[:, :F] and gate = h[:, F:]; the backward writes du and dgate at the same places of dh.
 template <class T, int V>
-__global__ void swiglu_kernel(const T* h, const T* dy, T* out, int64_t n, int64_t F) {
+__global__ void swiglu_kernel(const T* h, const T* dy, T* out, T* recomputed, int64_t n, int64_t F) {
   using P = Pack<T, V>;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n / V; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = p * V, r = i / F, j = i - r * F;
@@ -170,27 +170,30 @@ __global__ void swiglu_kernel(const T* h, const T* dy, T* out, int64_t n, int64_
       *reinterpret_cast<P*>(out + i) = o;
     } else {
       const P d = *reinterpret_cast<const P*>(dy + i);
-      P du, dg;
+      P du, dg, o;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const auto gk = to_acc(g.v[k]), dk = to_acc(d.v[k]);
-        du.v[k] = from_acc<T>(dk * Silu{}(gk));
+        const auto gk = to_acc(g.v[k]), dk = to_acc(d.v[k]), sk = Silu{}(gk);
+        du.v[k] = from_acc<T>(dk * sk);
         dg.v[k] = from_acc<T>(SiluBackward{}(gk, dk * to_acc(u.v[k])));
+        o.v[k] = from_acc<T>(sk * to_acc(u.v[k]));
       }
       *reinterpret_cast<P*>(out + r * 2 * F + j) = du;
       *reinterpret_cast<P*>(out + r * 2 * F + F + j) = dg;
+      if (recomputed) *reinterpret_cast<P*>(recomputed + i) = o;
     }
   }
 }
 
 template <class T>
-void launch_swiglu(const T* h, const T* dy, T* out, int64_t n, int64_t F, cudaStream_t s) {
+void launch_swiglu(const T* h, const T* dy, T* out, T* recomputed, int64_t n, int64_t F, cudaStream_t s) {
   constexpr int V = kVec<T>;
-  const bool vec = F % V == 0 && aligned16(h) && aligned16(out) && (!dy || aligned16(dy));
+  const bool vec = F % V == 0 && aligned16(h) && aligned16(out) && (!dy || aligned16(dy)) &&
+                   (!recomputed || aligned16(recomputed));
   if (vec)
-    swiglu_kernel<T, V><<<blocks_for(n / V), kThreads, 0, s>>>(h, dy, out, n, F);
+    swiglu_kernel<T, V><<<blocks_for(n / V), kThreads, 0, s>>>(h, dy, out, recomputed, n, F);
   else
-    swiglu_kernel<T, 1><<<blocks_for(n), kThreads, 0, s>>>(h, dy, out, n, F);
+    swiglu_kernel<T, 1><<<blocks_for(n), kThreads, 0, s>>>(h, dy, out, recomputed, n, F);
   LT_CUDA_CHECK_LAUNCH();
 }
 }  // namespace
@@ -199,15 +202,16 @@ void swiglu_forward_cuda(const Tensor& h, const Tensor& out) {
   const int64_t F = out.size(-1);
   LT_DISPATCH_FLOAT_CUDA(out.dtype(), "swiglu", T, {
     launch_swiglu(static_cast<const T*>(h.data()), static_cast<const T*>(nullptr), static_cast<T*>(out.data()),
-                  out.numel(), F, stream(out.device().index));
+                  static_cast<T*>(nullptr), out.numel(), F, stream(out.device().index));
   });
 }
 
-void swiglu_backward_cuda(const Tensor& h, const Tensor& dy, const Tensor& dh) {
+void swiglu_backward_cuda(const Tensor& h, const Tensor& dy, const Tensor& dh, const Tensor& recomputed) {
   const int64_t F = dy.size(-1);
   LT_DISPATCH_FLOAT_CUDA(dh.dtype(), "swiglu", T, {
     launch_swiglu(static_cast<const T*>(h.data()), static_cast<const T*>(dy.data()), static_cast<T*>(dh.data()),
-                  dy.numel(), F, stream(dh.device().index));
+                  recomputed.defined() ? static_cast<T*>(recomputed.data()) : nullptr, dy.numel(), F,
+                  stream(dh.device().index));
   });
 }
 

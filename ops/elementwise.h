@@ -29,6 +29,9 @@ Tensor gelu(const Tensor& x);  // tanh approximation
 // SwiGLU in one pass: h (..., 2F) holds [u, gate] along the last dim; out (..., F) = silu(gate) * u.
 // Saves h; the backward writes dh = [dy silu(gate), dy u silu'(gate)] in one pass (no views, no zeros).
 Tensor swiglu(const Tensor& h);
+// swiglu(h) @ w^T for w (C, F), without holding swiglu(h) between forward and backward: saves h and w,
+// and the backward's SwiGLU kernel writes swiglu(h) again beside dh (one extra (..., F) write) for dw.
+Tensor swiglu_linear(const Tensor& h, const Tensor& w);
 
 // Sums `grad` over the dims that broadcasting stretched, back to `shape` (used by binary backward).
 Tensor sum_to_shape(const Tensor& grad, const Shape& shape);

@@ -119,7 +119,8 @@ void unary_cuda(UnaryOp op, double scalar, const Tensor& out, const Tensor& x);
 // SwiGLU over rows: h (rows, 2F) contiguous, out (rows, F); backward dy (rows, F), dh (rows, 2F), all
 // contiguous, one dtype.
 void swiglu_forward_cuda(const Tensor& h, const Tensor& out);
-void swiglu_backward_cuda(const Tensor& h, const Tensor& dy, const Tensor& dh);
+// dh from h and dy; with `recomputed` defined, also the forward's output written there (swiglu_linear).
+void swiglu_backward_cuda(const Tensor& h, const Tensor& dy, const Tensor& dh, const Tensor& recomputed = Tensor());
 #endif
 
 }  // namespace lintape::elementwise

@@ -65,40 +65,49 @@ Dims dims_of(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   return d;
 }
 
-void gemm_eigen(const double* a, const double* b, double* c, const Dims& d, bool ta, bool tb) {
+// c = op(a) op(b), or c += it with accumulate.
+void gemm_eigen(const double* a, const double* b, double* c, const Dims& d, bool ta, bool tb, bool accumulate) {
   using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   int64_t sa = d.shared_a ? 0 : d.m * d.k, sb = d.shared_b ? 0 : d.k * d.n;
   for (int64_t i = 0; i < d.batch; ++i) {
     Eigen::Map<const Mat> A(a + i * sa, ta ? d.k : d.m, ta ? d.m : d.k);
     Eigen::Map<const Mat> B(b + i * sb, tb ? d.n : d.k, tb ? d.k : d.n);
     Eigen::Map<Mat> C(c + i * d.m * d.n, d.m, d.n);
+    auto store = [&](const auto& product) {
+      if (accumulate)
+        C.noalias() += product;
+      else
+        C.noalias() = product;
+    };
     if (ta && tb)
-      C.noalias() = A.transpose() * B.transpose();
+      store(A.transpose() * B.transpose());
     else if (ta)
-      C.noalias() = A.transpose() * B;
+      store(A.transpose() * B);
     else if (tb)
-      C.noalias() = A * B.transpose();
+      store(A * B.transpose());
     else
-      C.noalias() = A * B;
+      store(A * B);
   }
 }
 
-// c (contiguous, shape d.out) = op(a) @ op(b).
-void gemm(const Operand& a, const Operand& b, Tensor c, const Dims& d, int rank) {
+// c (contiguous, shape d.out) = op(a) @ op(b), or += with accumulate.
+void gemm(const Operand& a, const Operand& b, Tensor c, const Dims& d, int rank, bool accumulate = false) {
   if (c.numel() == 0) return;
 #if LINTAPE_WITH_CUDA
-  if (c.is_cuda()) return cuda_ops::gemm_cuda(a.t, b.t, c, d.batch, d.m, d.n, d.k, a.trans, b.trans, rank);
+  if (c.is_cuda())
+    return cuda_ops::gemm_cuda(a.t, b.t, c, d.batch, d.m, d.n, d.k, a.trans, b.trans, rank, accumulate);
 #endif
   LT_CHECK(rank == 0, "[matmul] the CPU has one algorithm; heuristic_rank must be 0, got ", rank);
-  if (c.dtype() == DType::F64) {
-    gemm_eigen(a.t.data_ptr<double>(), b.t.data_ptr<double>(), c.data_ptr<double>(), d, a.trans, b.trans);
+  if (a.t.dtype() == DType::F64) {
+    gemm_eigen(a.t.data_ptr<double>(), b.t.data_ptr<double>(), c.data_ptr<double>(), d, a.trans, b.trans, accumulate);
     return;
   }
   // f32, bf16, f16: through f64 copies, as every CPU path accumulates. Eigen's f32 product (no FMA in a
   // generic x86-64 build) rounds about twice as much as a tuned BLAS, and the language model's gradient
   // carries that rounding into training (docs/BENCHMARKS.md, "Correctness against PyTorch").
-  Tensor a64 = a.t.to(DType::F64), b64 = b.t.to(DType::F64), c64 = empty(c.shape(), DType::F64);
-  gemm_eigen(a64.data_ptr<double>(), b64.data_ptr<double>(), c64.data_ptr<double>(), d, a.trans, b.trans);
+  Tensor a64 = a.t.to(DType::F64), b64 = b.t.to(DType::F64);
+  Tensor c64 = accumulate ? c.to(DType::F64) : empty(c.shape(), DType::F64);
+  gemm_eigen(a64.data_ptr<double>(), b64.data_ptr<double>(), c64.data_ptr<double>(), d, a.trans, b.trans, accumulate);
   c.copy_(c64);
 }
 
@@ -143,6 +152,20 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
     });
   }
   return c;
+}
+
+void matmul_out(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, bool accumulate) {
+  check_inputs(a, b, ta, tb);
+  Dims d = dims_of(a, b, ta, tb);
+  const bool half_in = a.dtype() == DType::BF16 || a.dtype() == DType::F16;
+  const bool wide_out = half_in && c.dtype() == DType::F32;
+  LT_CHECK(c.shape() == d.out && (c.dtype() == a.dtype() || wide_out) && c.device() == a.device() &&
+               c.is_contiguous(),
+           "[matmul] the output must be a contiguous ", shape_str(d.out), " tensor of ", dtype_name(a.dtype()),
+           half_in ? " (or f32)" : "", " on ", a.device().name(), "; got ", shape_str(c.shape()),
+           " ", dtype_name(c.dtype()), " on ", c.device().name(), c.is_contiguous() ? "" : " (not contiguous)");
+  c.storage().version++;
+  gemm(operand(a, ta), operand(b, tb), c, d, 0, accumulate);
 }
 
 #if LINTAPE_WITH_CUDA

@@ -1,7 +1,8 @@
 // cuBLASLt GEMM. Row-major C = op(A) op(B) is computed as column-major C^T = op(B)^T op(A)^T: the
 // row-major buffers are read as their column-major transposes, so no data moves and the user's
 // transposes become cuBLASLt's op flags. Plans (descriptors and the heuristic's algorithms) are cached
-// per (device, dtype, shapes, transposes, sharing, alignment); the 32 MiB workspace is kept per device.
+// per (device, dtypes, shapes, transposes, sharing, alignment); the 32 MiB workspace is kept per device.
+// The output may be f32 under 16-bit inputs, and may be accumulated into (beta = 1).
 // Both caches live for the whole process.
 #include <cstdint>
 #include <map>
@@ -66,23 +67,24 @@ void make_layout(cublasLtMatrixLayout_t& l, cudaDataType_t type, int64_t rows, i
 
 struct Problem {
   int device;
-  DType dtype;
+  DType dtype, out_dtype;
   int64_t batch, m, n, k, stride_a, stride_b;  // strides 0 for a shared operand
   bool ta, tb;
   uint32_t align_a, align_b, align_c;
 
   auto key() const {
-    return std::make_tuple(device, int(dtype), batch, m, n, k, stride_a, stride_b, ta, tb, align_a, align_b, align_c);
+    return std::make_tuple(device, int(dtype), int(out_dtype), batch, m, n, k, stride_a, stride_b, ta, tb, align_a, align_b, align_c);
   }
 };
 
 // align_c: the output's alignment (see alignment()).
-Problem problem_of(const Tensor& a, const Tensor& b, uint32_t align_c, int64_t batch, int64_t m, int64_t n, int64_t k,
-                   bool ta, bool tb) {
+Problem problem_of(const Tensor& a, const Tensor& b, DType out_dtype, uint32_t align_c, int64_t batch, int64_t m,
+                   int64_t n, int64_t k, bool ta, bool tb) {
   LT_CHECK(batch <= INT32_MAX, "[matmul] at most ", INT32_MAX, " matrices in a batch; got ", batch);
   Problem p;
   p.device = a.device().index;
   p.dtype = a.dtype();
+  p.out_dtype = out_dtype;
   p.batch = batch;
   p.m = m;
   p.n = n;
@@ -107,7 +109,7 @@ std::unique_ptr<Plan> make_plan(const Problem& pr) {
   LT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   make_layout(plan->la, t.data, pr.tb ? pr.n : pr.k, pr.tb ? pr.k : pr.n, pr.batch, pr.stride_b);
   make_layout(plan->lb, t.data, pr.ta ? pr.k : pr.m, pr.ta ? pr.m : pr.k, pr.batch, pr.stride_a);
-  make_layout(plan->lc, t.data, pr.m, pr.n, pr.batch, pr.m * pr.n);
+  make_layout(plan->lc, types_of(pr.out_dtype).data, pr.m, pr.n, pr.batch, pr.m * pr.n);
 
   cublasLtMatmulPreference_t pref = nullptr;
   LT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -155,23 +157,23 @@ void* workspace(int device) {
 }  // namespace
 
 void gemm_cuda(const Tensor& a, const Tensor& b, const Tensor& c, int64_t batch, int64_t m, int64_t n, int64_t k,
-               bool ta, bool tb, int heuristic_rank) {
+               bool ta, bool tb, int heuristic_rank, bool accumulate) {
   if (c.numel() == 0) return;
   if (k == 0) {
-    Tensor(c).zero_();
+    if (!accumulate) Tensor(c).zero_();
     return;
   }
   int64_t c_stride_bytes = batch == 1 ? 0 : m * n * int64_t(dtype_size(c.dtype()));
-  Problem pr = problem_of(a, b, alignment(c.data(), c_stride_bytes), batch, m, n, k, ta, tb);
+  Problem pr = problem_of(a, b, c.dtype(), alignment(c.data(), c_stride_bytes), batch, m, n, k, ta, tb);
   const Plan& plan = plan_for(pr);
   LT_CHECK(heuristic_rank >= 0 && size_t(heuristic_rank) < plan.algos.size(), "[matmul] heuristic_rank must be in [0, ",
            plan.algos.size(), "); got ", heuristic_rank);
-  const float one_f = 1.0f, zero_f = 0.0f;
-  const double one_d = 1.0, zero_d = 0.0;
+  const float one_f = 1.0f, beta_f = accumulate ? 1.0f : 0.0f;
+  const double one_d = 1.0, beta_d = accumulate ? 1.0 : 0.0;
   bool f64 = c.dtype() == DType::F64;
   int dev = c.device().index;
   LT_CUBLAS_CHECK(cublasLtMatmul(cuda::cublaslt_handle(), plan.op, f64 ? static_cast<const void*>(&one_d) : &one_f,
-                                 b.data(), plan.la, a.data(), plan.lb, f64 ? static_cast<const void*>(&zero_d) : &zero_f,
+                                 b.data(), plan.la, a.data(), plan.lb, f64 ? static_cast<const void*>(&beta_d) : &beta_f,
                                  c.data(), plan.lc, c.data(), plan.lc, &plan.algos[size_t(heuristic_rank)].algo,
                                  workspace(dev), kWorkspaceBytes, cuda::stream(dev)));
 }
@@ -179,7 +181,7 @@ void gemm_cuda(const Tensor& a, const Tensor& b, const Tensor& c, int64_t batch,
 int gemm_cuda_heuristic_count(const Tensor& a, const Tensor& b, int64_t batch, int64_t m, int64_t n, int64_t k,
                               bool ta, bool tb) {
   if (batch * m * n == 0 || k == 0) return 1;  // handled without cuBLASLt
-  return int(plan_for(problem_of(a, b, 256, batch, m, n, k, ta, tb)).algos.size());
+  return int(plan_for(problem_of(a, b, a.dtype(), 256, batch, m, n, k, ta, tb)).algos.size());
 }
 
 }  // namespace lintape::cuda_ops

@@ -12,4 +12,10 @@ namespace lintape {
 // flattened batch).
 Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false);
 
+// The same product written into c without autograd: c = op(a) @ op(b), or c += it with accumulate. c is
+// contiguous, of the product's shape and device, and of a's dtype, or f32 for bf16/f16 inputs (the sum
+// kept in f32 across calls).
+void matmul_out(const Tensor& a, const Tensor& b, const Tensor& c, bool transpose_a, bool transpose_b,
+                bool accumulate = false);
+
 }  // namespace lintape

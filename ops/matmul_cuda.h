@@ -13,9 +13,10 @@ void matmul_into(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, 
 
 namespace cuda_ops {
 // The GEMM itself. a and b are contiguous stacks of `batch` matrices, or one matrix (2-D) shared by
-// every batch; c is contiguous (batch, M, N). Shapes were checked by the caller.
+// every batch; c is contiguous (batch, M, N), of a's dtype or f32 (for 16-bit a and b). With accumulate,
+// c += the product. Shapes were checked by the caller.
 void gemm_cuda(const Tensor& a, const Tensor& b, const Tensor& c, int64_t batch, int64_t m, int64_t n, int64_t k,
-               bool ta, bool tb, int heuristic_rank);
+               bool ta, bool tb, int heuristic_rank, bool accumulate = false);
 // The number of algorithms offered for such a product into a freshly allocated (256-byte aligned) c.
 int gemm_cuda_heuristic_count(const Tensor& a, const Tensor& b, int64_t batch, int64_t m, int64_t n, int64_t k,
                               bool ta, bool tb);

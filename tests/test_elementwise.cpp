@@ -1,6 +1,8 @@
 #include <cmath>
+#include "core/allocator.h"
 #include "helpers.h"
 #include "ops/elementwise.h"
+#include "ops/matmul.h"
 #include "ops/reduce.h"
 
 using namespace lintape;
@@ -310,6 +312,51 @@ TEST_CASE("swiglu equals silu(gate) * u, values and gradients") {
 
 TEST_CASE("bad input: swiglu of an odd last dim") {
   check_throws_containing([] { swiglu(zeros({4, 7})); }, {"[swiglu]", "even last dim", "(4, 7)"});
+}
+
+// swiglu_linear: swiglu then a product with w^T, the SwiGLU output made again in the backward.
+Tensor swiglu_linear_composed(const Tensor& h, const Tensor& w) { return matmul(swiglu(h), w, false, true); }
+
+TEST_CASE("gradcheck swiglu_linear") {
+  CHECK_GRADCHECK([](const std::vector<Tensor>& in) { return swiglu_linear(in[0], in[1]); },
+                  (std::vector<Tensor>{leaf({2, 3, 8}, 25), leaf({5, 4}, 26)}));
+}
+
+TEST_CASE("swiglu_linear equals swiglu then matmul, values and gradients; holds no SwiGLU output") {
+  Tensor h = leaf({4, 16, 64}, 27), w = leaf({3, 32}, 28);
+  Tensor h2 = h.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_();
+  const size_t before = memory_stats(Device::cpu()).in_use;
+  Tensor out = swiglu_linear(h, w);
+  // Only the output (1.5 KiB) stays: not the SwiGLU output (16 KiB), nor a copy of h.
+  CHECK(memory_stats(Device::cpu()).in_use - before < 4096);
+  Tensor ref = swiglu_linear_composed(h2, w2);
+  REQUIRE(out.shape() == Shape{4, 16, 3});
+  CHECK_CLOSE_TENSOR(out, ref, DType::F64);
+  Tensor dy = randn({4, 16, 3}, DType::F64, Device::cpu(), 29);
+  backward(out, dy);
+  backward(ref, dy);
+  CHECK_CLOSE_TENSOR(h.grad(), h2.grad(), DType::F64);
+  CHECK_CLOSE_TENSOR(w.grad(), w2.grad(), DType::F64);
+}
+
+TEST_CASE("bad input: swiglu_linear") {
+  check_throws_containing([] { swiglu_linear(zeros({4, 8}), zeros({3, 5})); },
+                          {"[swiglu_linear]", "(C, F) with F = 4", "(3, 5)"});
+  check_throws_containing([] { swiglu_linear(zeros({4, 8}), zeros({3, 4}, DType::F64)); },
+                          {"[swiglu_linear]", "dtype", "f32", "f64"});
+  check_throws_containing([] { swiglu_linear(zeros({4, 7}), zeros({3, 4})); }, {"[swiglu_linear]", "even last dim"});
+}
+
+TEST_CASE("cuda swiglu_linear matches cpu" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  for (DType dt : {DType::F32, DType::BF16}) {
+    INFO("dtype " << dtype_name(dt));
+    // 16-byte packs (F = 64) and one element at a time (F = 37), a strided h
+    compare_cuda([](const std::vector<Tensor>& in) { return swiglu_linear(in[0], in[1]); }, {{3, 37, 128}, {48, 64}},
+                 dt);
+    compare_cuda([](const std::vector<Tensor>& in) { return swiglu_linear(in[0].transpose(0, 1), in[1]); },
+                 {{74, 5}, {9, 37}}, dt);
+  }
 }
 
 TEST_CASE("cuda swiglu matches cpu" * LT_CUDA_CASE) {

@@ -1,7 +1,9 @@
 #include <cmath>
+#include "core/allocator.h"
 #include "helpers.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
+#include "ops/matmul.h"
 #include "ops/rms_norm.h"
 
 using namespace lintape;
@@ -236,4 +238,109 @@ TEST_CASE("bad input cuda cross_entropy target out of range" * LT_CUDA_CASE) {
   Tensor logits = randn({4, 1001}, DType::F32, gpu(), 21);
   check_throws_containing([&] { cross_entropy(logits, from_vector_i64({1, 2, -3, 0}, {4}, gpu())); },
                           {"[cross_entropy]", "[0, V = 1001)", "got -3", "row 2"});
+}
+
+// ---- linear_cross_entropy ----
+
+namespace {
+// cross_entropy of the whole (T, V) logits: what linear_cross_entropy must equal.
+Tensor full_logits_loss(const Tensor& x, const Tensor& w, const Tensor& targets) {
+  return cross_entropy(matmul(x, w, false, true), targets);
+}
+}  // namespace
+
+TEST_CASE("linear_cross_entropy equals cross_entropy of the full logits, in chunks and with ignored rows") {
+  for (int64_t chunk : {0, 1, 3, 10, 64}) {
+    INFO("chunk_rows " << chunk);
+    Tensor x = leaf({10, 6}, 23), w = leaf({7, 6}, 24);
+    Tensor x2 = x.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_();
+    Tensor targets = make_targets(10, 7, DType::I32, Device::cpu());
+    Tensor loss = linear_cross_entropy(x, w, targets, -100, chunk), ref = full_logits_loss(x2, w2, targets);
+    CHECK(loss.item() == doctest::Approx(ref.item()).epsilon(1e-12));
+    backward(loss, full({}, 0.7, DType::F64));
+    backward(ref, full({}, 0.7, DType::F64));
+    CHECK_CLOSE_TENSOR(x.grad(), x2.grad(), DType::F64);
+    CHECK_CLOSE_TENSOR(w.grad(), w2.grad(), DType::F64);
+  }
+}
+
+TEST_CASE("gradcheck linear_cross_entropy in chunks with an ignored token") {
+  Tensor targets = from_vector_i64({1, -100, 4, 0, 2}, {5});
+  CHECK_GRADCHECK(
+      [targets](const std::vector<Tensor>& in) { return linear_cross_entropy(in[0], in[1], targets, -100, 2); },
+      (std::vector<Tensor>{leaf({5, 3}, 25), leaf({6, 3}, 26)}));
+}
+
+TEST_CASE("linear_cross_entropy gives a gradient only to the inputs that want one") {
+  Tensor x = leaf({4, 3}, 27), w = randn({5, 3}, DType::F64, Device::cpu(), 28);
+  Tensor loss = linear_cross_entropy(x, w, from_vector_i64({0, 1, 2, 3}, {4}));
+  backward(loss);
+  CHECK(x.grad().defined());
+  CHECK_FALSE(w.grad().defined());
+  NoGradGuard no_grad;
+  Tensor plain = linear_cross_entropy(x, w, from_vector_i64({0, 1, 2, 3}, {4}));
+  CHECK_FALSE(plain.requires_grad());
+  CHECK(plain.item() == doctest::Approx(loss.item()).epsilon(1e-12));
+}
+
+TEST_CASE("linear_cross_entropy with every token ignored is 0 with zero gradients") {
+  Tensor x = leaf({3, 4}, 29), w = leaf({5, 4}, 30);
+  Tensor loss = linear_cross_entropy(x, w, from_vector_i64({-1, -1, -1}, {3}), -1, 2);
+  CHECK(loss.item() == 0.0);
+  backward(loss);
+  for (double g : x.grad().to_vector<double>()) CHECK(g == 0.0);
+  for (double g : w.grad().to_vector<double>()) CHECK(g == 0.0);
+}
+
+TEST_CASE("bad input linear_cross_entropy") {
+  // The row is counted over the whole input, not within its chunk.
+  check_throws_containing(
+      [] { linear_cross_entropy(randn({5, 3}), randn({4, 3}), from_vector_i64({1, 2, 0, 3, 9}, {5}), -100, 2); },
+      {"[linear_cross_entropy]", "[0, V = 4)", "got 9", "row 4"});
+  check_throws_containing([] { linear_cross_entropy(randn({5, 3}), randn({4, 2}), from_vector_i64({1}, {1})); },
+                          {"[linear_cross_entropy]", "weight", "C = 3", "(4, 2)"});
+  check_throws_containing(
+      [] { linear_cross_entropy(randn({5, 3}), randn({4, 3}, DType::F64), from_vector_i64({0, 0, 0, 0, 0}, {5})); },
+      {"[linear_cross_entropy]", "dtype", "f32", "f64"});
+  check_throws_containing([] { linear_cross_entropy(randn({5, 3}), randn({4, 3}), from_vector_i64({0, 0}, {2})); },
+                          {"[linear_cross_entropy]", "(T) with T = 5", "(2)"});
+  check_throws_containing(
+      [] { linear_cross_entropy(randn({2, 3}), randn({4, 3}), from_vector_i64({0, 0}, {2}), -100, -1); },
+      {"[linear_cross_entropy]", "chunk_rows", "-1"});
+}
+
+TEST_CASE("cuda linear_cross_entropy matches the f64 reference and holds no logits" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t chunk : {0, 100}) {
+      INFO(dtype_name(dt) << " chunk_rows " << chunk);
+      const int64_t T = 333, C = 64, V = 4001;
+      Tensor x = randn({T, C}, dt, gpu(), 31).requires_grad_(), w = randn({V, C}, dt, gpu(), 32).requires_grad_();
+      Tensor targets = make_targets(T, V, DType::I64, gpu());
+      Tensor x64 = cpu64(x).requires_grad_(), w64 = cpu64(w).requires_grad_();
+      Tensor ref = full_logits_loss(x64, w64, targets.to(Device::cpu()));
+      // A freed block of NaN the op's buffers may reuse: no result may come from memory it did not write.
+      empty({T, V}, dt, gpu()).fill_(std::nan(""));
+      reset_peak_memory(gpu());
+      const size_t before = memory_stats(gpu()).in_use;
+      Tensor loss = linear_cross_entropy(x, w, targets, -100, chunk);
+      backward(loss, full({}, 0.7, DType::F32, gpu()));
+      const size_t extra = memory_stats(gpu()).peak - before;
+      backward(ref, full({}, 0.7, DType::F64));
+      CHECK(loss.dtype() == DType::F32);
+      CHECK_CLOSE_TENSOR(loss, ref, dt);
+      CHECK_CLOSE_TENSOR(x.grad(), x64.grad(), dt);
+      CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), dt);
+      // A chunk of 100 rows of logits, dx, dW in f32, the gradients and small things; less than the full
+      // logits (T x V).
+      if (chunk == 100) CHECK(extra < size_t(T * V) * dtype_size(dt));
+    }
+}
+
+TEST_CASE("bad input cuda linear_cross_entropy target out of range, in a later chunk" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  Tensor x = randn({6, 8}, DType::BF16, gpu(), 33), w = randn({101, 8}, DType::BF16, gpu(), 34);
+  check_throws_containing(
+      [&] { linear_cross_entropy(x, w, from_vector_i64({1, 2, 3, 0, 101, 5}, {6}, gpu()), -100, 2); },
+      {"[linear_cross_entropy]", "[0, V = 101)", "got 101", "row 4"});
 }
