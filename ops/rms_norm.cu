@@ -1,13 +1,14 @@
-// rms_norm kernels. A row belongs to a group of W warps (W = 1, 2, 4 or 8, the fewest whose lanes hold
-// the row in H 16-byte packs each; a block of 8 warps serves 8 / W rows), so the row is read from
-// memory once and kept in registers between its reduction and its output. Rows longer than 8 warps
-// can hold are streamed in chunks and read twice. Scalar loads (packs of one) when C or an address
-// rules out 16-byte packs.
+// rms_norm kernels. A row belongs to a group of L lanes (L = 4, 8, ..., 256, the fewest that hold the row
+// in their packs of 16 bytes; a block of 256 threads serves 256 / L rows), so the row is read from memory
+// once and kept in registers between its reduction and its output, and short rows (a head of 128) keep
+// every lane busy. Rows longer than 256 lanes can hold are streamed in chunks and read twice. Scalar
+// loads (packs of one) when C or an address rules out 16-byte packs.
 // Backward: each block owns a set of rows (grid-stride) and writes dx. dweight = sum dy * x * r: a
 // lane always sees the same columns of a held row, so it sums them over its rows in registers and adds
 // them into the block's shared f32 partial (f64 for f64) once at the end (streamed rows add each
 // element there); a second kernel adds the per-block partials into dweight.
 #include <cstdint>
+#include <type_traits>
 #include "core/cuda_types.cuh"
 #include "ops/rms_norm_cuda.h"
 
@@ -18,10 +19,9 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// Packs per lane held in registers: 4 in the forward; in the backward (two arrays plus the dweight
-// sums) 16 elements' worth, at most 4 packs.
-constexpr int kHeldForward = 4;
-template <int V> constexpr int kHeldBackward = V == 1 ? 4 : (16 / V < 4 ? 16 / V : 4);
+// Packs per lane held in registers (in the backward two arrays of them, plus the dweight sums): three
+// 16-byte packs of bf16/f16 (so a row of 768 is one warp's), else four.
+template <int V> constexpr int kHeld = V == 8 ? 3 : 4;
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -33,12 +33,14 @@ template <class A> __device__ __forceinline__ A warp_sum(A v) {
   return v;
 }
 
-// The sum of v over the W warps of this thread's row group; every thread of the block must call it.
-template <int W, class A> __device__ __forceinline__ A group_sum(A v, A* red) {
-  v = warp_sum(v);
-  if constexpr (W == 1) {
+// The sum of v over the L lanes of this thread's row group; every thread of the block must call it.
+template <int L, class A> __device__ __forceinline__ A group_sum(A v, A* red) {
+  if constexpr (L <= 32) {
+    for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
   } else {
+    constexpr int W = L / 32;
+    v = warp_sum(v);
     const int warp = threadIdx.x / 32, first = warp / W * W;
     if ((threadIdx.x & 31) == 0) red[warp] = v;
     __syncthreads();
@@ -51,46 +53,45 @@ template <int W, class A> __device__ __forceinline__ A group_sum(A v, A* red) {
 }
 
 // Pack index h of chunk c0 for this thread: lanes of the group take consecutive packs.
-template <int W> __device__ __forceinline__ int64_t pack_index(int64_t c0, int h) {
-  return c0 + int64_t(h) * 32 * W + (threadIdx.x % (32 * W));
+template <int L> __device__ __forceinline__ int64_t pack_index(int64_t c0, int h) {
+  return c0 + int64_t(h) * L + (threadIdx.x % L);
 }
 
-template <class T, int V, int W>
+template <class T, int V, int L>
 __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
                                acc_t<T>* __restrict__ rstd, int64_t rows, int64_t cols, acc_t<T> eps) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
-  constexpr int kHeld = kHeldForward;
-  constexpr int64_t kChunk = 32 * W * kHeld;
+  constexpr int64_t kChunk = int64_t(L) * kHeld<V>;
   __shared__ A red[kWarps];
-  const int64_t row = blockIdx.x * int64_t(kWarps / W) + threadIdx.x / (32 * W);
+  const int64_t row = blockIdx.x * int64_t(kThreads / L) + threadIdx.x / L;
   const bool active = row < rows;
   const int64_t packs = cols / V;
   const bool held = packs <= kChunk;
   const P* xr = reinterpret_cast<const P*>(x + row * cols);
   const P* wr = reinterpret_cast<const P*>(w);
   P* yr = reinterpret_cast<P*>(y + row * cols);
-  P p[kHeld];
+  P p[kHeld<V>];
   A ss = 0;
   for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
 #pragma unroll
-    for (int h = 0; h < kHeld; ++h) {
-      const int64_t j = pack_index<W>(c0, h);
+    for (int h = 0; h < kHeld<V>; ++h) {
+      const int64_t j = pack_index<L>(c0, h);
       if (active && j < packs) p[h] = xr[j];
     }
 #pragma unroll
-    for (int h = 0; h < kHeld; ++h)
-      if (active && pack_index<W>(c0, h) < packs)
+    for (int h = 0; h < kHeld<V>; ++h)
+      if (active && pack_index<L>(c0, h) < packs)
 #pragma unroll
         for (int k = 0; k < V; ++k) ss += to_acc(p[h].v[k]) * to_acc(p[h].v[k]);
   }
-  const A r = A(1) / sqrt(group_sum<W>(ss, red) / A(cols) + eps);
+  const A r = A(1) / sqrt(group_sum<L>(ss, red) / A(cols) + eps);
   if (!active) return;
-  if (threadIdx.x % (32 * W) == 0) rstd[row] = r;
+  if (threadIdx.x % L == 0) rstd[row] = r;
   for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
 #pragma unroll
-    for (int h = 0; h < kHeld; ++h) {
-      const int64_t j = pack_index<W>(c0, h);
+    for (int h = 0; h < kHeld<V>; ++h) {
+      const int64_t j = pack_index<L>(c0, h);
       if (j >= packs) continue;
       if (!held) p[h] = xr[j];
       P q = wr[j], o;
@@ -104,15 +105,14 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
 // dx may be null (not wanted); dw_part (gridDim.x, C) is null when dweight is not wanted. Shared memory
 // holds the block's dweight partial, element (j, k) of pack j at k * packs + j so that the lanes of a
 // warp add into consecutive banks.
-template <class T, int V, int W>
-__global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+template <class T, int V, int L>
+__global__ void __launch_bounds__(kThreads, 2) backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                                 const acc_t<T>* __restrict__ rstd, T* __restrict__ dx, acc_t<T>* __restrict__ dw_part,
                                 int64_t rows, int64_t cols) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
-  constexpr int kHeld = kHeldBackward<V>;
-  constexpr int64_t kChunk = 32 * W * kHeld;
-  constexpr int kGroups = kWarps / W;
+  constexpr int64_t kChunk = int64_t(L) * kHeld<V>;
+  constexpr int kGroups = kThreads / L;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ A red[kWarps];
   A* sdw = reinterpret_cast<A*>(smem_raw);
@@ -122,41 +122,41 @@ __global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ 
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sdw[c] = 0;
     __syncthreads();
   }
-  A dw_held[kHeld][V] = {};  // held rows: this lane's columns, summed over its rows
+  A dw_held[kHeld<V>][V] = {};  // held rows: this lane's columns, summed over its rows
   const P* wr = reinterpret_cast<const P*>(w);
   // The loop bound is uniform over the block: every thread reaches each group_sum.
   for (int64_t row0 = blockIdx.x * int64_t(kGroups); row0 < rows; row0 += int64_t(gridDim.x) * kGroups) {
-    const int64_t row = row0 + threadIdx.x / (32 * W);
+    const int64_t row = row0 + threadIdx.x / L;
     const bool active = row < rows;
     const P* gr = reinterpret_cast<const P*>(dy + row * cols);
     const P* xr = reinterpret_cast<const P*>(x + row * cols);
     const A r = active ? rstd[row] : A(0);
-    P g[kHeld], xv[kHeld];
+    P g[kHeld<V>], xv[kHeld<V>];
     A s = 0;
     for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
 #pragma unroll
-      for (int h = 0; h < kHeld; ++h) {
-        const int64_t j = pack_index<W>(c0, h);
+      for (int h = 0; h < kHeld<V>; ++h) {
+        const int64_t j = pack_index<L>(c0, h);
         if (active && j < packs) {
           g[h] = gr[j];
           xv[h] = xr[j];
         }
       }
 #pragma unroll
-      for (int h = 0; h < kHeld; ++h) {
-        const int64_t j = pack_index<W>(c0, h);
+      for (int h = 0; h < kHeld<V>; ++h) {
+        const int64_t j = pack_index<L>(c0, h);
         if (!active || j >= packs) continue;
         P wv = wr[j];
 #pragma unroll
         for (int k = 0; k < V; ++k) s += to_acc(g[h].v[k]) * to_acc(wv.v[k]) * to_acc(xv[h].v[k]);
       }
     }
-    const A coef = r * r * r * group_sum<W>(s, red) / A(cols);
+    const A coef = r * r * r * group_sum<L>(s, red) / A(cols);
     if (!active) continue;
     for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
 #pragma unroll
-      for (int h = 0; h < kHeld; ++h) {
-        const int64_t j = pack_index<W>(c0, h);
+      for (int h = 0; h < kHeld<V>; ++h) {
+        const int64_t j = pack_index<L>(c0, h);
         if (j >= packs) continue;
         if (!held) {
           g[h] = gr[j];
@@ -179,8 +179,8 @@ __global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ 
   if (dw_part) {
     if (held) {
 #pragma unroll
-      for (int h = 0; h < kHeld; ++h) {
-        const int64_t j = pack_index<W>(0, h);
+      for (int h = 0; h < kHeld<V>; ++h) {
+        const int64_t j = pack_index<L>(0, h);
         if (j < packs)
 #pragma unroll
           for (int k = 0; k < V; ++k) atomicAdd(&sdw[k * packs + j], dw_held[h][k]);
@@ -215,41 +215,46 @@ int sm_count(int device) {
   return n;
 }
 
-// The fewest warps per row (1, 2, 4, 8) whose lanes hold the row in `held` packs; 8 streams longer rows.
-int warps_per_row(int64_t packs, int held) {
-  for (int w = 1; w < 8; w *= 2)
-    if (packs <= int64_t(32) * w * held) return w;
-  return 8;
+// The fewest lanes per row (4, 8, ..., 256) that hold the row in kHeld packs each; 256 streams longer rows.
+int lanes_per_row(int64_t packs, int held) {
+  for (int lanes = 4; lanes < kThreads; lanes *= 2)
+    if (packs <= int64_t(lanes) * held) return lanes;
+  return kThreads;
 }
 
-template <class T, int V, int W>
-void launch_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& y, const Tensor& rstd, int64_t rows,
-                    int64_t cols) {
-  using A = acc_t<T>;
-  forward_kernel<T, V, W><<<grid_for(rows, kWarps / W), kThreads, 0, stream(x.device().index)>>>(
-      static_cast<const T*>(x.data()), static_cast<const T*>(w.data()), static_cast<T*>(y.data()),
-      static_cast<A*>(rstd.data()), rows, cols, A(eps));
-  LT_CUDA_CHECK_LAUNCH();
+// Calls f(std::integral_constant<int, L>) for L = lanes_per_row(cols / V).
+template <int V, class F> void with_lanes(int64_t cols, F&& f) {
+  switch (lanes_per_row(cols / V, kHeld<V>)) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    default: return f(std::integral_constant<int, 256>{});
+  }
 }
 
 template <class T, int V>
 void forward_for(const Tensor& x, const Tensor& w, double eps, const Tensor& y, const Tensor& rstd, int64_t rows,
                  int64_t cols) {
-  switch (warps_per_row(cols / V, kHeldForward)) {
-    case 1: return launch_forward<T, V, 1>(x, w, eps, y, rstd, rows, cols);
-    case 2: return launch_forward<T, V, 2>(x, w, eps, y, rstd, rows, cols);
-    case 4: return launch_forward<T, V, 4>(x, w, eps, y, rstd, rows, cols);
-    default: return launch_forward<T, V, 8>(x, w, eps, y, rstd, rows, cols);
-  }
+  using A = acc_t<T>;
+  with_lanes<V>(cols, [&](auto lanes) {
+    constexpr int L = decltype(lanes)::value;
+    forward_kernel<T, V, L><<<grid_for(rows, kThreads / L), kThreads, 0, stream(x.device().index)>>>(
+        static_cast<const T*>(x.data()), static_cast<const T*>(w.data()), static_cast<T*>(y.data()),
+        static_cast<A*>(rstd.data()), rows, cols, A(eps));
+    LT_CUDA_CHECK_LAUNCH();
+  });
 }
 
-template <class T, int V, int W>
+template <class T, int V, int L>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
                      const Tensor& dweight, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
   int dev = x.device().index;
   cudaStream_t s = stream(dev);
-  int64_t blocks = grid_for(rows, kWarps / W), cap = 4 * int64_t(sm_count(dev));
+  int64_t blocks = grid_for(rows, kThreads / L), cap = 4 * int64_t(sm_count(dev));
   unsigned grid = unsigned(blocks < cap ? blocks : cap);
   size_t smem = 0;
   Tensor part;
@@ -262,10 +267,10 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const T
              " bytes of shared memory; this device has ", max_smem, ")");
     if (smem > 40 * 1024)
       LT_CUDA_CHECK(
-          cudaFuncSetAttribute(backward_kernel<T, V, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+          cudaFuncSetAttribute(backward_kernel<T, V, L>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     part = empty({int64_t(grid), cols}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
   }
-  backward_kernel<T, V, W><<<grid, kThreads, smem, s>>>(
+  backward_kernel<T, V, L><<<grid, kThreads, smem, s>>>(
       static_cast<const T*>(dy.data()), static_cast<const T*>(x.data()), static_cast<const T*>(w.data()),
       static_cast<const A*>(rstd.data()), dx.defined() ? static_cast<T*>(dx.data()) : nullptr,
       part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols);
@@ -279,12 +284,9 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const T
 template <class T, int V>
 void backward_for(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
                   const Tensor& dweight, int64_t rows, int64_t cols) {
-  switch (warps_per_row(cols / V, kHeldBackward<V>)) {
-    case 1: return launch_backward<T, V, 1>(dy, x, w, rstd, dx, dweight, rows, cols);
-    case 2: return launch_backward<T, V, 2>(dy, x, w, rstd, dx, dweight, rows, cols);
-    case 4: return launch_backward<T, V, 4>(dy, x, w, rstd, dx, dweight, rows, cols);
-    default: return launch_backward<T, V, 8>(dy, x, w, rstd, dx, dweight, rows, cols);
-  }
+  with_lanes<V>(cols, [&](auto lanes) {
+    launch_backward<T, V, decltype(lanes)::value>(dy, x, w, rstd, dx, dweight, rows, cols);
+  });
 }
 
 }  // namespace
