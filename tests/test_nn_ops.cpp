@@ -121,12 +121,14 @@ TEST_CASE("bad input rms_norm weight") {
 
 TEST_CASE("cuda rms_norm matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
-  // C = 129: scalar loads; 768: 16-byte packs; 1031 (scalar) and 8200 (bf16 packs): rows too long to
-  // be held in registers, streamed twice.
+  // C = 129: scalar loads; 8, 128 (many rows per warp, blocks looping over rows), 768 and 2056 (rows
+  // over several warps): 16-byte packs; 1031 (scalar) and 8200 (bf16 packs): rows too long to be held
+  // in registers, streamed twice.
   for (DType dt : {DType::F32, DType::BF16})
-    for (int64_t cols : {129, 768, 1031, 8200}) {
+    for (int64_t cols : {8, 128, 129, 768, 1031, 2056, 8200}) {
       INFO(dtype_name(dt) << " C = " << cols);
-      Tensor x = randn({3, cols > 1000 ? 5 : 37, cols}, dt, gpu(), 11).requires_grad_();
+      const int64_t mid = cols > 1000 ? 5 : cols <= 128 ? 1500 : 37;
+      Tensor x = randn({3, mid, cols}, dt, gpu(), 11).requires_grad_();
       Tensor w = randn({cols}, dt, gpu(), 12).requires_grad_();
       Tensor x64 = cpu64(x).requires_grad_(), w64 = cpu64(w).requires_grad_();
       Tensor y = rms_norm(x, w), ref = rms_norm(x64, w64);
