@@ -5,7 +5,8 @@ prints a Markdown table (tokens/s, ms/step, MFU, peak MiB, and lintape's speed-u
 against the compiled PyTorch step); --json writes the rows.
 
 Usage: python3 bench/torch_ref/compare_train.py --lintape build-gpu/lintape [--mixers fal,tpa]
-           [--batch 16] [--seq 2048] [--vocab 32768] [--steps 10] [--timeout S] [--json FILE]
+           [--batch 16] [--seq 2048] [--vocab 32768] [--steps 10] [--modes eager,compile] [--timeout S]
+           [--json FILE]
 """
 import argparse
 import json
@@ -38,9 +39,12 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--modes", default="eager,compile", help="the PyTorch runs: eager, compile or both")
     ap.add_argument("--timeout", type=float, default=None, help="seconds allowed to each command (default: no limit)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if not set(args.modes.split(",")) <= {"eager", "compile"}:
+        ap.error(f"--modes takes eager, compile or both; got {args.modes}")
     shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,7 +54,7 @@ def main():
             if ours:
                 rows.append({"mixers": mixer, "provider": "lintape", "tokens_per_s": ours["tokens_per_s"],
                              "step_ms": ours["step_ms"], "mfu": ours["mfu"], "peak_mib": ours["peak_mib"]})
-            for mode in ("eager", "compile"):  # apart, so that a compilation stopped by --timeout loses only itself
+            for mode in args.modes.split(","):  # apart, so that a compilation stopped by --timeout loses only itself
                 path = f"{tmp}/torch-{mixer}-{mode}.json"
                 theirs = run_json([sys.executable, os.path.join(HERE, "bench_train.py"), "--mixers", mixer, "--mode",
                                    mode, "--json", path] + shape, path, args.timeout)
