@@ -581,10 +581,14 @@ const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions
 #endif
 }
 
-// True when a causal call runs the chunk-parallel kernels (whose backward is faster than the composed one).
+// True when the call runs the chunk kernels (causal: chunk-parallel; noncausal: ops/fal_noncausal.cuh), whose
+// forward and backward are faster than the composed ones.
 bool chunked(const Tensor& q, const Tensor& v, const FalOptions& o) {
 #if LINTAPE_WITH_CUDA
-  return q.is_cuda() && fal_cuda::causal_chunked(q.dtype(), q.size(3), v.size(3), kernel_codes(o));
+  if (!q.is_cuda()) return false;
+  const FalStepSpec codes = kernel_codes(o);
+  return o.causal ? fal_cuda::causal_chunked(q.dtype(), q.size(3), v.size(3), codes)
+                  : fal_cuda::noncausal_chunked(q.dtype(), q.size(3), v.size(3), codes);
 #else
   (void)q, (void)v, (void)o;
   return false;
@@ -601,7 +605,8 @@ std::array<Tensor, 4> gradient_buffers(const std::array<Tensor, 4>& x, bool chun
   bool side_by_side = chunk_kernels && q.strides()[0] == N * W;
   int64_t base = q.offset(), end = q.offset();
   for (const Tensor& t : x) {
-    side_by_side = side_by_side && t.impl()->storage == q.impl()->storage && t.strides()[0] == q.strides()[0] &&
+    side_by_side = side_by_side && t.size(1) == N && t.impl()->storage == q.impl()->storage &&
+                   t.strides()[0] == q.strides()[0] &&
                    t.strides()[1] == W && t.strides()[3] == 1 && t.strides()[2] == t.size(3);
     base = std::min(base, t.offset());
     end = std::max(end, t.offset() + t.size(2) * t.size(3));
@@ -626,9 +631,8 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
   const Device dev = q.device();
   const FalStepSpec spec = kernel_spec(q, o, op);
   const bool causal = o.causal;
-  // The causal launchers take strided views (the chunk kernels read them in place).
-  auto prepare = [causal](const Tensor& x) { return causal ? x.detach() : x.detach().contiguous(); };
-  const Tensor qc = prepare(q), kc = prepare(k), vc = prepare(v), gc = prepare(g);
+  // The launchers take strided views (the chunk kernels read them in place, the sweeps copy them).
+  const Tensor qc = q.detach(), kc = k.detach(), vc = v.detach(), gc = g.detach();
   const Tensor s0 = S0.defined() ? S0.detach().contiguous() : Tensor();
   const Shape state_shape{q.size(0), q.size(2), fal_state_rows(o.lrpe, q.size(3)), v.size(3)};
   Tensor out = empty(g.shape(), g.dtype(), dev);
@@ -642,7 +646,7 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
   std::vector<Tensor> outputs{out};
   if (causal) outputs.push_back(state);
   const Tensor kv = causal ? Tensor() : state;
-  const bool chunk_kernels = causal && chunked(q, v, o);
+  const bool chunk_kernels = chunked(q, v, o);
   record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, causal, state_shape, chunk_kernels](const Grads& gin)
                                    -> Grads {
     const Device d = qc.device();
@@ -668,14 +672,15 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
 std::pair<Tensor, Tensor> run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& S0,
                               const FalOptions& o, Impl impl, const char* op) {
   // On CUDA (docs/BENCHMARKS.md) every fused causal forward is faster than the composed one and takes a
-  // fraction of its memory; the chunk-parallel backward (bf16/f16, fal_cuda::causal_chunked) is faster than
-  // the composed one too, but the sweep's backwards (other causal calls, and noncausal) are slower, and the
-  // fused noncausal forward is about as fast as the composed one. Auto runs Fused for causal calls that record
-  // no gradient (prefill, evaluation) or that the chunk kernels take, and Composed otherwise.
+  // fraction of its memory; the chunk kernels' backwards (bf16/f16, causal and noncausal: chunked) and the
+  // noncausal chunk forward are faster than the composed ones too, but the sweep's backwards (other causal and
+  // noncausal calls) are slower, and the noncausal sweep's forward no faster. Auto runs Fused for the calls
+  // that the chunk kernels take and for causal calls that record no gradient (prefill, evaluation), and
+  // Composed otherwise.
   if (impl == Impl::Auto) {
     const bool records = autograd::grad_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                       g.requires_grad() || (S0.defined() && S0.requires_grad()));
-    const bool fused = o.causal && fused_unsupported(q, v, o) == nullptr && (!records || chunked(q, v, o));
+    const bool fused = fused_unsupported(q, v, o) == nullptr && (chunked(q, v, o) || (o.causal && !records));
     impl = !q.is_cuda() ? Impl::Reference : fused ? Impl::Fused : Impl::Composed;
   }
   switch (impl) {

@@ -74,14 +74,6 @@ void causal_sweep(SweepArgs a, int pass, int reduce, bool reverse, const float* 
   launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
 }
 
-// The chunk kernels read x in place when its heads are rows of its width inside each token and its rows are
-// 16-byte aligned.
-bool chunk_readable(const Tensor& x) {
-  const Shape& s = x.strides();
-  return s[3] == 1 && s[2] == x.size(3) && s[1] % 8 == 0 && s[0] % 8 == 0 &&
-         reinterpret_cast<uintptr_t>(x.data()) % 16 == 0;
-}
-
 bool use_chunks(const Tensor& q, const Tensor& v, const FalStepSpec& spec) {
   return causal_chunked(q.dtype(), q.size(3), v.size(3), spec);
 }

@@ -25,6 +25,18 @@
 #include "core/cuda_types.cuh"
 #include "ops/fal_cuda.h"
 
+namespace lintape::fal_cuda {
+
+// The chunk kernels read x (B, tokens, H, width) in place when its heads are rows of its width inside each
+// token and its rows are 16-byte aligned.
+inline bool chunk_readable(const Tensor& x) {
+  const Shape& s = x.strides();
+  return s[3] == 1 && s[2] == x.size(3) && s[1] % 8 == 0 && s[0] % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data()) % 16 == 0;
+}
+
+}  // namespace lintape::fal_cuda
+
 namespace lintape::fal_cuda::chunk {
 
 constexpr int kC = 64;       // tokens per chunk

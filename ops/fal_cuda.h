@@ -30,12 +30,17 @@ void step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, co
 // shared memory: true when it fits, with D, E <= 256 (above that Auto runs Composed).
 bool sequence_supported(int64_t D, int64_t P, int64_t E);
 
-// Noncausal. q (B, N, H, D), k (B, M, H, D), v (B, M, H, E), g (B, N, H, E) contiguous f32/bf16/f16; kv
-// (B, H, D', E) f32 receives kb^T vb (saved for backward); out (B, N, H, E) in the inputs' dtype.
+// Noncausal: true when the chunk kernels (ops/fal_noncausal.cuh) run the call (bf16/f16, LRPE none or cosine,
+// D 64 or 128, E a multiple of 8 up to 128, softmax over the feature dim on q and k only); else the sweep.
+bool noncausal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
+
+// Noncausal. q (B, N, H, D), k (B, M, H, D), v (B, M, H, E), g (B, N, H, E) f32/bf16/f16, views whose last two
+// dims are contiguous rows (the chunk kernels read them in place, the sweep copies them); kv (B, H, D', E) f32
+// receives kb^T vb (saved for backward); out (B, N, H, E) contiguous in the inputs' dtype.
 void noncausal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                        const Tensor& kv, const Tensor& out);
 // dout (B, N, H, E) contiguous in the inputs' dtype; kv as forward wrote it; writes dq, dk, dv, dg (the
-// inputs' shapes and dtype).
+// inputs' shapes and dtype; strided like the inputs when the chunk kernels run, else contiguous).
 void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                         const Tensor& kv, const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dg);

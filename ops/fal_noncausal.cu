@@ -1,13 +1,160 @@
-// Fused FAL, noncausal: kv = kb^T vb per (b, h), reduced over slices of the keys by separate blocks and summed
-// in a fixed order (deterministic), then o = gb * (qb kv) per query token. Backward reduces dkv = qb^T dy the
-// same way, then the query rows give dq and dg (from kv) and the key rows dk and dv (from dkv). The acts and
-// the LRPE are applied to each row in shared memory (ops/fal_sweep.cuh), never written to memory.
+// Fused FAL, noncausal. bf16/f16 calls that noncausal_chunked takes run the chunk kernels of
+// ops/fal_noncausal.cuh: kv = kb^T vb reduced over the key chunks, then o = gb o (qb kv) per query chunk;
+// backward dkv = qb^T (gb o dO) over the query chunks, then dq and dg per query chunk (from kv) and dk and dv
+// per key chunk (from dkv). They read q, k, v, g in place when each token's heads are contiguous rows.
+// The others (f32, rotate, softmax on v or g, other head dims) run the sweep (ops/fal_sweep.cuh: f32 rows in
+// shared memory), kv reduced over slices of the keys by separate blocks and summed in a fixed order.
 #include <algorithm>
+#include "ops/fal_noncausal.cuh"
 #include "ops/fal_sweep.cuh"
 
 namespace lintape::fal_cuda {
 
+namespace noncausal {
+
 namespace {
+
+constexpr int kReduceThreads = 512;
+constexpr int64_t kMinReduceChunks = 8;  // the fewest chunks of a reduction run (bounds the partial states)
+
+// The reduction's 16 warps over the P x EP state: WR groups of rows (MT m-tiles each) by WC groups of columns.
+template <int PP, int EP>
+struct ReduceWarps {
+  static constexpr int WR = PP >= 128 ? 8 : 4, WC = 16 / WR;
+  static constexpr int MT = PP / 16 / WR, NT = EP / WC / 8;
+  static_assert(MT * 16 * WR == PP && NT * 8 * WC == EP && NT % 2 == 0, "whole tiles");
+};
+
+template <int PP, int EP>
+constexpr size_t reduce_smem_bytes(size_t elem) {
+  return elem * size_t(kC * (PP + kPad) + kC * (EP + kPad));
+}
+
+// A run of items (b, h, chunk), item w = bh nC + chunk, sums X^T Z over its chunks into partial[slot] (P x E
+// f32) for each (b, h) it touches, slot = blockIdx.x + bh (distinct: a run starts where the previous one ended).
+template <class T, int DP, int PP, int EP, bool Grad>
+__global__ void __launch_bounds__(kReduceThreads, 1)
+    reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total) {
+  using W = ReduceWarps<PP, EP>;
+  constexpr int NThr = kReduceThreads, ldX = PP + kPad, ldZ = EP + kPad;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* xs = reinterpret_cast<T*>(smem_raw);
+  T* zs = xs + kC * ldX;
+  const int warp = threadIdx.x >> 5;
+  const int m0 = 16 * W::MT * (warp % W::WR), n0 = 8 * W::NT * (warp / W::WR);
+  const int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
+  const int64_t dts = int64_t(a.H) * a.E;  // dout's token stride
+
+  Raw<DP, NThr> xr;
+  Raw<EP, NThr> zr, dr;
+  auto fetch_item = [&](int64_t w) {
+    const int64_t bh = w / a.nC, b = bh / a.H, t0 = (w % a.nC) * kC;
+    const int h = int(bh % a.H);
+    if (Grad) {
+      chunk::fetch(a, chunk::at_head<T>(a.q, b, a.sq_b, h, a.D), a.sq_t, t0, 0, a.D, xr);
+      chunk::fetch(a, chunk::at_head<T>(a.g, b, a.sg_b, h, a.E), a.sg_t, t0, 0, a.E, zr);
+      chunk::fetch(a, static_cast<const T*>(a.dout) + b * a.N * dts + h * a.E, dts, t0, 0, a.E, dr);
+    } else {
+      chunk::fetch(a, chunk::at_head<T>(a.k, b, a.sk_b, h, a.D), a.sk_t, t0, 0, a.D, xr);
+      chunk::fetch(a, chunk::at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, t0, 0, a.E, zr);
+    }
+  };
+
+  chunk::Acc<W::MT, W::NT> acc;
+  acc.zero();
+  if (begin < end) fetch_item(begin);
+  for (int64_t w = begin; w < end; ++w) {
+    const int64_t bh = w / a.nC, t0 = (w % a.nC) * kC;
+    const int h = int(bh % a.H);
+    __syncthreads();  // the previous product is done with xs and zs
+    encode_rows<T, DP, NThr>(a, xr, Grad ? a.act_q : a.act_k, h, t0, xs, ldX);
+    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, Grad ? a.act_g : a.act_v, t0, 0, nullptr, zs);
+    __syncthreads();
+    if (w + 1 < end) fetch_item(w + 1);  // in flight during the product
+    chunk::warp_mma<T, true, true>(acc, xs, ldX, m0, zs, ldZ, n0, kC);
+    if (w + 1 == end || (w + 1) / a.nC != bh) {
+      float* dst = partial + (int64_t(blockIdx.x) + bh) * PP * a.E;
+#pragma unroll
+      for (int m = 0; m < W::MT; ++m)
+#pragma unroll
+        for (int n = 0; n < W::NT; ++n)
+#pragma unroll
+          for (int r = 0; r < 4; r += 2) {
+            const int p = m0 + acc.row(m, r), e = n0 + acc.col(n, r);
+            if (e < a.E)
+              *reinterpret_cast<float2*>(dst + int64_t(p) * a.E + e) = make_float2(acc.x[m][n][r], acc.x[m][n][r + 1]);
+          }
+      acc.zero();
+    }
+  }
+}
+
+// state (BH, n) = the partial states of (b, h), summed in the order of the runs.
+__global__ void sum_partials(const float* __restrict__ partial, float* __restrict__ state, int64_t per, int64_t nC,
+                             int64_t n, int64_t count) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  const int64_t bh = i / n, j = i % n;
+  const int64_t first = bh * nC / per, last = ((bh + 1) * nC - 1) / per;
+  float s = 0.0f;
+  for (int64_t run = first; run <= last; ++run) s += partial[(run + bh) * n + j];
+  state[i] = s;
+}
+
+template <class T, int DP, int PP, int EP, bool Grad>
+void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Device dev) {
+  const int64_t total = BH * a.nC, n = int64_t(a.P) * a.E;
+  if (total == 0) {  // no tokens: a zero state
+    LT_CUDA_CHECK(cudaMemsetAsync(state, 0, size_t(BH * n) * sizeof(float), st));
+    return;
+  }
+  auto kernel = reduce_kernel<T, DP, PP, EP, Grad>;
+  const size_t smem = reduce_smem_bytes<PP, EP>(sizeof(T));
+  LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int per_sm = 0;
+  LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kReduceThreads, smem));
+  const Partition part = partition(total, int64_t(std::max(per_sm, 1)) * sm_count(dev), kMinReduceChunks);
+  Tensor partial = empty({part.blocks + BH, n}, DType::F32, dev);
+  kernel<<<unsigned(part.blocks), kReduceThreads, smem, st>>>(a, partial.data_ptr<float>(), part.per, total);
+  LT_CUDA_CHECK_LAUNCH();
+  const int64_t count = BH * n;
+  sum_partials<<<unsigned((count + 255) / 256), 256, 0, st>>>(partial.data_ptr<float>(), state, part.per, a.nC, n,
+                                                              count);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, int DP, int PP, bool Grad>
+void reduce_e(const Args& a, int64_t BH, float* state, cudaStream_t st, Device dev) {
+  if (a.E > 64)
+    launch_reduce<T, DP, PP, 128, Grad>(a, BH, state, st, dev);
+  else
+    launch_reduce<T, DP, PP, 64, Grad>(a, BH, state, st, dev);
+}
+
+template <class T, bool Grad>
+void reduce_t(const Args& a, int64_t BH, float* state, cudaStream_t st, Device dev) {
+  const bool cosine = a.lrpe == FalStepSpec::kCosine;
+  if (a.D == 128)
+    cosine ? reduce_e<T, 128, 256, Grad>(a, BH, state, st, dev) : reduce_e<T, 128, 128, Grad>(a, BH, state, st, dev);
+  else
+    cosine ? reduce_e<T, 64, 128, Grad>(a, BH, state, st, dev) : reduce_e<T, 64, 64, Grad>(a, BH, state, st, dev);
+}
+
+}  // namespace
+
+void reduce(const Args& a, bool grad, DType dtype, int64_t BH, float* state, cudaStream_t st, Device dev) {
+  if (dtype == DType::BF16)
+    grad ? reduce_t<__nv_bfloat16, true>(a, BH, state, st, dev) : reduce_t<__nv_bfloat16, false>(a, BH, state, st, dev);
+  else
+    grad ? reduce_t<__half, true>(a, BH, state, st, dev) : reduce_t<__half, false>(a, BH, state, st, dev);
+}
+
+}  // namespace noncausal
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// The sweep (f32 and the calls the chunk kernels do not take).
 
 constexpr int64_t kRowTokens = 256;      // query or key tokens per block of a row pass
 constexpr int64_t kMinSliceTokens = 64;  // the fewest tokens per slice of a reduction
@@ -26,8 +173,8 @@ __global__ void sum_slices(const float* __restrict__ part, float* __restrict__ o
 }
 
 // dst (BH, P, E) = sum over tokens of the pass's rows, split into slices of the sequence.
-void reduce(SweepArgs a, int pass, int64_t tokens, int64_t BH, const Tensor& dst, DType dtype, cudaStream_t st,
-            Device dev) {
+void sweep_reduce(SweepArgs a, int pass, int64_t tokens, int64_t BH, const Tensor& dst, DType dtype, cudaStream_t st,
+                  Device dev) {
   const int64_t max_slices = std::max<int64_t>(1, (tokens + kMinSliceTokens - 1) / kMinSliceTokens);
   const int64_t slices = std::min(max_slices, std::max<int64_t>(1, (kTargetBlocks + BH - 1) / BH));
   a.pass = pass;
@@ -48,12 +195,50 @@ void reduce(SweepArgs a, int pass, int64_t tokens, int64_t BH, const Tensor& dst
   LT_CUDA_CHECK_LAUNCH();
 }
 
-void rows(SweepArgs a, int pass, int64_t tokens, int64_t BH, DType dtype, cudaStream_t st) {
+void sweep_rows(SweepArgs a, int pass, int64_t tokens, int64_t BH, DType dtype, cudaStream_t st) {
   a.pass = pass;
   a.causal = false;
   a.tokens_per_block = kRowTokens;
   const int64_t blocks = (tokens + kRowTokens - 1) / kRowTokens;
   if (blocks > 0) launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(blocks)), st, "fal");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The chunk kernels' arguments.
+
+Tensor readable(const Tensor& x) { return chunk_readable(x) ? x : x.contiguous(); }
+
+chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec) {
+  chunk::Args a{};
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.g = g.data();
+  a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
+  a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
+  a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];
+  a.sg_b = g.strides()[0], a.sg_t = g.strides()[1];
+  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
+  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
+  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
+  a.H = int(q.size(2));
+  a.D = int(q.size(3));
+  a.E = int(v.size(3));
+  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
+  a.position = spec.position;
+  a.act_q = spec.act_q;
+  a.act_k = spec.act_k;
+  a.act_v = spec.act_v;
+  a.act_g = spec.act_g;
+  a.lrpe = spec.lrpe;
+  return a;
+}
+
+// The pass over `tokens` tokens (the keys or the queries).
+chunk::Args over(chunk::Args a, int64_t tokens) {
+  a.N = tokens;
+  a.nC = (tokens + chunk::kC - 1) / chunk::kC;
+  return a;
 }
 
 }  // namespace
@@ -62,16 +247,32 @@ bool sequence_supported(int64_t D, int64_t P, int64_t E) {
   return D <= kMaxHeadDim && E <= kMaxHeadDim && sweep_smem_floats(D, P, E) * sizeof(float) <= kMaxSharedBytes;
 }
 
+bool noncausal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
+  if (dtype != DType::BF16 && dtype != DType::F16) return false;
+  if (spec.lrpe == FalStepSpec::kRotate || (D != 64 && D != 128) || E % 8 != 0 || E > 128 || E == 0) return false;
+  return spec.act_v != FalStepSpec::kSoftmaxFeature && spec.act_g != FalStepSpec::kSoftmaxFeature;
+}
+
 void noncausal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                        const Tensor& kv, const Tensor& out) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0 || v.size(3) == 0) return;
-  cudaStream_t st = cuda::stream(q.device().index);
-  SweepArgs a = sweep_args(q, k, v, g, spec);
-  reduce(a, kReduceKV, k.size(1), BH, kv, q.dtype(), st, q.device());
+  const Device dev = q.device();
+  cudaStream_t st = cuda::stream(dev.index);
+  if (noncausal_chunked(q.dtype(), q.size(3), v.size(3), spec)) {
+    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
+    chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
+    a.out = out.data();
+    noncausal::reduce(over(a, k.size(1)), false, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
+    noncausal::rows(over(a, q.size(1)), noncausal::kOut, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
+    return;
+  }
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+  SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
+  sweep_reduce(a, kReduceKV, k.size(1), BH, kv, q.dtype(), st, dev);
   a.state_in = kv.data_ptr<float>();
   a.out = out.data();
-  rows(a, kForward, q.size(1), BH, q.dtype(), st);
+  sweep_rows(a, kForward, q.size(1), BH, q.dtype(), st);
 }
 
 void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
@@ -79,19 +280,42 @@ void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& dg) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0) return;
-  cudaStream_t st = cuda::stream(q.device().index);
-  SweepArgs a = sweep_args(q, k, v, g, spec);
+  const Device dev = q.device();
+  cudaStream_t st = cuda::stream(dev.index);
+  Tensor dkv = empty(kv.shape(), DType::F32, dev);
+  if (noncausal_chunked(q.dtype(), q.size(3), v.size(3), spec)) {
+    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
+    chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
+    for (const Tensor* x : {&dq, &dk, &dv, &dg})
+      LT_CHECK(chunk_readable(*x), "[fal] internal: a gradient's layout does not suit the chunk kernels: strides ",
+               shape_str(x->strides()));
+    a.dout = dout.data();
+    a.dq = dq.data();
+    a.dk = dk.data();
+    a.dv = dv.data();
+    a.dg = dg.data();
+    a.sdq_b = dq.strides()[0], a.sdq_t = dq.strides()[1];
+    a.sdk_b = dk.strides()[0], a.sdk_t = dk.strides()[1];
+    a.sdv_b = dv.strides()[0], a.sdv_t = dv.strides()[1];
+    a.sdg_b = dg.strides()[0], a.sdg_t = dg.strides()[1];
+    const chunk::Args queries = over(a, q.size(1)), keys = over(a, k.size(1));
+    noncausal::reduce(queries, true, q.dtype(), BH, dkv.data_ptr<float>(), st, dev);
+    noncausal::rows(queries, noncausal::kQueryGrads, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
+    noncausal::rows(keys, noncausal::kKeyGrads, q.dtype(), BH, dkv.data_ptr<float>(), st, dev);
+    return;
+  }
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+  SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
   a.dout = dout.data();
   a.dq = dq.data();
   a.dk = dk.data();
   a.dv = dv.data();
   a.dg = dg.data();
-  Tensor dkv = empty(kv.shape(), DType::F32, q.device());
-  reduce(a, kReduceDKV, q.size(1), BH, dkv, q.dtype(), st, q.device());
+  sweep_reduce(a, kReduceDKV, q.size(1), BH, dkv, q.dtype(), st, dev);
   a.state_in = kv.data_ptr<float>();
-  rows(a, kQueryGrad, q.size(1), BH, q.dtype(), st);
+  sweep_rows(a, kQueryGrad, q.size(1), BH, q.dtype(), st);
   a.state_in = dkv.data_ptr<float>();
-  rows(a, kKeyGrad, k.size(1), BH, q.dtype(), st);
+  sweep_rows(a, kKeyGrad, k.size(1), BH, q.dtype(), st);
 }
 
 }  // namespace lintape::fal_cuda

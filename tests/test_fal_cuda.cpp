@@ -190,11 +190,11 @@ const std::vector<StepConfig> kSequenceConfigs = {
 // Fused (launchers on poisoned outputs, then Impl::Auto through the tape) against the f64 reference: the
 // output, the final state, the four input gradients and dS0, with the final state's gradient fed in.
 // N and M default to odd lengths of a few 16-token chunks; long runs carry the state over many chunks.
-// with_state false: causal without S0 and without a gradient of the final state.
+// with_state false: causal without S0 and without a gradient of the final state. m > 0: M (noncausal).
 void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t seed, int64_t n = 0, int64_t B = 2,
-                          bool with_state = true) {
+                          bool with_state = true, int64_t m = 0) {
 #if LINTAPE_WITH_CUDA
-  const int64_t H = 3, N = n > 0 ? n : causal ? 41 : 37, M = causal ? N : n > 0 ? n + 8 : 45;
+  const int64_t H = 3, N = n > 0 ? n : causal ? 41 : 37, M = causal ? N : m > 0 ? m : n > 0 ? n + 8 : 45;
   const int64_t P = fal_state_rows(c.lrpe, c.D);
   std::vector<Tensor> in;  // q, k, v, g on the device, rounded to dt
   for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, M, H, c.D}, Shape{B, M, H, c.E}, Shape{B, N, H, c.E}})
@@ -271,7 +271,7 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   }
   if (states) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
 #else
-  (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B, (void)with_state;
+  (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B, (void)with_state, (void)m;
 #endif
 }
 
@@ -385,6 +385,86 @@ TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_
   CHECK(rel_error(proj2.grad().to(Device::cpu()), grads) == 0.0);
 }
 
+namespace {
+
+// The noncausal chunk kernels (bf16 and f16; ops/fal_noncausal.cuh): D 64 and 128, E from 32 to 128, LRPE none
+// and cosine, softmax over the feature dim on q and k, elementwise acts on v and g.
+const std::vector<StepConfig> kNoncausalChunkConfigs = {
+    {"cosine D 128 E 128 silu", FalLrpe::Cosine, 128, 128, kSilu, kSilu, kNone, kSilu, false},
+    {"cosine D 64 E 80 softmax q, relu v, sigmoid g", FalLrpe::Cosine, 64, 80, kSoft, kSilu, kRelu, kSigmoid, false},
+    {"none D 128 E 32 softmax q and k", FalLrpe::None, 128, 32, kSoft, kSoft, kNone, kSilu, false},
+    {"none D 64 E 64 no acts", FalLrpe::None, 64, 64, kNone, kNone, kNone, kNone, false},
+    {"cosine D 128 E 64 softmax q, relu g", FalLrpe::Cosine, 128, 64, kSoft, kSilu, kNone, kRelu, false},
+};
+
+}  // namespace
+
+// Queries and keys around the 64-token chunks, M above, equal to and below N.
+TEST_CASE("cuda fal chunked noncausal matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  uint64_t seed = 1000;
+  const std::pair<int64_t, int64_t> lengths[] = {{23, 31}, {64, 64}, {161, 100}, {37, 200}};
+  for (const StepConfig& c : kNoncausalChunkConfigs)
+    for (DType dt : {DType::BF16, DType::F16})
+      for (const auto& [N, M] : lengths) {
+        CAPTURE(c.name);
+        CAPTURE(dtype_name(dt));
+        CAPTURE(N);
+        CAPTURE(M);
+        FalOptions o = step_options(c, 3, gpu());
+        REQUIRE(fal_cuda::noncausal_chunked(dt, c.D, c.E, kernel_spec(c, o)));
+        check_fused_sequence(c, false, dt, seed += 10, N, 2, true, M);
+      }
+#endif
+}
+
+// Many chunks over several (b, h): the runs of chunks cross (b, h) boundaries in every pass.
+TEST_CASE("cuda fal chunked noncausal long sequence matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  check_fused_sequence(kNoncausalChunkConfigs[0], false, DType::BF16, 1500, 777, 2, true, 901);
+  check_fused_sequence(kNoncausalChunkConfigs[1], false, DType::F16, 1510, 1100, 1, true, 650);
+}
+
+// q, k, v, g as slices of one (B, N, 4 H, D) projection, noncausal: read in place, the same results as on
+// contiguous copies, and Impl::Auto runs the fused path for a call that records gradients; through split the
+// four gradients land side by side in one buffer.
+TEST_CASE("cuda fal chunked noncausal reads strided slices of one projection" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const int64_t B = 2, N = 150, H = 3, D = 64;
+  const StepConfig& c = kNoncausalChunkConfigs[1];
+  FalOptions o = step_options(c, H, gpu());
+  o.causal = false;
+  o.decay = Tensor();
+  const Tensor proj = randn({B, N, 4 * H, D}, DType::BF16, gpu(), 1600).requires_grad_();
+  std::vector<Tensor> parts, copies;
+  for (int64_t i = 0; i < 4; ++i) {
+    parts.push_back(proj.narrow(2, i * H, H));
+    copies.push_back(parts.back().detach().contiguous().requires_grad_());
+  }
+  CHECK(!parts[0].is_contiguous());
+  const Tensor dout = randn({B, N, H, D}, DType::BF16, gpu(), 1601);
+  Tensor got = fal(parts[0], parts[1], parts[2], parts[3], o, Impl::Auto);
+  Tensor want = fal(copies[0], copies[1], copies[2], copies[3], o, Impl::Fused);
+  CHECK(rel_error(got.to(Device::cpu()), want.to(Device::cpu())) == 0.0);
+  backward(sum(got.to(DType::F32) * dout.to(DType::F32)));
+  backward(sum(want.to(DType::F32) * dout.to(DType::F32)));
+  const Tensor grads = proj.grad().to(Device::cpu());
+  for (int64_t i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    CHECK(rel_error(grads.narrow(2, i * H, H).contiguous(), copies[size_t(i)].grad().to(Device::cpu())) == 0.0);
+  }
+  const Tensor proj2 = proj.detach().clone().requires_grad_();
+  const std::vector<Tensor> pieces = split(proj2, {H, H, H, H}, 2);
+  backward(sum(fal(pieces[0], pieces[1], pieces[2], pieces[3], o, Impl::Auto).to(DType::F32) * dout.to(DType::F32)));
+  CHECK(rel_error(proj2.grad().to(Device::cpu()), grads) == 0.0);
+  // The composed path agrees (the reference of the strided call).
+  const Tensor composed = fal(copies[0].detach(), copies[1].detach(), copies[2].detach(), copies[3].detach(), o,
+                              Impl::Composed);
+  CHECK(rel_error(got.to(Device::cpu()).to(DType::F64), composed.to(Device::cpu()).to(DType::F64)) <=
+        tolerance(DType::BF16));
+}
+
 TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // f32 runs the sweep, bf16 the chunk kernels (two chunks, the last partial).
@@ -431,16 +511,16 @@ TEST_CASE("cuda fal causal segments follow the shape" * LT_CUDA_CASE) {
 
 // Forward through the op: the output and the states. Backward through the launchers (the tape adds its own
 // buffers for the incoming gradients): the states only, the gradients being allocated by the caller. Noncausal
-// bf16 and causal f32 run the sweeps; causal bf16 the chunk kernels.
+// f32 and causal f32 run the sweeps; noncausal and causal bf16 the chunk kernels.
 TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   const int64_t B = 2, N = 300, H = 3, slack = 8 * 512;
   const StepConfig& c = kSequenceConfigs[0];
   const int64_t P = fal_state_rows(c.lrpe, c.D);
-  for (int kind = 0; kind < 3; ++kind) {
-    const bool causal = kind > 0;
-    const DType dt = kind == 1 ? DType::F32 : DType::BF16;
+  for (int kind = 0; kind < 4; ++kind) {
+    const bool causal = kind == 1 || kind == 2;
+    const DType dt = kind == 1 || kind == 3 ? DType::F32 : DType::BF16;
     CAPTURE(causal);
     CAPTURE(dtype_name(dt));
     std::vector<Tensor> in;
@@ -453,17 +533,21 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     if (!causal) o.decay = Tensor();
     const FalStepSpec spec = kernel_spec(c, o);
     const bool chunked = causal && fal_cuda::causal_chunked(dt, c.D, c.E, spec);
+    const bool nc_chunked = !causal && fal_cuda::noncausal_chunked(dt, c.D, c.E, spec);
     CHECK(chunked == (kind == 2));
+    CHECK(nc_chunked == (kind == 0));
     const Tensor dout = randn({B, N, H, c.E}, dt, gpu(), seed++);
     const int64_t state_bytes = B * H * P * c.E * 4, out_bytes = B * N * H * c.E * int64_t(dtype_size(dt));
-    // Noncausal reductions keep one partial state per slice of the sequence (64 tokens or more each); causal
-    // sweeps one state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do); the
-    // chunk kernels one state per 64-token chunk in the inputs' dtype (two in the backward: S_c and R_(c+1)).
+    // Noncausal sweep reductions keep one partial state per slice of the sequence (64 tokens or more each); the
+    // noncausal chunk reductions one (b, h) state per (b, h) and per run of 8 or more chunks; causal sweeps one
+    // state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do); the causal chunk
+    // kernels one state per 64-token chunk in the inputs' dtype (two in the backward: S_c and R_(c+1)).
     const int64_t segments = fal_cuda::causal_segments(B * H, N, fal_cuda::sm_count(gpu()));
     if (causal) CHECK(segments > 1);
     const int64_t partials = causal ? (segments > 1 ? segments : 0) : (N + 63) / 64;
     const int64_t chunk_states = B * H * ((N + 63) / 64) * P * c.E * int64_t(dtype_size(dt));
-    const int64_t fwd_extra = chunked ? chunk_states : partials * state_bytes;
+    const int64_t nc_partials = ((B * H * ((N + 63) / 64) + 7) / 8 + B * H) * P * c.E * 4;
+    const int64_t fwd_extra = chunked ? chunk_states : nc_chunked ? nc_partials : partials * state_bytes;
 
     int64_t base = int64_t(memory_stats(gpu()).in_use);
     reset_peak_memory(gpu());
@@ -484,8 +568,10 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     else
       fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
                                    grads[3]);
-    const int64_t bwd_extra = chunked ? 2 * chunk_states : causal ? partials * state_bytes
-                                                                  : (1 + partials) * state_bytes;  // dkv, partials
+    const int64_t bwd_extra = chunked      ? 2 * chunk_states
+                              : causal     ? partials * state_bytes
+                              : nc_chunked ? state_bytes + nc_partials  // dkv, partials
+                                           : (1 + partials) * state_bytes;
     CHECK(int64_t(memory_stats(gpu()).peak) - base <= bwd_extra + slack);
   }
 #endif

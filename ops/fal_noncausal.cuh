@@ -1,0 +1,117 @@
+// Internal to the FAL family: the chunk kernels of the noncausal FAL for bf16 and f16 inputs (the reduction in
+// ops/fal_noncausal.cu, the row passes in ops/fal_noncausal_rows.cu). They reuse the causal chunk machinery
+// (ops/fal_chunk.cuh: 64-token chunks, mma.sync with f32 accumulation) with whole rows of q and k: a row's D
+// columns are loaded together, so that softmax over the feature dim can run on q and k.
+//
+// The work is a list of items, (b, h, chunk), cut into equal runs of consecutive items, one run per block, as
+// many blocks as fit on the GPU at once (a run crosses (b, h) boundaries as it needs):
+//   reduce    S = X^T Z summed over the chunks (kv: X = kb, Z = vb; dkv: X = qb, Z = gb o dO); each run writes
+//             one partial state per (b, h) it touches and a fixed-order sum adds them (deterministic);
+//   rows      per chunk, with the (b, h)'s state W in shared memory (in the inputs' dtype): Y = X W, then
+//               out:  o = gb o Y                                  (X = qb, W = kv)
+//               query grads: dg = act_g'(dO o Y), dqb = (gb o dO) W^T    (X = qb, W = kv)
+//               key grads:   dv = act_v'(Y), dkb = vb W^T                (X = kb, W = dkv)
+//             and dqb, dkb go back through the LRPE and the act to dq, dk.
+#pragma once
+#include "ops/fal_chunk.cuh"
+
+namespace lintape::fal_cuda::noncausal {
+
+using chunk::Args;
+using chunk::kC;
+using chunk::kPad;
+using chunk::Raw;
+
+// Consecutive runs of `per` items, `blocks` of them (the last may be shorter; none is empty).
+struct Partition {
+  int64_t per = 1, blocks = 0;
+};
+inline Partition partition(int64_t total, int64_t slots, int64_t min_per) {
+  Partition p;
+  if (total <= 0) return p;
+  p.per = (total + slots - 1) / slots;
+  if (p.per < min_per) p.per = min_per;
+  p.blocks = (total + p.per - 1) / p.per;
+  return p;
+}
+
+// A row of q or k is held by DP / 8 consecutive lanes, 8 columns each.
+template <int DP>
+__device__ __forceinline__ float row_max(float v) {
+#pragma unroll
+  for (int o = DP / 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+template <int DP>
+__device__ __forceinline__ float row_sum(float v) {
+#pragma unroll
+  for (int o = DP / 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The act of a row, 8 columns per thread: elementwise, or softmax over the row (every lane of the warp calls it).
+template <int DP>
+__device__ __forceinline__ void row_act(float (&x)[8], int act) {
+  if (act == FalStepSpec::kSoftmaxFeature) {
+    float m = x[0];
+#pragma unroll
+    for (int u = 1; u < 8; ++u) m = fmaxf(m, x[u]);
+    m = row_max<DP>(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      x[u] = __expf(x[u] - m);
+      s += x[u];
+    }
+    const float inv = 1.0f / row_sum<DP>(s);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) x[u] *= inv;
+  } else {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) x[u] = chunk::act_f(x[u], act);
+  }
+}
+
+// q or k rows t0 ... t0 + kC - 1 (all DP = D columns, fetched with c0 = 0) through the act and the LRPE into a
+// kC x P tile of leading dimension ld: columns [0, D) act(x) cos and [D, 2D) act(x) sin with the cosine LRPE,
+// else [0, D) act(x). Rows past a.N are zeros.
+template <class T, int DP, int NThr>
+__device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& r, int act, int h, int64_t t0,
+                                            T* tile, int ld) {
+  const int c8 = (threadIdx.x % (DP / 8)) * 8;
+  const bool cosine = a.lrpe == FalStepSpec::kCosine;
+  float rate[8];
+  if (cosine) chunk::rates8(a, h, c8, rate);
+#pragma unroll
+  for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
+    const int i = (threadIdx.x + it * NThr) / (DP / 8);
+    const int64_t t = t0 + i;
+    float x[8];
+    chunk::unpack8<T>(r.u[it], x);
+    row_act<DP>(x, act);
+    if (t >= a.N)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) x[u] = 0.0f;
+    if (cosine) {
+      float xs[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        float c, s;
+        chunk::angle_cs(rate[u], a.position + t, c, s);
+        xs[u] = x[u] * s;
+        x[u] *= c;
+      }
+      chunk::store8(tile + i * ld + DP + c8, xs);
+    }
+    chunk::store8(tile + i * ld + c8, x);
+  }
+}
+
+// The launchers. a.N and a.nC are the tokens and chunks of the pass (keys for kv and the key grads, queries
+// otherwise); state (B, H, P, E) f32.
+// state = kv (grad false: k and v over a.N keys) or dkv (grad true: q, g, dout over a.N queries).
+void reduce(const Args& a, bool grad, DType dtype, int64_t BH, float* state, cudaStream_t st, Device dev);
+enum RowPass : int { kOut, kQueryGrads, kKeyGrads };
+void rows(const Args& a, int pass, DType dtype, int64_t BH, const float* state, cudaStream_t st, Device dev);
+
+}  // namespace lintape::fal_cuda::noncausal
