@@ -25,9 +25,10 @@ struct ReduceWarps {
   static_assert(MT * 16 * WR == PP && NT * 8 * WC == EP && NT % 2 == 0, "whole tiles");
 };
 
-template <int PP, int EP>
+// X and Z tiles twice (the next item's rows are stored while this item's product runs), then the angle table.
+template <int DP, int PP, int EP>
 constexpr size_t reduce_smem_bytes(size_t elem) {
-  return elem * size_t(kC * (PP + kPad) + kC * (EP + kPad));
+  return 2 * elem * size_t(kC * (PP + kPad) + kC * (EP + kPad)) + sizeof(float) * kAngleRows * DP;
 }
 
 // A run of items (b, h, chunk), item w = bh nC + chunk, sums X^T Z over its chunks into partial[slot] (P x E
@@ -36,20 +37,21 @@ template <class T, int DP, int PP, int EP, bool Grad>
 __global__ void __launch_bounds__(kReduceThreads, 1)
     reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total) {
   using W = ReduceWarps<PP, EP>;
-  constexpr int NThr = kReduceThreads, ldX = PP + kPad, ldZ = EP + kPad;
+  constexpr int NThr = kReduceThreads, ldX = PP + kPad, ldZ = EP + kPad, kBuffer = kC * ldX + kC * ldZ;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* xs = reinterpret_cast<T*>(smem_raw);
-  T* zs = xs + kC * ldX;
+  T* tiles = reinterpret_cast<T*>(smem_raw);  // buffer i: X at i kBuffer, then Z
+  float* angles = reinterpret_cast<float*>(tiles + 2 * kBuffer);
   const int warp = threadIdx.x >> 5;
   const int m0 = 16 * W::MT * (warp % W::WR), n0 = 8 * W::NT * (warp / W::WR);
   const int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
   const int64_t dts = int64_t(a.H) * a.E;  // dout's token stride
+  const bool cosine = a.lrpe == FalStepSpec::kCosine;
 
   Raw<DP, NThr> xr;
   Raw<EP, NThr> zr, dr;
-  auto fetch_item = [&](int64_t w) {
-    const int64_t bh = w / a.nC, b = bh / a.H, t0 = (w % a.nC) * kC;
-    const int h = int(bh % a.H);
+  auto fetch_item = [&](const Item& it) {
+    const int64_t b = it.b, t0 = it.t0();
+    const int h = it.h;
     if (Grad) {
       chunk::fetch(a, chunk::at_head<T>(a.q, b, a.sq_b, h, a.D), a.sq_t, t0, 0, a.D, xr);
       chunk::fetch(a, chunk::at_head<T>(a.g, b, a.sg_b, h, a.E), a.sg_t, t0, 0, a.E, zr);
@@ -59,21 +61,39 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
       chunk::fetch(a, chunk::at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, t0, 0, a.E, zr);
     }
   };
+  // The fetched rows of item `it` into buffer buf. No warp reads the angles here: every encode before this one
+  // was followed by a barrier.
+  int angles_h = -1;
+  auto store_item = [&](const Item& it, int buf) {
+    if (cosine && it.h != angles_h) {
+      fill_angles<DP>(a, it.h, NThr / (DP / 8), angles);
+      angles_h = it.h;
+      __syncthreads();
+    }
+    T* xs = tiles + buf * kBuffer;
+    encode_rows<T, DP, NThr>(a, xr, Grad ? a.act_q : a.act_k, angles, it.t0(), xs, ldX);
+    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, Grad ? a.act_g : a.act_v, it.t0(), 0, nullptr,
+                                   xs + kC * ldX);
+  };
 
   chunk::Acc<W::MT, W::NT> acc;
   acc.zero();
-  if (begin < end) fetch_item(begin);
+  Item cur;
+  cur.start(begin, a);  // begin < end: no run is empty
+  fetch_item(cur);
+  store_item(cur, 0);
+  __syncthreads();
+  Item next = cur;
+  next.step(a);
+  if (begin + 1 < end) fetch_item(next);
+  int buf = 0;
+  // One barrier per item: the product of buffer buf, then the next item's rows into the other buffer (whose
+  // product ended before the last barrier).
   for (int64_t w = begin; w < end; ++w) {
-    const int64_t bh = w / a.nC, t0 = (w % a.nC) * kC;
-    const int h = int(bh % a.H);
-    __syncthreads();  // the previous product is done with xs and zs
-    encode_rows<T, DP, NThr>(a, xr, Grad ? a.act_q : a.act_k, h, t0, xs, ldX);
-    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, Grad ? a.act_g : a.act_v, t0, 0, nullptr, zs);
-    __syncthreads();
-    if (w + 1 < end) fetch_item(w + 1);  // in flight during the product
-    chunk::warp_mma<T, true, true>(acc, xs, ldX, m0, zs, ldZ, n0, kC);
-    if (w + 1 == end || (w + 1) / a.nC != bh) {
-      float* dst = partial + (int64_t(blockIdx.x) + bh) * PP * a.E;
+    const T* xs = tiles + buf * kBuffer;
+    chunk::warp_mma<T, true, true>(acc, xs, ldX, m0, xs + kC * ldX, ldZ, n0, kC);
+    if (w + 1 == end || next.chunk == 0) {  // the last chunk of (b, h) or of the run
+      float* dst = partial + (int64_t(blockIdx.x) + cur.bh(a)) * PP * a.E;
 #pragma unroll
       for (int m = 0; m < W::MT; ++m)
 #pragma unroll
@@ -85,6 +105,14 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
               *reinterpret_cast<float2*>(dst + int64_t(p) * a.E + e) = make_float2(acc.x[m][n][r], acc.x[m][n][r + 1]);
           }
       acc.zero();
+    }
+    if (w + 1 < end) {
+      store_item(next, buf ^ 1);
+      __syncthreads();
+      cur = next;
+      next.step(a);
+      if (w + 2 < end) fetch_item(next);  // in flight during the next product
+      buf ^= 1;
     }
   }
 }
@@ -109,7 +137,7 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
     return;
   }
   auto kernel = reduce_kernel<T, DP, PP, EP, Grad>;
-  const size_t smem = reduce_smem_bytes<PP, EP>(sizeof(T));
+  const size_t smem = reduce_smem_bytes<DP, PP, EP>(sizeof(T));
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
   LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kReduceThreads, smem));

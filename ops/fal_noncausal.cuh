@@ -35,6 +35,46 @@ inline Partition partition(int64_t total, int64_t slots, int64_t min_per) {
   return p;
 }
 
+// Item (b, h, chunk) of the list (item w = (b H + h) nC + chunk), stepped through in order without divisions.
+struct Item {
+  int64_t b, chunk;
+  int h;
+  __device__ __forceinline__ void start(int64_t w, const Args& a) {
+    const int64_t bh = w / a.nC;
+    chunk = w - bh * a.nC;
+    b = bh / a.H;
+    h = int(bh - b * a.H);
+  }
+  __device__ __forceinline__ void step(const Args& a) {
+    if (++chunk == a.nC) {
+      chunk = 0;
+      if (++h == a.H) h = 0, ++b;
+    }
+  }
+  __device__ __forceinline__ int64_t bh(const Args& a) const { return b * a.H + h; }
+  __device__ __forceinline__ int64_t t0() const { return chunk * kC; }
+};
+
+// The LRPE angles of one head, per column d of D, in shared memory (kAngleRows x DP floats): the rate, and the
+// cos and sin of the rotations by `step` tokens (a thread's rows in encode_rows) and by 8 tokens (an mma
+// fragment's two rows). A thread computes the angles of its first row and rotates them to the next rows.
+constexpr int kAngleRows = 5;
+template <int DP>
+__device__ __forceinline__ void fill_angles(const Args& a, int h, int step, float* tab) {
+  for (int d = threadIdx.x; d < DP; d += blockDim.x) {
+    const float rate = chunk::rate_of(a, h, d);
+    tab[d] = rate;
+    chunk::angle_cs(rate, step, tab[DP + d], tab[2 * DP + d]);
+    chunk::angle_cs(rate, 8, tab[3 * DP + d], tab[4 * DP + d]);
+  }
+}
+// (c, s) of angle x turned into those of x + y, given cos y and sin y.
+__device__ __forceinline__ void rotate(float& c, float& s, float cy, float sy) {
+  const float cn = c * cy - s * sy;
+  s = fmaf(c, sy, s * cy);
+  c = cn;
+}
+
 // A row of q or k is held by DP / 8 consecutive lanes, 8 columns each.
 template <int DP>
 __device__ __forceinline__ float row_max(float v) {
@@ -67,24 +107,28 @@ __device__ __forceinline__ void row_act(float (&x)[8], int act) {
 #pragma unroll
     for (int u = 0; u < 8; ++u) x[u] *= inv;
   } else {
-#pragma unroll
-    for (int u = 0; u < 8; ++u) x[u] = chunk::act_f(x[u], act);
+    chunk::act8(x, act, true);
   }
 }
 
 // q or k rows t0 ... t0 + kC - 1 (all DP = D columns, fetched with c0 = 0) through the act and the LRPE into a
-// kC x P tile of leading dimension ld: columns [0, D) act(x) cos and [D, 2D) act(x) sin with the cosine LRPE,
-// else [0, D) act(x). Rows past a.N are zeros.
+// kC x P tile of leading dimension ld: columns [0, D) act(x) cos and [D, 2D) act(x) sin with the cosine LRPE
+// (angles from tab, filled with step NThr / (DP / 8); with more than two pieces a thread turns the angles of
+// its first row to the next ones), else [0, D) act(x). Rows past a.N are zeros.
 template <class T, int DP, int NThr>
-__device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& r, int act, int h, int64_t t0,
-                                            T* tile, int ld) {
-  const int c8 = (threadIdx.x % (DP / 8)) * 8;
+__device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& r, int act, const float* tab,
+                                            int64_t t0, T* tile, int ld) {
+  constexpr int kStep = NThr / (DP / 8);  // rows between a thread's pieces
+  constexpr bool kTurn = Raw<DP, NThr>::kIt > 2;
+  const int c8 = (threadIdx.x % (DP / 8)) * 8, i0 = threadIdx.x / (DP / 8);
   const bool cosine = a.lrpe == FalStepSpec::kCosine;
-  float rate[8];
-  if (cosine) chunk::rates8(a, h, c8, rate);
+  float c[8], s[8];
+  if (cosine && kTurn)
+#pragma unroll
+    for (int u = 0; u < 8; ++u) chunk::angle_cs(tab[c8 + u], a.position + t0 + i0, c[u], s[u]);
 #pragma unroll
   for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
-    const int i = (threadIdx.x + it * NThr) / (DP / 8);
+    const int i = i0 + it * kStep;
     const int64_t t = t0 + i;
     float x[8];
     chunk::unpack8<T>(r.u[it], x);
@@ -96,10 +140,12 @@ __device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& 
       float xs[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        float c, s;
-        chunk::angle_cs(rate[u], a.position + t, c, s);
-        xs[u] = x[u] * s;
-        x[u] *= c;
+        if (!kTurn)
+          chunk::angle_cs(tab[c8 + u], a.position + t, c[u], s[u]);
+        else if (it > 0)
+          rotate(c[u], s[u], tab[DP + c8 + u], tab[2 * DP + c8 + u]);
+        xs[u] = x[u] * s[u];
+        x[u] *= c[u];
       }
       chunk::store8(tile + i * ld + DP + c8, xs);
     }

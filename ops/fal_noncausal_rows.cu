@@ -14,19 +14,18 @@ __device__ __forceinline__ void unpack2(uint32_t u, float& x0, float& x1) {
   x1 = cuda::to_acc(e[1]);
 }
 
-// The block's tiles: X (kC x (P + kPad) in T; in the gradient passes, once the products have read it, the f32
-// gradient of the raw rows, kC x (DP + 4)), then W (P x (EP + kPad) in T), then U (gradient passes: gb o dO or
-// vb, kC x (EP + kPad)).
+// The block's tiles: X (kC x (P + kPad) in T), W (P x (EP + kPad) in T), in the gradient passes U (gb o dO or
+// vb, kC x (EP + kPad) in T) and the f32 gradient of the raw rows (kC x (DP + 4)), then the angle table
+// (kAngleRows x DP f32).
 template <class T, int DP, int EP, bool Grads>
 struct RowSmem {
   static constexpr int ldG = DP + 4;
-  __host__ __device__ static size_t x_bytes(int P) {
-    const size_t enc = sizeof(T) * size_t(kC) * size_t(P + kPad), grad = Grads ? sizeof(float) * size_t(kC * ldG) : 0;
-    return enc > grad ? enc : grad;
-  }
+  __host__ __device__ static size_t x_bytes(int P) { return sizeof(T) * size_t(kC) * size_t(P + kPad); }
   __host__ __device__ static size_t w_bytes(int P) { return sizeof(T) * size_t(P) * size_t(EP + kPad); }
+  __host__ __device__ static size_t u_bytes() { return Grads ? sizeof(T) * size_t(kC * (EP + kPad)) : 0; }
+  __host__ __device__ static size_t g_bytes() { return Grads ? sizeof(float) * size_t(kC * ldG) : 0; }
   __host__ __device__ static size_t bytes(int P) {
-    return x_bytes(P) + w_bytes(P) + (Grads ? sizeof(T) * size_t(kC * (EP + kPad)) : 0);
+    return x_bytes(P) + w_bytes(P) + u_bytes() + g_bytes() + sizeof(float) * kAngleRows * DP;
   }
 };
 
@@ -40,10 +39,12 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
   constexpr int WR = NThr / 128, MT = 4 / WR, NE = EP / 32, ND = DP / 32;
   constexpr int ldW = EP + kPad, ldU = EP + kPad, ldG = Smem::ldG;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  const size_t xw = Smem::x_bytes(a.P) + Smem::w_bytes(a.P);
   T* xs = reinterpret_cast<T*>(smem_raw);
-  float* gs = reinterpret_cast<float*>(smem_raw);
   T* ws = reinterpret_cast<T*>(smem_raw + Smem::x_bytes(a.P));
-  T* us = reinterpret_cast<T*>(smem_raw + Smem::x_bytes(a.P) + Smem::w_bytes(a.P));
+  T* us = reinterpret_cast<T*>(smem_raw + xw);
+  float* gs = reinterpret_cast<float*>(smem_raw + xw + Smem::u_bytes());
+  float* angles = reinterpret_cast<float*>(smem_raw + xw + Smem::u_bytes() + Smem::g_bytes());
   const int ldX = a.P + kPad;
   const int warp = threadIdx.x >> 5;
   const int m0 = 16 * MT * (warp % WR), wc = warp / WR, e0 = wc * (EP / 4), d0 = wc * (DP / 4);
@@ -54,9 +55,9 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
 
   Raw<DP, NThr> xr;
   Raw<EP, NThr> ur, dr;
-  auto fetch_item = [&](int64_t w) {
-    const int64_t bh = w / a.nC, b = bh / a.H, t0 = (w % a.nC) * kC;
-    const int h = int(bh % a.H);
+  auto fetch_item = [&](const Item& it) {
+    const int64_t b = it.b, t0 = it.t0();
+    const int h = it.h;
     if (Pass == kKeyGrads) {
       chunk::fetch(a, chunk::at_head<T>(a.k, b, a.sk_b, h, a.D), a.sk_t, t0, 0, a.D, xr);
       chunk::fetch(a, chunk::at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, t0, 0, a.E, ur);
@@ -88,16 +89,24 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
   };
 
   int64_t loaded = -1;
-  if (begin < end) fetch_item(begin);
+  int angles_h = -1;
+  Item cur;
+  cur.start(begin, a);
+  if (begin < end) fetch_item(cur);
   for (int64_t w = begin; w < end; ++w) {
-    const int64_t bh = w / a.nC, b = bh / a.H, t0 = (w % a.nC) * kC;
-    const int h = int(bh % a.H);
+    const int64_t bh = cur.bh(a), b = cur.b, t0 = cur.t0();
+    const int h = cur.h;
     __syncthreads();  // the previous item is done with the tiles
     if (bh != loaded) {
       load_state(bh);
       loaded = bh;
     }
-    encode_rows<T, DP, NThr>(a, xr, act_x, h, t0, xs, ldX);
+    if (cosine && h != angles_h) {
+      fill_angles<DP>(a, h, NThr / (DP / 8), angles);
+      angles_h = h;
+      __syncthreads();
+    }
+    encode_rows<T, DP, NThr>(a, xr, act_x, angles, t0, xs, ldX);
     if (Pass == kQueryGrads) chunk::store_rows<T, EP, NThr>(a, ur, &dr, a.act_g, t0, 0, nullptr, us);
     if (Pass == kKeyGrads) chunk::store_rows<T, EP, NThr>(a, ur, nullptr, a.act_v, t0, 0, nullptr, us);
     const Raw<DP, NThr> xraw = xr;  // the act's backward needs the raw rows
@@ -121,7 +130,10 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
           x1[m][n][rr] = live ? *reinterpret_cast<const uint32_t*>(in1 + t * in1_ts + e) : 0u;
           if (Pass == kQueryGrads) x2[m][n][rr] = live ? *reinterpret_cast<const uint32_t*>(in2 + t * dts + e) : 0u;
         }
-    if (w + 1 < end) fetch_item(w + 1);
+    Item next = cur;
+    next.step(a);
+    cur = next;
+    if (w + 1 < end) fetch_item(next);
 
     chunk::Acc<MT, NE> y;
     y.zero();
@@ -169,13 +181,15 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
 #pragma unroll
         for (int n = 0; n < ND; ++n)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
+          for (int r = 0; r < 2; ++r) {  // rows r / 2 and 8 below: one angle, then turned by 8 tokens
+            const int d = d0 + gx.col(n, r);
             float c, s;
-            chunk::angle_cs(chunk::rate_of(a, h, d0 + gx.col(n, r)), a.position + t0 + m0 + gx.row(m, r), c, s);
+            chunk::angle_cs(angles[d], a.position + t0 + m0 + gx.row(m, r), c, s);
             gx.x[m][n][r] = c * gx.x[m][n][r] + s * gsin.x[m][n][r];
+            rotate(c, s, angles[3 * DP + d], angles[4 * DP + d]);
+            gx.x[m][n][r + 2] = c * gx.x[m][n][r + 2] + s * gsin.x[m][n][r + 2];
           }
     }
-    __syncthreads();  // every warp has read xs: the gradient tile overwrites it
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
