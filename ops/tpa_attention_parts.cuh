@@ -32,10 +32,11 @@ struct Params {
   T *daq, *dak, *dav;        // written once per (token, head, rank)
   float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles
+  const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
   int64_t b0;                // a backward launch's first batch entry: where its workspaces start
   int N, M, H, Rq, Rk, Rv;
   float inv_rq, inv_rk, inv_rv, scale, sl2;  // sl2 = scale log2(e)
-  bool causal, stage_kv, stage_q;  // whether the repeated tiles' basis rows fit the stage area
+  bool causal, stage_kv;  // whether the forward's K, V basis rows fit the stage area
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -51,6 +52,13 @@ template <>
 __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
+// 2^x in one instruction (flushes subnormal results to zero; 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float load_f(const float* p) { return *p; }
 template <class T>
 __device__ __forceinline__ float load_f(const T* p) { return to_acc(*p); }
@@ -245,15 +253,16 @@ __device__ __forceinline__ void zero(float (&acc)[HD / 8][4]) {
   for (int t = 0; t < HD / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 }
 
-// Writes a warp's 16 x HD accumulator (rows r0..) into an f32 tile with HD + 4 floats a row.
+// Writes a warp's 16 x HD accumulator (rows r0..) times mul into an f32 tile with HD + 4 floats a row.
 template <int HD>
-__device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4], int r0) {
+__device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4], int r0, float mul) {
   constexpr int LDF = HD + 4;
   const int lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
 #pragma unroll
   for (int e = 0; e < HD / 8; ++e) {
-    *reinterpret_cast<float2*>(t + (r0 + g) * LDF + e * 8 + c) = make_float2(acc[e][0], acc[e][1]);
-    *reinterpret_cast<float2*>(t + (r0 + g + 8) * LDF + e * 8 + c) = make_float2(acc[e][2], acc[e][3]);
+    *reinterpret_cast<float2*>(t + (r0 + g) * LDF + e * 8 + c) = make_float2(acc[e][0] * mul, acc[e][1] * mul);
+    *reinterpret_cast<float2*>(t + (r0 + g + 8) * LDF + e * 8 + c) =
+        make_float2(acc[e][2] * mul, acc[e][3] * mul);
   }
 }
 
@@ -315,7 +324,6 @@ Params<T> make_params(const AttentionArgs& a) {
   p.causal = a.causal;
   const int64_t D = a.bq.size(3);
   p.stage_kv = int64_t(kSmall) * (p.Rk + p.Rv) * D * 2 <= kStageBytes;
-  p.stage_q = int64_t(kSmall) * p.Rq * D * 2 <= kStageBytes;
   return p;
 }
 
