@@ -25,26 +25,37 @@ using namespace attention_parts;
 // global memory. Shared memory: mix_s (kMixMax f32), stage, and two K, V pairs (kv).
 template <class T, int HD>
 struct KvTiles {
-  static constexpr int LD = HD + 8;
+  static constexpr int LD = HD + 8, SLOTS = kMixMax / kThreads;
   T* kv;  // two K, V pairs
   float* mix_s;
   T* stage;
-  float mix[kMixMax / kThreads];
+  float mix[SLOTS];
+  // What each of this thread's mixing slots (slot thread + s kThreads of mix_s) stages, the same for every
+  // tile: K's value (row, rank) = (slot / R_k, slot % R_k) below kSmall R_k, then V's; its row (kSmall: none)
+  // and offset from the tile's first value; bit s of mix_v: a V value.
+  int mix_row[SLOTS], mix_off[SLOTS];
+  uint32_t mix_v;
   Pair<T> k, v;
   int64_t bb;
   int h, H;
   bool staged;
 
   __device__ void prefetch(int j) {
-    stage_pair<T, HD, kSmall>(stage, mix, 0, k, bb, h, H, j * kSmall);
-    stage_pair<T, HD, kSmall>(stage + kSmall * k.R * HD, mix, kSmall * k.R, v, bb, h, H, j * kSmall);
+    const int row0 = j * kSmall, valid = min(kSmall, k.L - row0);
+    stage_basis<T, HD, kSmall>(stage, k, bb, row0);
+    stage_basis<T, HD, kSmall>(stage + kSmall * k.R * HD, v, bb, row0);
     cp_async_commit();
+    const T* ka = k.a + ((bb * k.L + row0) * H + h) * k.R;
+    const T* va = v.a + ((bb * v.L + row0) * H + h) * v.R;
+#pragma unroll
+    for (int q = 0; q < SLOTS; ++q)
+      mix[q] = mix_row[q] < valid ? to_acc(((mix_v >> q) & 1 ? va : ka)[mix_off[q]]) : 0.f;
   }
   // Waits for the staged tile and publishes its mixing values (block-wide: ends in a barrier).
   __device__ void arrive() {
     cp_async_wait<0>();
 #pragma unroll
-    for (int q = 0; q < kMixMax / kThreads; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
+    for (int q = 0; q < SLOTS; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
     __syncthreads();
   }
   // Builds tile j into kd, vd: from the stage area (after arrive) or from global memory.
@@ -59,8 +70,19 @@ struct KvTiles {
     }
   }
   __device__ void start() {
+    mix_v = 0;
 #pragma unroll
-    for (int q = 0; q < kMixMax / kThreads; ++q) mix[q] = 0.f;
+    for (int q = 0; q < SLOTS; ++q) {
+      mix[q] = 0.f;
+      int slot = int(threadIdx.x) + q * kThreads, R = k.R;
+      if (slot >= kSmall * k.R) {
+        slot -= kSmall * k.R;
+        R = v.R;
+        mix_v |= 1u << q;
+      }
+      mix_row[q] = slot < kSmall * R ? slot / R : kSmall;
+      mix_off[q] = slot < kSmall * R ? (slot / R) * H * R + slot % R : 0;
+    }
     if (staged) prefetch(0);
   }
   // Tile j lives in pair j % 2, and tile j + 1 is built while tile j is multiplied, so the build's

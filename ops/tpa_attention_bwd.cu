@@ -68,14 +68,15 @@ __global__ void attention_build_q(const T* __restrict__ aq, const T* __restrict_
 // that see it. Per query tile: S^T = K Q^T and dP^T = V dO^T (a warp per 16 keys), P and
 // dS' = P (dP - Delta) (the scale is applied to dK here and to dQ by the factor kernel); dV += P^T dO and
 // dK += dS'^T Q stay in registers; dS'^T goes to shared memory and dQ = dS' K (a warp per 16 queries x
-// HD / 2 columns) is added to an f32 workspace by atomics. Q (built once per launch) and dO tiles are
-// double-buffered: tile i + 1 is copied by cp.async while tile i is multiplied. The grid's slowest
+// HD / 2 columns, in the next tile's barrier interval) is added to an f32 workspace by atomics. Q (built
+// once per launch), dO and dS'^T are double-buffered: tile i + 1 is copied by cp.async while tile i is
+// multiplied, and each tile pair needs one barrier. The grid's slowest
 // dimension counts the key tiles, so causal blocks start heaviest first across all heads and batch entries.
 
 template <int HD>
 constexpr size_t bwd_smem() {
-  // K, V (kBig rows); two Q, dO pairs (kSmall rows); dS^T (kBig x kSmall); two lse, Delta pairs.
-  return size_t(2 * kBig + 4 * kSmall) * (HD + 8) * 2 + size_t(kBig) * (kSmall + 8) * 2 + 4 * kSmall * 4;
+  // K, V (kBig rows); two Q, dO pairs (kSmall rows); two dS'^T (kBig x kSmall); two lse, Delta pairs.
+  return size_t(2 * kBig + 4 * kSmall) * (HD + 8) * 2 + size_t(2 * kBig) * (kSmall + 8) * 2 + 4 * kSmall * 4;
 }
 static_assert(bwd_smem<128>() <= 227 * 1024, "a block fits an sm_90 multiprocessor");
 // The f32 dK and dV tiles (kBig x (HD + 4)) go through the Q, dO buffers at the end.
@@ -98,8 +99,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   T* ks = reinterpret_cast<T*>(smem);
   T* vs = ks + kBig * LD;
   T* qdo = vs + kBig * LD;        // pair s: Q at qdo + 2 s kSmall LD, dO after it
-  T* dst = qdo + 4 * kSmall * LD;  // dS'^T: kBig keys x kSmall queries
-  float* stats = reinterpret_cast<float*>(dst + kBig * LDS);  // pair s: lse at stats + 2 s kSmall, Delta after
+  T* dst = qdo + 4 * kSmall * LD;  // buffer s: dS'^T (kBig keys x kSmall queries) at dst + s kBig LDS
+  float* stats = reinterpret_cast<float*>(dst + 2 * kBig * LDS);  // pair s: lse at stats + 2 s kSmall, Delta after
   const int h = blockIdx.x, kt = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2,
             c = (lane & 3) * 2;
   const int64_t bb = p.b0 + blockIdx.y;
@@ -126,16 +127,46 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   zero<HD>(dv);
   const int key_a = k0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
   const int dq_row = (warp & 3) * 16, dq_col = (warp >> 2) * (HD / 2);  // this warp's part of dQ
+  // dQ / scale = dS' K of query tile i (rows dq_row.., columns dq_col..) added to the workspace. It runs
+  // in the next tile's barrier interval: one barrier a tile pair.
+  auto dq_tile = [&](int i) {
+    const T* ds = dst + (i & 1) * kBig * LDS;
+    float dq[HD / 16][4];
+#pragma unroll
+    for (int t = 0; t < HD / 16; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kBig / 16; ++kk) {
+      uint32_t fa[4];
+      load_a_km<LDS>(fa, ds, kk * 16, dq_row);
+#pragma unroll
+      for (int np = 0; np < HD / 32; ++np) {
+        uint32_t fb[4];
+        load_b_kn<LD>(fb, ks, kk * 16, dq_col + np * 16);
+        mma16816<T>(dq[2 * np], fa, fb[0], fb[1]);
+        mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int n = i * kSmall + dq_row + g + rr * 8;
+      if (n >= p.N) continue;
+      float* row = p.dq + (((bb - p.b0) * p.N + n) * p.H + h) * HD + dq_col + c;
+#pragma unroll
+      for (int t = 0; t < HD / 16; ++t) atomic_add_pair(row + t * 8, dq[t][2 * rr], dq[t][2 * rr + 1]);
+    }
+  };
   for (int i = first; i < last; ++i) {
     const int q0 = i * kSmall;
     const T* qs = qdo + 2 * (i & 1) * kSmall * LD;
     const T* dos = qs + kSmall * LD;
+    T* ds = dst + (i & 1) * kBig * LDS;
     float* lse_s = stats + 2 * (i & 1) * kSmall;
     const float* delta_s = lse_s + kSmall;
     if (threadIdx.x < 2 * kSmall) lse_s[threadIdx.x] = stat;  // lse_s, then delta_s
     cp_async_wait<0>();
-    __syncthreads();  // tile i published; tile i - 1 (its buffers and dS'^T) no longer read
+    __syncthreads();  // tile i and dS'^T of tile i - 1 published; the buffers of tile i - 1 free
     if (i + 1 < last) prefetch(i + 1);
+    if (i > first) dq_tile(i - 1);
     // The query tile in two halves of QW columns: fewer live registers beside dK and dV.
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -176,37 +207,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
 #pragma unroll
       for (int t = 0; t < QW / 8; ++t) {  // dS'^T, rounded as in dK's product
         const int col = c0 + t * 8 + c;
-        *reinterpret_cast<uint32_t*>(dst + (warp * 16 + g) * LDS + col) = pack2<T>(dpt[t][0], dpt[t][1]);
-        *reinterpret_cast<uint32_t*>(dst + (warp * 16 + g + 8) * LDS + col) = pack2<T>(dpt[t][2], dpt[t][3]);
+        *reinterpret_cast<uint32_t*>(ds + (warp * 16 + g) * LDS + col) = pack2<T>(dpt[t][0], dpt[t][1]);
+        *reinterpret_cast<uint32_t*>(ds + (warp * 16 + g + 8) * LDS + col) = pack2<T>(dpt[t][2], dpt[t][3]);
       }
-    }
-    __syncthreads();  // dS'^T published
-    float dq[HD / 16][4];  // dQ / scale = dS' K: rows dq_row.., columns dq_col..
-#pragma unroll
-    for (int t = 0; t < HD / 16; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kBig / 16; ++kk) {
-      uint32_t fa[4];
-      load_a_km<LDS>(fa, dst, kk * 16, dq_row);
-#pragma unroll
-      for (int np = 0; np < HD / 32; ++np) {
-        uint32_t fb[4];
-        load_b_kn<LD>(fb, ks, kk * 16, dq_col + np * 16);
-        mma16816<T>(dq[2 * np], fa, fb[0], fb[1]);
-        mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
-      }
-    }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int n = q0 + dq_row + g + rr * 8;
-      if (n >= p.N) continue;
-      float* row = p.dq + (((bb - p.b0) * p.N + n) * p.H + h) * HD + dq_col + c;
-#pragma unroll
-      for (int t = 0; t < HD / 16; ++t) atomic_add_pair(row + t * 8, dq[t][2 * rr], dq[t][2 * rr + 1]);
     }
   }
-  __syncthreads();  // the Q, dO buffers are free: stage the f32 results there
-  float* fs = reinterpret_cast<float*>(qdo);
+  __syncthreads();  // dS'^T of the last tile published; the Q, dO buffers free
+  if (first < last) dq_tile(last - 1);
+  float* fs = reinterpret_cast<float*>(qdo);  // the f32 results go through the Q, dO buffers
   store_acc<HD>(fs, dk, warp * 16, p.scale);
   __syncthreads();
   factor_grads<T, HD>(fs, fk, p.dak, p.dbk, bb, p.b0, h, p.H, k0);
