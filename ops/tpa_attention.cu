@@ -3,7 +3,8 @@
 // probabilities and the accumulators stay in registers (an S accumulator pair is the next multiply's A
 // fragment); online softmax in f32, base 2 (scale log2 e folded in, lse stored in base 2).
 //
-// q, k and v never exist in global memory: a tile is built in shared memory from its factors,
+// k and v never exist in global memory, q only as a workspace of the backward (for a third of the batch at
+// a time) and never saved: a tile is built in shared memory from its factors,
 // x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :] in f32, rounded once (ops/tpa_attention_parts.cuh). The
 // repeated tiles are pipelined: the next tile's basis rows (contiguous over tokens, shared by all heads)
 // go global -> shared by cp.async and its mixing values into registers while the current tile is
@@ -11,7 +12,8 @@
 //   forward (this file): query tile of 128 rows; per key tile of 64: S = Q K^T, online softmax,
 //            O = alpha O + P V. It keeps two K, V pairs and builds tile j + 1 between the products of
 //            tile j, so the builds overlap the tensor-core work.
-//   backward (ops/tpa_attention_bwd.cu): Delta = rowsum(dO o O), then one pass over key tiles of 128.
+//   backward (ops/tpa_attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
+//            of 128.
 #include "ops/tpa_attention_parts.cuh"
 
 namespace lintape::tpa_cuda {
@@ -23,26 +25,37 @@ using namespace attention_parts;
 // global memory. Shared memory: mix_s (kMixMax f32), stage, and two K, V pairs (kv).
 template <class T, int HD>
 struct KvTiles {
-  static constexpr int LD = HD + 8;
+  static constexpr int LD = HD + 8, SLOTS = kMixMax / kThreads;
   T* kv;  // two K, V pairs
   float* mix_s;
   T* stage;
-  float mix[kMixMax / kThreads];
+  float mix[SLOTS];
+  // What each of this thread's mixing slots (slot thread + s kThreads of mix_s) stages, the same for every
+  // tile: K's value (row, rank) = (slot / R_k, slot % R_k) below kSmall R_k, then V's; its row (kSmall: none)
+  // and offset from the tile's first value; bit s of mix_v: a V value.
+  int mix_row[SLOTS], mix_off[SLOTS];
+  uint32_t mix_v;
   Pair<T> k, v;
   int64_t bb;
   int h, H;
   bool staged;
 
   __device__ void prefetch(int j) {
-    stage_pair<T, HD, kSmall>(stage, mix, 0, k, bb, h, H, j * kSmall);
-    stage_pair<T, HD, kSmall>(stage + kSmall * k.R * HD, mix, kSmall * k.R, v, bb, h, H, j * kSmall);
+    const int row0 = j * kSmall, valid = min(kSmall, k.L - row0);
+    stage_basis<T, HD, kSmall>(stage, k, bb, row0);
+    stage_basis<T, HD, kSmall>(stage + kSmall * k.R * HD, v, bb, row0);
     cp_async_commit();
+    const T* ka = k.a + ((bb * k.L + row0) * H + h) * k.R;
+    const T* va = v.a + ((bb * v.L + row0) * H + h) * v.R;
+#pragma unroll
+    for (int q = 0; q < SLOTS; ++q)
+      mix[q] = mix_row[q] < valid ? to_acc(((mix_v >> q) & 1 ? va : ka)[mix_off[q]]) : 0.f;
   }
   // Waits for the staged tile and publishes its mixing values (block-wide: ends in a barrier).
   __device__ void arrive() {
     cp_async_wait<0>();
 #pragma unroll
-    for (int q = 0; q < kMixMax / kThreads; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
+    for (int q = 0; q < SLOTS; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
     __syncthreads();
   }
   // Builds tile j into kd, vd: from the stage area (after arrive) or from global memory.
@@ -57,8 +70,19 @@ struct KvTiles {
     }
   }
   __device__ void start() {
+    mix_v = 0;
 #pragma unroll
-    for (int q = 0; q < kMixMax / kThreads; ++q) mix[q] = 0.f;
+    for (int q = 0; q < SLOTS; ++q) {
+      mix[q] = 0.f;
+      int slot = int(threadIdx.x) + q * kThreads, R = k.R;
+      if (slot >= kSmall * k.R) {
+        slot -= kSmall * k.R;
+        R = v.R;
+        mix_v |= 1u << q;
+      }
+      mix_row[q] = slot < kSmall * R ? slot / R : kSmall;
+      mix_off[q] = slot < kSmall * R ? (slot / R) * H * R + slot % R : 0;
+    }
     if (staged) prefetch(0);
   }
   // Tile j lives in pair j % 2, and tile j + 1 is built while tile j is multiplied, so the build's
@@ -113,7 +137,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   kv.h = h;
   kv.H = p.H;
   kv.staged = p.stage_kv;
-  build_global<T, HD, kBig>(qs, Pair<T>{p.aq, p.bq, p.N, p.Rq, p.inv_rq}, bb, h, p.H, q0);
+  // Q carries the scale's sign, so the scores times |scale log2 e| are the logits and their row maxima
+  // can be taken before scaling.
+  build_global<T, HD, kBig>(qs, Pair<T>{p.aq, p.bq, p.N, p.Rq, p.scale < 0 ? -p.inv_rq : p.inv_rq}, bb, h, p.H, q0);
+  const float sl2 = fabsf(p.sl2);
   const int kv_all = (p.M + kSmall - 1) / kSmall;
   const int tiles = p.causal ? min(kv_all, (q0 + kBig + kSmall - 1) / kSmall) : kv_all;
   kv.begin(tiles);  // its barriers also publish Q
@@ -130,14 +157,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
     kv.build_next(j, tiles);
     const int k0 = j * kSmall;
     const bool mask = k0 + kSmall > p.M || (p.causal && k0 + kSmall - 1 > q0 + warp * 16);
+    if (mask)
 #pragma unroll
-    for (int t = 0; t < 8; ++t)
+      for (int t = 0; t < 8; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = k0 + t * 8 + c + (e & 1), row = row_a + (e >> 1) * 8;
-        const bool ok = !mask || (col < p.M && (!p.causal || col <= row));
-        s[t][e] = ok ? s[t][e] * p.sl2 : -INFINITY;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int col = k0 + t * 8 + c + (e & 1), row = row_a + (e >> 1) * 8;
+          if (col >= p.M || (p.causal && col > row)) s[t][e] = -INFINITY;
+        }
+    // p = 2^(s |scale| log2 e - m): one FFMA and one MUFU an element.
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       float mx = -INFINITY;
@@ -145,15 +173,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
       for (int t = 0; t < 8; ++t) mx = fmaxf(mx, fmaxf(s[t][2 * rr], s[t][2 * rr + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[rr], mx);
+      const float m_new = fmaxf(m[rr], mx * sl2);
       const float base = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m[rr] - base);
+      const float alpha = fast_exp2(m[rr] - base);
       m[rr] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int t = 0; t < 8; ++t) {
-        s[t][2 * rr] = exp2f(s[t][2 * rr] - base);
-        s[t][2 * rr + 1] = exp2f(s[t][2 * rr + 1] - base);
+        s[t][2 * rr] = fast_exp2(fmaf(s[t][2 * rr], sl2, -base));
+        s[t][2 * rr + 1] = fast_exp2(fmaf(s[t][2 * rr + 1], sl2, -base));
         sum += s[t][2 * rr] + s[t][2 * rr + 1];
       }
       l[rr] = l[rr] * alpha + sum;

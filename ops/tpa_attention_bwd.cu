@@ -1,5 +1,6 @@
-// Backward of the fused TPA attention (see ops/tpa_attention.cu): Delta = rowsum(dO o O), then one pass
-// over key tiles in the flash-attention 2 layout, recomputing P = 2^(S scale log2 e - lse) and
+// Backward of the fused TPA attention (see ops/tpa_attention.cu): Delta = rowsum(dO o O) and Q (built once
+// from its factors into a workspace of the launch's batch entries), then one pass over key tiles in the
+// flash-attention 2 layout, recomputing P = 2^(S scale log2 e - lse) and
 // dS = P (dP - Delta) scale per (key tile, query tile). dK and dV stay in registers and are contracted to
 // their factors at the end of the block: da (this head's values, written once) and db (a sum over heads:
 // f32 atomics into a workspace). dQ is summed over key tiles by f32 atomics into a workspace, then a
@@ -28,22 +29,59 @@ __global__ void attention_delta(const T* __restrict__ out, const T* __restrict__
   if (lane == 0) delta[row] = s;
 }
 
+// Q of a launch's batch entries, (entries, N, H, HD), from its factors: q[t, h] = inv_r sum_r aq[t, h, r]
+// bq[t, r] in f32, rounded once (the arithmetic of build_tile). A thread per (token, 8 columns), all heads;
+// its basis chunks stay in L1 across the heads. Every key block of the backward reads its query tiles from
+// here instead of rebuilding them.
+template <class T, int HD>
+__global__ void attention_build_q(const T* __restrict__ aq, const T* __restrict__ bq, T* __restrict__ q,
+                                  int64_t t0, int64_t tokens, int H, int R, float inv_r) {
+  constexpr int CH = HD / 8;
+  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x, w = idx / CH;
+  if (w >= tokens) return;
+  const int c8 = int(idx % CH);
+  const int64_t t = t0 + w;
+  for (int h = 0; h < H; ++h) {
+    float acc[8] = {};
+    for (int r = 0; r < R; ++r) {
+      const float a = to_acc(aq[(t * H + h) * R + r]);
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(bq + (t * R + r) * HD + c8 * 8));
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = unpack2<T>(u[e]);
+        acc[2 * e] += a * f.x;
+        acc[2 * e + 1] += a * f.y;
+      }
+    }
+    uint4 o;
+    o.x = pack2<T>(acc[0] * inv_r, acc[1] * inv_r);
+    o.y = pack2<T>(acc[2] * inv_r, acc[3] * inv_r);
+    o.z = pack2<T>(acc[4] * inv_r, acc[5] * inv_r);
+    o.w = pack2<T>(acc[6] * inv_r, acc[7] * inv_r);
+    *reinterpret_cast<uint4*>(q + (w * H + h) * HD + c8 * 8) = o;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Backward: a block per (key tile of kBig rows, head, batch entry), over the query tiles of kSmall rows
-// that see it. Per query tile: S^T = K Q^T and dP^T = V dO^T (a warp per 16 keys), P and dS; dV += P^T dO
-// and dK += dS^T Q stay in registers; dS^T goes to shared memory and dQ = dS K (a warp per 16 queries x
-// HD / 2 columns) is added to an f32 workspace by atomics. The grid's slowest dimension counts the key
-// tiles, so causal blocks start heaviest first across all heads and batch entries.
+// that see it. Per query tile: S^T = K Q^T and dP^T = V dO^T (a warp per 16 keys), P and
+// dS' = P (dP - Delta) (the scale is applied to dK here and to dQ by the factor kernel); dV += P^T dO and
+// dK += dS'^T Q stay in registers; dS'^T goes to shared memory and dQ = dS' K (a warp per 16 queries x
+// HD / 2 columns, in the next tile's barrier interval) is added to an f32 workspace by atomics. Q (built
+// once per launch), dO and dS'^T are double-buffered: tile i + 1 is copied by cp.async while tile i is
+// multiplied, and each tile pair needs one barrier. The grid's slowest
+// dimension counts the key tiles, so causal blocks start heaviest first across all heads and batch entries.
 
 template <int HD>
 constexpr size_t bwd_smem() {
-  // K, V (kBig rows); Q, dO (kSmall rows); dS^T (kBig x kSmall); mixing values; lse and Delta; stage area.
-  return size_t(2 * kBig + 2 * kSmall) * (HD + 8) * 2 + size_t(kBig) * (kSmall + 8) * 2 + kMixMax * 4 +
-         2 * kSmall * 4 + kStageBytes;
+  // K, V (kBig rows); two Q, dO pairs (kSmall rows); two dS'^T (kBig x kSmall); two lse, Delta pairs.
+  return size_t(2 * kBig + 4 * kSmall) * (HD + 8) * 2 + size_t(2 * kBig) * (kSmall + 8) * 2 + 4 * kSmall * 4;
 }
 static_assert(bwd_smem<128>() <= 227 * 1024, "a block fits an sm_90 multiprocessor");
-// The f32 dK and dV tiles (kBig x (HD + 4)) go through the stage area at the end.
-static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(kStageBytes), "f32 results fit the stage area");
+// The f32 dK and dV tiles (kBig x (HD + 4)) go through the Q, dO buffers at the end.
+static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(4 * kSmall) * (128 + 8) * 2, "f32 results fit");
+static_assert(size_t(kBig) * (64 + 4) * 4 <= size_t(4 * kSmall) * (64 + 8) * 2, "f32 results fit");
 
 __device__ __forceinline__ void atomic_add_pair(float* dst, float lo, float hi) {
 #if __CUDA_ARCH__ >= 900
@@ -60,40 +98,27 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   extern __shared__ __align__(128) unsigned char smem[];
   T* ks = reinterpret_cast<T*>(smem);
   T* vs = ks + kBig * LD;
-  T* qs = vs + kBig * LD;
-  T* dos = qs + kSmall * LD;
-  T* dst = dos + kSmall * LD;  // dS^T: kBig keys x kSmall queries
-  float* mix_s = reinterpret_cast<float*>(dst + kBig * LDS);
-  float* lse_s = mix_s + kMixMax;
-  float* delta_s = lse_s + kSmall;
-  T* stage = reinterpret_cast<T*>(delta_s + kSmall);
+  T* qdo = vs + kBig * LD;        // pair s: Q at qdo + 2 s kSmall LD, dO after it
+  T* dst = qdo + 4 * kSmall * LD;  // buffer s: dS'^T (kBig keys x kSmall queries) at dst + s kBig LDS
+  float* stats = reinterpret_cast<float*>(dst + 2 * kBig * LDS);  // pair s: lse at stats + 2 s kSmall, Delta after
   const int h = blockIdx.x, kt = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2,
             c = (lane & 3) * 2;
   const int64_t bb = p.b0 + blockIdx.y;
   const int k0 = kt * kBig;
-  const Pair<T> fq{p.aq, p.bq, p.N, p.Rq, p.inv_rq}, fk{p.ak, p.bk, p.M, p.Rk, p.inv_rk},
-      fv{p.av, p.bv, p.M, p.Rv, p.inv_rv};
+  const Pair<T> fk{p.ak, p.bk, p.M, p.Rk, p.inv_rk}, fv{p.av, p.bv, p.M, p.Rv, p.inv_rv};
   const int first = p.causal ? k0 / kSmall : 0, last = (p.N + kSmall - 1) / kSmall;
-  float mix[kMixMax / kThreads] = {};
   float stat = 0.f;  // lse (threads < kSmall) or Delta (the next kSmall) of the next query tile's rows
-  // The next query tile's Q basis rows and statistics go first (the stage area is free once Q is built),
-  // its dO rows once the current dO is consumed.
-  auto prefetch_q = [&](int i) {
+  auto prefetch = [&](int i) {
     const int q0 = i * kSmall;
-    if (p.stage_q) stage_pair<T, HD, kSmall>(stage, mix, 0, fq, bb, h, p.H, q0);
+    T* qt = qdo + 2 * (i & 1) * kSmall * LD;
+    copy_rows_async<T, HD, kSmall>(qt, p.q, bb - p.b0, h, p.H, p.N, q0);
+    copy_rows_async<T, HD, kSmall>(qt + kSmall * LD, p.dout, bb, h, p.H, p.N, q0);
+    cp_async_commit();
     const int n = q0 + int(threadIdx.x) % kSmall;
     stat = threadIdx.x < 2 * kSmall && n < p.N ? (threadIdx.x < kSmall ? p.lse : p.delta)[(bb * p.N + n) * p.H + h]
                                                : 0.f;
-    cp_async_commit();
   };
-  auto prefetch_dout = [&](int i) {
-    copy_rows_async<T, HD, kSmall>(dos, p.dout, bb, h, p.H, p.N, i * kSmall);
-    cp_async_commit();
-  };
-  if (first < last) {
-    prefetch_q(first);
-    prefetch_dout(first);
-  }
+  if (first < last) prefetch(first);
   build_global<T, HD, kBig>(ks, fk, bb, h, p.H, k0);
   build_global<T, HD, kBig>(vs, fv, bb, h, p.H, k0);
 
@@ -102,21 +127,46 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   zero<HD>(dv);
   const int key_a = k0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
   const int dq_row = (warp & 3) * 16, dq_col = (warp >> 2) * (HD / 2);  // this warp's part of dQ
+  // dQ / scale = dS' K of query tile i (rows dq_row.., columns dq_col..) added to the workspace. It runs
+  // in the next tile's barrier interval: one barrier a tile pair.
+  auto dq_tile = [&](int i) {
+    const T* ds = dst + (i & 1) * kBig * LDS;
+    float dq[HD / 16][4];
+#pragma unroll
+    for (int t = 0; t < HD / 16; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kBig / 16; ++kk) {
+      uint32_t fa[4];
+      load_a_km<LDS>(fa, ds, kk * 16, dq_row);
+#pragma unroll
+      for (int np = 0; np < HD / 32; ++np) {
+        uint32_t fb[4];
+        load_b_kn<LD>(fb, ks, kk * 16, dq_col + np * 16);
+        mma16816<T>(dq[2 * np], fa, fb[0], fb[1]);
+        mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int n = i * kSmall + dq_row + g + rr * 8;
+      if (n >= p.N) continue;
+      float* row = p.dq + (((bb - p.b0) * p.N + n) * p.H + h) * HD + dq_col + c;
+#pragma unroll
+      for (int t = 0; t < HD / 16; ++t) atomic_add_pair(row + t * 8, dq[t][2 * rr], dq[t][2 * rr + 1]);
+    }
+  };
   for (int i = first; i < last; ++i) {
     const int q0 = i * kSmall;
-    const bool next = i + 1 < last;
-    cp_async_wait<0>();
-    if (p.stage_q)
-#pragma unroll
-      for (int q = 0; q < kMixMax / kThreads; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
+    const T* qs = qdo + 2 * (i & 1) * kSmall * LD;
+    const T* dos = qs + kSmall * LD;
+    T* ds = dst + (i & 1) * kBig * LDS;
+    float* lse_s = stats + 2 * (i & 1) * kSmall;
+    const float* delta_s = lse_s + kSmall;
     if (threadIdx.x < 2 * kSmall) lse_s[threadIdx.x] = stat;  // lse_s, then delta_s
-    __syncthreads();
-    if (p.stage_q)
-      build_tile<T, HD, kSmall>(qs, stage, mix_s, fq.R, fq.R, fq.inv_r, min(kSmall, p.N - q0));
-    else
-      build_global<T, HD, kSmall>(qs, fq, bb, h, p.H, q0);
-    __syncthreads();
-    if (next) prefetch_q(i + 1);
+    cp_async_wait<0>();
+    __syncthreads();  // tile i and dS'^T of tile i - 1 published; the buffers of tile i - 1 free
+    if (i + 1 < last) prefetch(i + 1);
+    if (i > first) dq_tile(i - 1);
     // The query tile in two halves of QW columns: fewer live registers beside dK and dV.
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -147,64 +197,40 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
         const float2 delta = *reinterpret_cast<const float2*>(delta_s + c0 + t * 8 + c);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pv = exp2f(st[t][e]);
+          const float pv = fast_exp2(st[t][e]);
           st[t][e] = pv;
-          dpt[t][e] = pv * (dpt[t][e] - (e & 1 ? delta.y : delta.x)) * p.scale;
+          dpt[t][e] = pv * (dpt[t][e] - (e & 1 ? delta.y : delta.x));
         }
       }
       probs_times_rows<T, HD, QW / 16>(dv, st, dos, c0);  // dV += P^T dO
-      probs_times_rows<T, HD, QW / 16>(dk, dpt, qs, c0);  // dK += dS^T Q
+      probs_times_rows<T, HD, QW / 16>(dk, dpt, qs, c0);  // dK += dS'^T Q
 #pragma unroll
-      for (int t = 0; t < QW / 8; ++t) {  // dS^T, rounded as in dK's product
+      for (int t = 0; t < QW / 8; ++t) {  // dS'^T, rounded as in dK's product
         const int col = c0 + t * 8 + c;
-        *reinterpret_cast<uint32_t*>(dst + (warp * 16 + g) * LDS + col) = pack2<T>(dpt[t][0], dpt[t][1]);
-        *reinterpret_cast<uint32_t*>(dst + (warp * 16 + g + 8) * LDS + col) = pack2<T>(dpt[t][2], dpt[t][3]);
+        *reinterpret_cast<uint32_t*>(ds + (warp * 16 + g) * LDS + col) = pack2<T>(dpt[t][0], dpt[t][1]);
+        *reinterpret_cast<uint32_t*>(ds + (warp * 16 + g + 8) * LDS + col) = pack2<T>(dpt[t][2], dpt[t][3]);
       }
-    }
-    __syncthreads();  // dS^T published; Q, dO and the statistics free
-    if (next) prefetch_dout(i + 1);
-    float dq[HD / 16][4];  // dQ = dS K: rows dq_row.., columns dq_col..
-#pragma unroll
-    for (int t = 0; t < HD / 16; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kBig / 16; ++kk) {
-      uint32_t fa[4];
-      load_a_km<LDS>(fa, dst, kk * 16, dq_row);
-#pragma unroll
-      for (int np = 0; np < HD / 32; ++np) {
-        uint32_t fb[4];
-        load_b_kn<LD>(fb, ks, kk * 16, dq_col + np * 16);
-        mma16816<T>(dq[2 * np], fa, fb[0], fb[1]);
-        mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
-      }
-    }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int n = q0 + dq_row + g + rr * 8;
-      if (n >= p.N) continue;
-      float* row = p.dq + (((bb - p.b0) * p.N + n) * p.H + h) * HD + dq_col + c;
-#pragma unroll
-      for (int t = 0; t < HD / 16; ++t) atomic_add_pair(row + t * 8, dq[t][2 * rr], dq[t][2 * rr + 1]);
     }
   }
-  __syncthreads();  // the stage area is free: stage the f32 results there
-  float* fs = reinterpret_cast<float*>(stage);
-  store_acc<HD>(fs, dk, warp * 16);
+  __syncthreads();  // dS'^T of the last tile published; the Q, dO buffers free
+  if (first < last) dq_tile(last - 1);
+  float* fs = reinterpret_cast<float*>(qdo);  // the f32 results go through the Q, dO buffers
+  store_acc<HD>(fs, dk, warp * 16, p.scale);
   __syncthreads();
   factor_grads<T, HD>(fs, fk, p.dak, p.dbk, bb, p.b0, h, p.H, k0);
   __syncthreads();
-  store_acc<HD>(fs, dv, warp * 16);
+  store_acc<HD>(fs, dv, warp * 16, 1.f);
   __syncthreads();
   factor_grads<T, HD>(fs, fv, p.dav, p.dbv, bb, p.b0, h, p.H, k0);
 }
 
-// dQ (f32, batch entries from t0 / N) to its factors, a warp per token, every value written once:
-// daq[t, h, r] = inv_r dq[t, h] . bq[t, r] and dbq[t, r, :] = inv_r sum_h aq[t, h, r] dq[t, h, :]. The
-// token's dq rows are read once per rank; after the first they come from L1.
+// dQ (f32 dQ / scale, batch entries from t0 / N) to its factors, a warp per token, every value written once:
+// daq[t, h, r] = mul dq[t, h] . bq[t, r] and dbq[t, r, :] = mul sum_h aq[t, h, r] dq[t, h, :], mul = scale / R.
+// The token's dq rows are read once per rank; after the first they come from L1.
 template <class T, int HD>
 __global__ void attention_q_factor_grads(const float* __restrict__ dq, const T* __restrict__ aq,
                                          const T* __restrict__ bq, T* __restrict__ daq, T* __restrict__ dbq,
-                                         int64_t t0, int64_t tokens, int H, int R, float inv_r) {
+                                         int64_t t0, int64_t tokens, int H, int R, float mul) {
   constexpr int E = HD / 32;
   const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= tokens) return;
@@ -227,8 +253,8 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const T* 
 #pragma unroll
       for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       const int64_t ai = (t * H + h) * R + r;
-      if (lane == 0) daq[ai] = from_acc<T>(dot * inv_r);
-      const float wr = to_acc(aq[ai]) * inv_r;
+      if (lane == 0) daq[ai] = from_acc<T>(dot * mul);
+      const float wr = to_acc(aq[ai]) * mul;
 #pragma unroll
       for (int e = 0; e < E; ++e) db[e] += wr * x[e];
     }
@@ -240,18 +266,17 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const T* 
 // ---------------------------------------------------------------------------------------------------
 // Launcher.
 
-// Batch entries per backward launch. A launch's f32 workspace stays within the bytes of dout (about a
-// third of the batch: dQ alone is twice dout), as long as the launch still fills the device twice over;
-// the launches share the batch evenly.
-int64_t backward_batch_chunk(int64_t B, int64_t ws_entry_bytes, int64_t dout_entry_bytes, int64_t entry_blocks,
-                             int device) {
+// Backward launches. A launch's workspaces (f32 dQ and basis gradients, Q) stay within the bytes of dout
+// (about a third of the batch: dQ alone is twice dout), as long as the launch still fills the device twice
+// over; the launches share the batch evenly (their sizes differ by at most one entry).
+int64_t backward_launches(int64_t B, int64_t ws_entry_bytes, int64_t dout_entry_bytes, int64_t entry_blocks,
+                          int device) {
   int sms = 0;
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t by_memory = std::max<int64_t>(1, dout_entry_bytes * B / ws_entry_bytes);
   const int64_t to_fill = (2 * int64_t(sms) + entry_blocks - 1) / entry_blocks;
   const int64_t chunk = std::min(B, std::max(by_memory, to_fill));
-  const int64_t launches = (B + chunk - 1) / chunk;
-  return (B + launches - 1) / launches;
+  return (B + chunk - 1) / chunk;
 }
 
 template <class T, int HD>
@@ -271,32 +296,39 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   p.daq = static_cast<T*>(g.aq.data());
   p.dak = static_cast<T*>(g.ak.data());
   p.dav = static_cast<T*>(g.av.data());
-  // One zeroed f32 workspace per launch of `chunk` batch entries: dQ (N H HD a batch entry, summed over
-  // key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk, g.bv.
+  // Per launch of up to `chunk` batch entries: a zeroed f32 workspace, dQ (N H HD a batch entry, summed
+  // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
+  // g.bv; and Q (N H HD in T a batch entry).
   const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.Rk * HD,
                 dbv_len = int64_t(p.M) * p.Rv * HD, key_tiles = (p.M + kBig - 1) / kBig;
-  const int64_t chunk = backward_batch_chunk(B, (dq_len + dbk_len + dbv_len) * 4, int64_t(p.N) * p.H * HD * 2,
-                                             key_tiles * p.H, dev.index);
+  const int64_t launches =
+      backward_launches(B, (dq_len + dbk_len + dbv_len) * 4 + dq_len * 2, dq_len * 2, key_tiles * p.H, dev.index);
+  const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * (dq_len + dbk_len + dbv_len)}, DType::F32, dev);
+  Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
+  p.q = static_cast<const T*>(qbuf.data());
   static bool configured = false;
   allow_smem(attention_bwd<T, HD>, bwd_smem<HD>(), configured);
-  for (int64_t b0 = 0; b0 < B; b0 += chunk) {
-    const int64_t n = std::min(chunk, B - b0);
+  for (int64_t l = 0, b0 = 0; l < launches; ++l) {
+    const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.N;
     p.b0 = b0;
     p.dq = ws.data_ptr<float>();
     p.dbk = p.dq + n * dq_len;
     p.dbv = p.dbk + n * dbk_len;
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * (dq_len + dbk_len + dbv_len)) * 4, st));
+    attention_build_q<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
+        p.aq, p.bq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H, p.Rq, p.inv_rq);
+    LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     attention_bwd<T, HD><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
-    const int64_t tokens = n * p.N;
     attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
-        p.dq, p.aq, p.bq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.Rq, p.inv_rq);
+        p.dq, p.aq, p.bq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.Rq, p.inv_rq * p.scale);
     LT_CUDA_CHECK_LAUNCH();
     Tensor dbk = g.bk.narrow(0, b0, n), dbv = g.bv.narrow(0, b0, n);
     dbk.copy_(ws.narrow(0, n * dq_len, n * dbk_len).view(dbk.shape()));
     dbv.copy_(ws.narrow(0, n * (dq_len + dbk_len), n * dbv_len).view(dbv.shape()));
+    b0 += n;
   }
 }
 

@@ -32,10 +32,11 @@ struct Params {
   T *daq, *dak, *dav;        // written once per (token, head, rank)
   float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles
+  const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
   int64_t b0;                // a backward launch's first batch entry: where its workspaces start
   int N, M, H, Rq, Rk, Rv;
   float inv_rq, inv_rk, inv_rv, scale, sl2;  // sl2 = scale log2(e)
-  bool causal, stage_kv, stage_q;  // whether the repeated tiles' basis rows fit the stage area
+  bool causal, stage_kv;  // whether the forward's K, V basis rows fit the stage area
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -51,6 +52,13 @@ template <>
 __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
+// 2^x in one instruction (flushes subnormal results to zero; 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float load_f(const float* p) { return *p; }
 template <class T>
 __device__ __forceinline__ float load_f(const T* p) { return to_acc(*p); }
@@ -116,37 +124,38 @@ __device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int H,
                           min(ROWS, f.L - row0));
 }
 
-// Starts staging rows row0.. of a pair: its basis rows (one contiguous block) by cp.async into `stage`
-// (zero past the end), its mixing values for head h into mix[] (slot = thread + k kThreads, from `slot0`).
+// Starts staging a pair's basis rows for tile rows row0.. (one contiguous block) by cp.async into `stage`,
+// zero past the end: ROWS HD / 8 chunks a rank, G a thread, copied a rank at a time.
 template <class T, int HD, int ROWS>
-__device__ void stage_pair(T* stage, float (&mix)[kMixMax / kThreads], int slot0, const Pair<T>& f, int64_t bb,
-                           int h, int H, int row0) {
+__device__ __forceinline__ void stage_basis(T* stage, const Pair<T>& f, int64_t bb, int row0) {
+  constexpr int G = ROWS * HD / 8 / kThreads, PASS = G * kThreads;
+  static_assert(ROWS * HD / 8 % kThreads == 0, "whole chunks a thread for every rank");
   const int valid = max(0, min(ROWS, f.L - row0));
-  const int64_t t0 = bb * f.L + row0;
-  const T* src = f.b + t0 * f.R * HD;
+  const T* src = f.b + (bb * f.L + row0) * f.R * HD;
   const int chunks = ROWS * f.R * HD / 8, valid_chunks = valid * f.R * HD / 8;
-  for (int c = threadIdx.x; c < chunks; c += kThreads) {
-    const bool ok = c < valid_chunks;
-    cp_async16(stage + c * 8, src + (ok ? c * 8 : 0), ok);
-  }
+  for (int c0 = int(threadIdx.x); c0 < chunks; c0 += PASS)
 #pragma unroll
-  for (int k = 0; k < kMixMax / kThreads; ++k) {
-    const int slot = int(threadIdx.x) + k * kThreads - slot0;
-    if (slot >= 0 && slot < ROWS * f.R) {
-      const int i = slot / f.R, r = slot % f.R;
-      mix[k] = i < valid ? to_acc(f.a[((t0 + i) * H + h) * f.R + r]) : 0.f;
+    for (int k = 0; k < G; ++k) {
+      const int c = c0 + k * kThreads;
+      const bool ok = c < valid_chunks;
+      cp_async16(stage + c * 8, src + (ok ? c * 8 : 0), ok);
     }
-  }
 }
 
-// Copies rows row0.. of x (B, L, H, HD) for head h into a padded tile by cp.async, zero past L.
+// Copies rows row0.. of x (B, L, H, HD) for head h into a padded tile by cp.async, zero past L. A thread
+// copies one 16-byte column of rows kThreads / CH apart: one address computed, the rest by adding.
 template <class T, int HD, int ROWS>
-__device__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, int L, int row0) {
-  constexpr int LD = HD + 8, CH = HD / 8;
-  for (int idx = threadIdx.x; idx < ROWS * CH; idx += kThreads) {
-    const int i = idx / CH, c8 = idx % CH, n = row0 + i;
-    const bool ok = n < L;
-    cp_async16(dst + i * LD + c8 * 8, x + ((bb * L + (ok ? n : 0)) * H + h) * HD + c8 * 8, ok);
+__device__ __forceinline__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, int L, int row0) {
+  constexpr int LD = HD + 8, CH = HD / 8, STEP = kThreads / CH, PER = ROWS * CH / kThreads;
+  static_assert(kThreads % CH == 0 && ROWS * CH % kThreads == 0, "whole rows per pass, whole passes");
+  const int i0 = int(threadIdx.x / CH), c8 = int(threadIdx.x % CH);
+  const int64_t step = int64_t(STEP) * H * HD;
+  const T* src = x + ((bb * L + row0 + i0) * H + h) * HD + c8 * 8;
+  T* d = dst + i0 * LD + c8 * 8;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const bool ok = row0 + i0 + k * STEP < L;
+    cp_async16(d + k * STEP * LD, ok ? src + k * step : x, ok);
   }
 }
 
@@ -245,46 +254,71 @@ __device__ __forceinline__ void zero(float (&acc)[HD / 8][4]) {
   for (int t = 0; t < HD / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
 }
 
-// Writes a warp's 16 x HD accumulator (rows r0..) into an f32 tile with HD + 4 floats a row.
+// Writes a warp's 16 x HD accumulator (rows r0..) times mul into an f32 tile with HD + 4 floats a row.
 template <int HD>
-__device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4], int r0) {
+__device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4], int r0, float mul) {
   constexpr int LDF = HD + 4;
   const int lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
 #pragma unroll
   for (int e = 0; e < HD / 8; ++e) {
-    *reinterpret_cast<float2*>(t + (r0 + g) * LDF + e * 8 + c) = make_float2(acc[e][0], acc[e][1]);
-    *reinterpret_cast<float2*>(t + (r0 + g + 8) * LDF + e * 8 + c) = make_float2(acc[e][2], acc[e][3]);
+    *reinterpret_cast<float2*>(t + (r0 + g) * LDF + e * 8 + c) = make_float2(acc[e][0] * mul, acc[e][1] * mul);
+    *reinterpret_cast<float2*>(t + (r0 + g + 8) * LDF + e * 8 + c) =
+        make_float2(acc[e][2] * mul, acc[e][3] * mul);
   }
 }
 
 // From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the factor gradients of its
 // pair: da[t, h, r] = inv_r dx[t] . b[t, r] (written) and db[t, r, :] += inv_r a[t, h, r] dx[t] (f32 atomics
-// into a workspace that starts at batch entry b0).
+// into a workspace that starts at batch entry b0). A warp takes rows warp, warp + kWarps, ..., U at a
+// time, so U rows' factor loads are in flight together.
 template <class T, int HD>
 __device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db, int64_t bb, int64_t b0, int h,
                              int H, int row0) {
-  constexpr int LDF = HD + 4;
+  constexpr int LDF = HD + 4, E = HD / 32, PER = kBig / kWarps, U = 4;
+  static_assert(PER % U == 0, "whole groups of rows");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = warp; i < kBig; i += kWarps) {
-    const int n = row0 + i;
-    if (n >= f.L) break;
-    const int64_t t = bb * f.L + n;
-    float x[HD / 32];
+#pragma unroll 1
+  for (int j0 = 0; j0 < PER; j0 += U) {
+    float x[U][E];
+    int64_t t[U];
+    bool ok[U];
 #pragma unroll
-    for (int e = 0; e < HD / 32; ++e) x[e] = dx[i * LDF + lane + 32 * e];
+    for (int u = 0; u < U; ++u) {
+      const int i = warp + kWarps * (j0 + u), n = row0 + i;
+      ok[u] = n < f.L;
+      t[u] = bb * f.L + (ok[u] ? n : 0);
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[u][e] = dx[i * LDF + lane + 32 * e];
+    }
+#pragma unroll 1
     for (int r = 0; r < f.R; ++r) {
-      const T* br = f.b + (t * f.R + r) * HD;
-      float dot = 0.f;
+      float bv[U][E], w[U];
 #pragma unroll
-      for (int e = 0; e < HD / 32; ++e) dot += x[e] * to_acc(br[lane + 32 * e]);
+      for (int u = 0; u < U; ++u) {
+        const T* br = f.b + (t[u] * f.R + r) * HD;
 #pragma unroll
-      for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      const int64_t ai = (t * H + h) * f.R + r;
-      if (lane == 0) da[ai] = from_acc<T>(dot * f.inv_r);
-      const float w = to_acc(f.a[ai]) * f.inv_r;
-      float* dbr = db + ((t - b0 * f.L) * f.R + r) * HD;
+        for (int e = 0; e < E; ++e) bv[u][e] = ok[u] ? to_acc(br[lane + 32 * e]) : 0.f;
+        w[u] = ok[u] ? to_acc(f.a[(t[u] * H + h) * f.R + r]) * f.inv_r : 0.f;
+      }
+      float dot[U];
 #pragma unroll
-      for (int e = 0; e < HD / 32; ++e) atomicAdd(dbr + lane + 32 * e, w * x[e]);
+      for (int u = 0; u < U; ++u) {
+        dot[u] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) dot[u] += x[u][e] * bv[u][e];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2)
+#pragma unroll
+        for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!ok[u]) continue;
+        if (lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
+        float* dbr = db + ((t[u] - b0 * f.L) * f.R + r) * HD;
+#pragma unroll
+        for (int e = 0; e < E; ++e) atomicAdd(dbr + lane + 32 * e, w[u] * x[u][e]);
+      }
     }
   }
 }
@@ -315,7 +349,6 @@ Params<T> make_params(const AttentionArgs& a) {
   p.causal = a.causal;
   const int64_t D = a.bq.size(3);
   p.stage_kv = int64_t(kSmall) * (p.Rk + p.Rv) * D * 2 <= kStageBytes;
-  p.stage_q = int64_t(kSmall) * p.Rq * D * 2 <= kStageBytes;
   return p;
 }
 
