@@ -4,20 +4,21 @@
 // A block (4 warps) takes one sequence b and one split of its cache: the split's tiles of 32 rows are
 // split, split + S, split + 2 S, ... (S splits), so the blocks of a sequence stream one region of the
 // cache together. Tiles go into shared memory by cp.async, up to four stages, one barrier per tile.
-// Warp w takes the 16 rows 16 (w / 2) .. of each tile and the output columns of half w % 2; the two
-// warps of a row group compute the same scores (cheap on tensor cores) so that no warp waits for
-// another within a tile. Per 16 rows and rank rk:
-//   A. C (16 rows x 16 rq) = bk[., rk, :] bq^T                        tensor cores, f32
-//   B. S^T (heads x 16 rows) = aq (heads x 16 rq) C^T, C split into a 16-bit high and low part so
-//      the product keeps f32 accuracy; scores = scale ak[., h, rk] S^T summed over rk, base 2
-//   C. online softmax per head in registers (a head's 16 rows sit on 4 neighbouring lanes), then
-//      acc (heads x E/2) = alpha acc + (p av / R_v) bv on tensor cores, W never leaves registers.
+// Warps 2 r and 2 r + 1 take the 16 rows 16 r .. of each tile and split the heads between them (all E
+// columns each; with H <= 16 they split the columns instead), so no warp waits for another within a
+// tile. Per 16 rows and rank rk:
+//   A. C (16 rows x 16 rq) = bk[., rk, :] bq^T                       tensor cores, f32; both warps
+//   B. S^T (heads x 16 rows) = aq C^T, C split into a bf16 high and low part so that the product keeps
+//      f32 accuracy; scores = ak[., h, rk] S^T summed over rk (ranks 1, H a multiple of 16: ak and av
+//      by transposed ldmatrix)
+//   C. online softmax per head in registers (a head's 16 rows sit on 4 neighbouring lanes, the scale
+//      folded into the exponent), then acc (heads x E) = alpha acc + (p av) bv on tensor cores; acc is
+//      rescaled only when a maximum moved, and 1 / R_v is applied at the end.
 // The two row groups merge at the end. With several splits (flash-decoding) each block writes its
 // unnormalised accumulator and (max, sum) per head; the last block of a sequence to finish (a counter
 // per sequence, reset by that block) combines them, so a call is always one launch.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <type_traits>
@@ -137,7 +138,29 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
   lo = pack_bits(__float2bfloat16(x0 - __bfloat162float(h0)), __float2bfloat16(x1 - __bfloat162float(h1)));
 }
 
-template <class T, int MT, int NT>
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^x, 0 for -inf
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A packed pair of 16-bit values as two floats (the low half first).
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+  __half2 h;
+  memcpy(&h, &v, 4);
+  return __half22float2(h);
+}
+
+// MTW m-tiles of 16 heads and NTW n-tiles of 8 output columns per warp. With H > 16 the two warps of
+// a row group split the heads (each all E columns), else the columns (each all heads).
+template <class T, int MTW, int NTW>
 __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                       const T* __restrict__ ak, const T* __restrict__ bk,
                                                       const T* __restrict__ av, const T* __restrict__ bv,
@@ -148,10 +171,13 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int is_last;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int group = warp / 2, col0 = (warp % 2) * NT * 8;
+  const int group = warp / 2, half = warp % 2;
+  const int H = g.H, Rq = g.Rq, Rk = g.Rk, Rv = g.Rv, D = g.D, E = g.E;
+  const bool head_split = H > 16;
+  const int h0 = head_split ? half * 16 * MTW : 0, col0 = head_split ? 0 : half * NTW * 8;
+  const bool rank1 = Rk == 1 && Rv == 1 && H % 16 == 0;  // ak, av by transposed ldmatrix
   const int gr = lane / 4, gc = 2 * (lane % 4);
   const int b = blockIdx.y, split = blockIdx.x, S = g.splits;
-  const int H = g.H, Rq = g.Rq, Rk = g.Rk, Rv = g.Rv, D = g.D, E = g.E;
   const int len = lengths.get(b);
   const int seq_tiles = (len + kRows - 1) / kRows;
   const int tiles = split < seq_tiles ? (seq_tiles - split + S - 1) / S : 0;
@@ -180,37 +206,46 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
     cp_async_commit();
   }
 
-  // aq as the A operand of phase B: rows = heads (16 per m-tile), columns = rq, in bf16 (high, low).
-  uint32_t aq_hi[MT][4], aq_lo[MT][4];
+  // aq as the A operand of phase B (rows = this warp's heads, columns = rq) in bf16, with the sign of
+  // the score scale folded in so that the scale applied later (q_mix) is positive.
+  const float sign = g.q_mix < 0.f ? -1.f : 1.f, q_mix = fabsf(g.q_mix);
+  uint32_t aq_hi[MTW][4], aq_lo[MTW][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int h = mt * 16 + gr + (j % 2) * 8, r = gc + (j / 2) * 8;
+      const int h = h0 + mw * 16 + gr + (j % 2) * 8, r = gc + (j / 2) * 8;
       float x[2];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) x[e] = h < H && r + e < Rq ? to_acc(aq[(int64_t(b) * H + h) * Rq + r + e]) : 0.f;
-      split_bf16(x[0], x[1], aq_hi[mt][j], aq_lo[mt][j]);
+      for (int e = 0; e < 2; ++e)
+        x[e] = h < H && r + e < Rq ? sign * to_acc(aq[(int64_t(b) * H + h) * Rq + r + e]) : 0.f;
+      split_bf16(x[0], x[1], aq_hi[mw][j], aq_lo[mw][j]);
     }
 
-  // Per lane: heads mt 16 + gr + 8 hh, rows 8 nt + gc + e of the group's 16; output columns
-  // col0 + 8 nt + gc + e.
-  float acc[MT][NT][4];
+  // Per lane: heads h0 + 16 mw + gr + 8 hh, rows 8 nt + gc + e of the group's 16 (scores), output
+  // columns col0 + 8 nt + gc + e (acc). m_run is in scaled units (base 2), the scores s are not.
+  float acc[MTW][NTW][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
-  float m_run[MT][2], l_run[MT][2];
+      for (int j = 0; j < 4; ++j) acc[mw][nt][j] = 0.f;
+  float m_run[MTW][2], l_run[MTW][2];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      m_run[mt][hh] = -INFINITY;
-      l_run[mt][hh] = 0.f;
+      m_run[mw][hh] = -INFINITY;
+      l_run[mw][hh] = 0.f;
     }
   const int ksteps = D / 16;
+  // ldmatrix row addresses (in elements from the group's first row): bk rows for A, bq for B, and
+  // for the rank-1 mixing factors (rows = cache rows, columns = heads) transposed 16 x 16 blocks.
+  const int a_row = (lane % 16) * Rk, a_col = (lane / 16) * 8;
+  const T* brow = bq_s + ((lane / 16) * 8 + lane % 8) * g.bq_stride + ((lane / 8) % 2) * 8;
+  const int t_row = (lane / 16) * 8 + lane % 8, t_col = h0 + ((lane / 8) % 2) * 8;
+  const int v_row = lane % 8 + ((lane / 8) % 2) * 8, v_col = col0 + (lane / 16) * 8;
 
   for (int i = 0; i < tiles; ++i) {
     cp_async_wait_n(g.stages - 2);
@@ -225,18 +260,17 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
     const T* av_s = reinterpret_cast<const T*>(st + g.st_av) + group * 16 * g.av_stride;
     const T* bv_s = reinterpret_cast<const T*>(st + g.st_bv) + group * 16 * Rv * g.bv_stride;
 
-    float s[MT][2][4];
+    float s[MTW][2][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) s[mt][nt][j] = 0.f;
+        for (int j = 0; j < 4; ++j) s[mw][nt][j] = 0.f;
     for (int rk = 0; rk < Rk; ++rk) {
       // A. C = bk bq^T; even and odd k-steps in separate accumulators (two short chains).
       float c[2][2][4] = {};
-      const T* arow = bk_s + ((lane % 16) * Rk + rk) * g.bk_stride + (lane / 16) * 8;
-      const T* brow = bq_s + ((lane / 16) * 8 + lane % 8) * g.bq_stride + ((lane / 8) % 2) * 8;
+      const T* arow = bk_s + (a_row + rk) * g.bk_stride + a_col;
       for (int k = 0; k < ksteps; k += 2) {
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
@@ -249,90 +283,106 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
         }
       }
       // B. S^T = aq C^T: C's accumulator layout is already the B operand (k = rq, n = row).
+      uint32_t hi[2][2], lo[2][2];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        uint32_t hi[2], lo[2];
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int q = 0; q < 2; ++q)
-          split_bf16(c[0][q][2 * nt] + c[1][q][2 * nt], c[0][q][2 * nt + 1] + c[1][q][2 * nt + 1], hi[q], lo[q]);
+          split_bf16(c[0][q][2 * nt] + c[1][q][2 * nt], c[0][q][2 * nt + 1] + c[1][q][2 * nt + 1], hi[nt][q],
+                     lo[nt][q]);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+      for (int mw = 0; mw < MTW; ++mw) {
+        uint32_t akf[4] = {};  // rank 1: ak^T (heads x rows) in the accumulator's layout, register 2 nt + hh
+        if (rank1) ldmatrix_x4_trans(akf, ak_s + t_row * g.ak_stride + t_col + mw * 16);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
           float sr[4] = {};
-          mma16816<__nv_bfloat16>(sr, aq_hi[mt], hi[0], hi[1]);
-          mma16816<__nv_bfloat16>(sr, aq_hi[mt], lo[0], lo[1]);
-          if constexpr (kF16) mma16816<__nv_bfloat16>(sr, aq_lo[mt], hi[0], hi[1]);
+          mma16816<__nv_bfloat16>(sr, aq_hi[mw], hi[nt][0], hi[nt][1]);
+          mma16816<__nv_bfloat16>(sr, aq_hi[mw], lo[nt][0], lo[nt][1]);
+          if constexpr (kF16) mma16816<__nv_bfloat16>(sr, aq_lo[mw], hi[nt][0], hi[nt][1]);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int h = mt * 16 + gr + (j / 2) * 8, m = nt * 8 + gc + j % 2;
-            const float a_k = h < H ? to_acc(ak_s[m * g.ak_stride + h * Rk + rk]) : 0.f;
-            s[mt][nt][j] += a_k * sr[j];
+          for (int hh = 0; hh < 2; ++hh) {
+            float2 a_k;
+            if (rank1) {
+              a_k = unpack2<T>(akf[2 * nt + hh]);
+            } else {
+              const int h = min(h0 + mw * 16 + gr + hh * 8, H - 1), m = nt * 8 + gc;
+              a_k = make_float2(to_acc(ak_s[m * g.ak_stride + h * Rk + rk]),
+                                to_acc(ak_s[(m + 1) * g.ak_stride + h * Rk + rk]));
+            }
+            s[mw][nt][hh * 2] += a_k.x * sr[hh * 2];
+            s[mw][nt][hh * 2 + 1] += a_k.y * sr[hh * 2 + 1];
           }
         }
       }
     }
 
     // C. Online softmax per head over the group's rows (4 lanes of a head hold 4 rows each).
-    float p[MT][2][4];
+    if (valid < 16)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = -INFINITY;
+      for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& v = s[mt][nt][hh * 2 + e];
-            v = nt * 8 + gc + e < valid ? v * g.q_mix : -INFINITY;
-            mx = fmaxf(mx, v);
-          }
+          for (int j = 0; j < 4; ++j)
+            if (nt * 8 + gc + j % 2 >= valid) s[mw][nt][j] = -INFINITY;
+    bool rescale = false;
+    float alpha[MTW][2];
+#pragma unroll
+    for (int mw = 0; mw < MTW; ++mw)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = fmaxf(fmaxf(s[mw][0][hh * 2], s[mw][0][hh * 2 + 1]), fmaxf(s[mw][1][hh * 2], s[mw][1][hh * 2 + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][hh], mx);
+        const float m_new = fmaxf(m_run[mw][hh], mx * q_mix);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = exp2f(m_run[mt][hh] - m_use);  // 0 before the first row
-        m_run[mt][hh] = m_new;
+        alpha[mw][hh] = fast_exp2(m_run[mw][hh] - m_use);  // 0 before the first row
+        rescale |= m_new != m_run[mw][hh];
+        m_run[mw][hh] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            p[mt][nt][hh * 2 + e] = exp2f(s[mt][nt][hh * 2 + e] - m_use);
-            sum += p[mt][nt][hh * 2 + e];
+            float& v = s[mw][nt][hh * 2 + e];
+            v = fast_exp2(fmaf(v, q_mix, -m_use));
+            sum += v;
           }
-        l_run[mt][hh] = l_run[mt][hh] * alpha + sum;  // this lane's rows; the quad is summed at the end
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          acc[mt][nt][hh * 2] *= alpha;
-          acc[mt][nt][hh * 2 + 1] *= alpha;
-        }
+        l_run[mw][hh] = l_run[mw][hh] * alpha[mw][hh] + sum;  // this lane's rows; the quad is summed at the end
       }
-    for (int rv = 0; rv < Rv; ++rv) {
-      // W = p av / R_v as the A operand (rows = heads, k = the group's 16 rows).
-      uint32_t w[MT][4];
+    if (__any_sync(0xffffffffu, rescale))
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mw = 0; mw < MTW; ++mw)
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[mw][nt][j] *= alpha[mw][j / 2];
+    for (int rv = 0; rv < Rv; ++rv) {
+      // W = p av as the A operand (rows = heads, k = the group's 16 rows): register j = 2 nt + hh.
+#pragma unroll
+      for (int mw = 0; mw < MTW; ++mw) {
+        uint32_t avf[4] = {}, w[4];
+        if (rank1) ldmatrix_x4_trans(avf, av_s + t_row * g.av_stride + t_col + mw * 16);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int hh = j % 2, nt = j / 2, h = mt * 16 + gr + hh * 8;
-          float x[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int m = nt * 8 + gc + e;
-            const float a_v = h < H ? to_acc(av_s[m * g.av_stride + h * Rv + rv]) : 0.f;
-            x[e] = p[mt][nt][hh * 2 + e] * g.inv_rv * a_v;
+          const int nt = j / 2, hh = j % 2;
+          float2 a_v;
+          if (rank1) {
+            a_v = unpack2<T>(avf[j]);
+          } else {
+            const int h = min(h0 + mw * 16 + gr + hh * 8, H - 1), m = nt * 8 + gc;
+            a_v = make_float2(to_acc(av_s[m * g.av_stride + h * Rv + rv]),
+                              to_acc(av_s[(m + 1) * g.av_stride + h * Rv + rv]));
           }
-          w[mt][j] = pack2<T>(x[0], x[1]);
+          w[j] = pack2<T>(s[mw][nt][hh * 2] * a_v.x, s[mw][nt][hh * 2 + 1] * a_v.y);
         }
 #pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bb[4];
-        ldmatrix_x4_trans(bb, bv_s + ((lane % 8 + ((lane / 8) % 2) * 8) * Rv + rv) * g.bv_stride + col0 + np * 16 +
-                                  (lane / 16) * 8);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(acc[mt][2 * np], w[mt], bb[0], bb[1]);
-          mma16816<T>(acc[mt][2 * np + 1], w[mt], bb[2], bb[3]);
+        for (int np = 0; np < NTW / 2; ++np) {
+          uint32_t bb[4];
+          ldmatrix_x4_trans(bb, bv_s + (v_row * Rv + rv) * g.bv_stride + v_col + np * 16);
+          mma16816<T>(acc[mw][2 * np], w, bb[0], bb[1]);
+          mma16816<T>(acc[mw][2 * np + 1], w, bb[2], bb[3]);
         }
       }
     }
@@ -341,70 +391,71 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
 
   // Merge the two row groups: group 1 hands its (max, sum) and rescaled accumulator to group 0.
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      l_run[mt][hh] += __shfl_xor_sync(0xffffffffu, l_run[mt][hh], 1);
-      l_run[mt][hh] += __shfl_xor_sync(0xffffffffu, l_run[mt][hh], 2);
+      l_run[mw][hh] += __shfl_xor_sync(0xffffffffu, l_run[mw][hh], 1);
+      l_run[mw][hh] += __shfl_xor_sync(0xffffffffu, l_run[mw][hh], 2);
     }
   __syncthreads();  // every warp is done with the stages
   float* mrg_m = reinterpret_cast<float*>(smem);  // [2][H]
   float* mrg_l = mrg_m + 2 * H;                   // [2][H]
   float* mrg_acc = mrg_l + 2 * H;                 // [H][E]
-  if (warp % 2 == 0 && gc == 0)
+  const bool owns_stats = (head_split || half == 0) && gc == 0;  // one lane per (group, head)
+  if (owns_stats)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int h = mt * 16 + gr + hh * 8;
+        const int h = h0 + mw * 16 + gr + hh * 8;
         if (h < H) {
-          mrg_m[group * H + h] = m_run[mt][hh];
-          mrg_l[group * H + h] = l_run[mt][hh];
+          mrg_m[group * H + h] = m_run[mw][hh];
+          mrg_l[group * H + h] = l_run[mw][hh];
         }
       }
   __syncthreads();
-  float m_fin[MT][2], l_fin[MT][2];
+  float m_fin[MTW][2], l_fin[MTW][2];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int h = min(mt * 16 + gr + hh * 8, H - 1);
+      const int h = min(h0 + mw * 16 + gr + hh * 8, H - 1);
       const float m0 = mrg_m[h], m1 = mrg_m[H + h];
       const float m = fmaxf(m0, m1), m_use = m == -INFINITY ? 0.f : m;
-      const float own = exp2f(m_run[mt][hh] - m_use);
-      m_fin[mt][hh] = m;
-      l_fin[mt][hh] = mrg_l[h] * exp2f(m0 - m_use) + mrg_l[H + h] * exp2f(m1 - m_use);
+      const float own = fast_exp2(m_run[mw][hh] - m_use) * g.inv_rv;  // the 1 / R_v of W too
+      m_fin[mw][hh] = m;
+      l_fin[mw][hh] = mrg_l[h] * fast_exp2(m0 - m_use) + mrg_l[H + h] * fast_exp2(m1 - m_use);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        acc[mt][nt][hh * 2] *= own;
-        acc[mt][nt][hh * 2 + 1] *= own;
+      for (int nt = 0; nt < NTW; ++nt) {
+        acc[mw][nt][hh * 2] *= own;
+        acc[mw][nt][hh * 2 + 1] *= own;
       }
     }
   if (group == 1)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int h = mt * 16 + gr + hh * 8;
+        const int h = h0 + mw * 16 + gr + hh * 8;
         if (h < H)
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
+          for (int nt = 0; nt < NTW; ++nt)
             *reinterpret_cast<float2*>(mrg_acc + h * E + col0 + nt * 8 + gc) =
-                make_float2(acc[mt][nt][hh * 2], acc[mt][nt][hh * 2 + 1]);
+                make_float2(acc[mw][nt][hh * 2], acc[mw][nt][hh * 2 + 1]);
       }
   __syncthreads();
   if (group == 0)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mw = 0; mw < MTW; ++mw)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int h = mt * 16 + gr + hh * 8;
+        const int h = h0 + mw * 16 + gr + hh * 8;
         if (h >= H) continue;
-        const float inv = 1.f / l_fin[mt][hh];
+        const float inv = 1.f / l_fin[mw][hh];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < NTW; ++nt) {
           const float2 o = *reinterpret_cast<const float2*>(mrg_acc + h * E + col0 + nt * 8 + gc);
-          const float x0 = acc[mt][nt][hh * 2] + o.x, x1 = acc[mt][nt][hh * 2 + 1] + o.y;
+          const float x0 = acc[mw][nt][hh * 2] + o.x, x1 = acc[mw][nt][hh * 2 + 1] + o.y;
           if (S == 1)
             *reinterpret_cast<uint32_t*>(out + (int64_t(b) * H + h) * E + col0 + nt * 8 + gc) =
                 pack2<T>(x0 * inv, x1 * inv);
@@ -412,10 +463,10 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
             *reinterpret_cast<float2*>(part_acc + ((int64_t(b) * S + split) * H + h) * E + col0 + nt * 8 + gc) =
                 make_float2(x0, x1);
         }
-        if (S > 1 && warp == 0 && gc == 0) {
+        if (S > 1 && owns_stats) {
           const int64_t slot = (int64_t(b) * S + split) * H + h;
-          part_stat[slot * 2] = m_fin[mt][hh];  // -inf for a split past the sequence's length
-          part_stat[slot * 2 + 1] = l_fin[mt][hh];
+          part_stat[slot * 2] = m_fin[mw][hh];  // -inf for a split past the sequence's length
+          part_stat[slot * 2 + 1] = l_fin[mw][hh];
         }
       }
   if (S == 1) return;
@@ -436,22 +487,32 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
     wl[j] = __ldcg(stat + 2 * j + 1);
   }
   __syncthreads();
-  for (int h = tid; h < H; h += kThreads) {
+  // Four lanes per head, each over every fourth split.
+  for (int h0c = 0; h0c < H; h0c += kThreads / 4) {
+    const int h = h0c + tid / 4, part = tid % 4;
+    const bool active = h < H;
     float mx = -INFINITY;
-    for (int s = 0; s < S; ++s) mx = fmaxf(mx, wm[s * H + h]);
+    if (active)
+      for (int s = part; s < S; s += 4) mx = fmaxf(mx, wm[s * H + h]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     float den = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float ms = wm[s * H + h];
-      const float w = ms == -INFINITY ? 0.f : exp2f(ms - mx);
-      wm[s * H + h] = w;
-      den += w * wl[s * H + h];
-    }
+    if (active)
+      for (int s = part; s < S; s += 4) {
+        const float ms = wm[s * H + h];
+        const float w = ms == -INFINITY ? 0.f : fast_exp2(ms - mx);
+        wm[s * H + h] = w;
+        den += w * wl[s * H + h];
+      }
+    den += __shfl_xor_sync(0xffffffffu, den, 1);
+    den += __shfl_xor_sync(0xffffffffu, den, 2);
     const float inv = 1.f / den;
-    for (int s = 0; s < S; ++s) wm[s * H + h] *= inv;
+    if (active)
+      for (int s = part; s < S; s += 4) wm[s * H + h] *= inv;
   }
   __syncthreads();
-  // Four quads per thread at once, several splits unrolled: many L2 reads in flight.
-  constexpr int kQuads = 4;
+  // Eight quads per thread at once, four splits unrolled: many L2 reads in flight.
+  constexpr int kQuads = 8;
   const int quads = H * E / 4;
   const float4* pa = reinterpret_cast<const float4*>(part_acc + int64_t(b) * S * H * E);
   for (int i0 = tid; i0 < quads; i0 += kQuads * kThreads) {
@@ -487,11 +548,10 @@ __global__ void __launch_bounds__(kThreads) decode_tc(const T* __restrict__ aq, 
 // bandwidth, or at the compute time of a tile when that is longer; with several splits the last block
 // of a sequence reads every split's partial sums from L2 (~100 GB/s for one SM), plus a fixed wait.
 int choose_splits(int64_t B, int64_t M, int sms, const Geo& g) {
-  if (const char* forced = std::getenv("LINTAPE_DECODE_SPLITS")) return std::max(1, std::atoi(forced));
   const int64_t tiles = (M + kRows - 1) / kRows;
   const double row_bytes = 2.0 * (g.H * (g.Rk + g.Rv) + g.Rk * g.D + g.Rv * g.E);
   const double tile_us = kRows * row_bytes / (3.0e6 / sms);  // bytes / (bytes per us per SM)
-  const double compute_us = 0.5;
+  const double compute_us = 1.2;  // a block's tile when it is alone on its SM
   const double split_us = double(g.H) * g.E * 4 / 1.0e5;
   const int per_sm_max = g.total <= kTwoBlocksSmem ? 2 : 1;
   const int most = int(std::min<int64_t>(tiles, kMaxSplits));
@@ -540,10 +600,10 @@ int* split_counters(int device, int64_t B) {
   return ptr[device];
 }
 
-template <class T, int MT, int NT>
+template <class T, int MTW, int NTW>
 void launch(const DecodeArgs& a, const Geo& g, const DecodeLengths& lengths, Tensor& out, float* pa, float* ps,
             int* counters, int device) {
-  auto kernel = decode_tc<T, MT, NT>;
+  auto kernel = decode_tc<T, MTW, NTW>;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
   if (allowed[device] < g.total) {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, g.total));
@@ -556,18 +616,17 @@ void launch(const DecodeArgs& a, const Geo& g, const DecodeLengths& lengths, Ten
   LT_CUDA_CHECK_LAUNCH();
 }
 
-// MT m-tiles of 16 heads; a warp's half of E in NT n-tiles of 8 columns.
+// With H > 16 a warp takes half of the heads' m-tiles and all E columns, else all heads and half of E.
 template <class T>
 void launch_for_shape(const DecodeArgs& a, const Geo& g, const DecodeLengths& lengths, Tensor& out, float* pa,
                       float* ps, int* counters, int device) {
-  const int mt = g.H <= 16 ? 1 : g.H <= 32 ? 2 : 4;
   const bool wide = g.E == 128;
-  if (mt == 1) wide ? launch<T, 1, 8>(a, g, lengths, out, pa, ps, counters, device)
-                    : launch<T, 1, 4>(a, g, lengths, out, pa, ps, counters, device);
-  else if (mt == 2) wide ? launch<T, 2, 8>(a, g, lengths, out, pa, ps, counters, device)
-                         : launch<T, 2, 4>(a, g, lengths, out, pa, ps, counters, device);
-  else wide ? launch<T, 4, 8>(a, g, lengths, out, pa, ps, counters, device)
-            : launch<T, 4, 4>(a, g, lengths, out, pa, ps, counters, device);
+  if (g.H <= 16) wide ? launch<T, 1, 8>(a, g, lengths, out, pa, ps, counters, device)
+                      : launch<T, 1, 4>(a, g, lengths, out, pa, ps, counters, device);
+  else if (g.H <= 32) wide ? launch<T, 1, 16>(a, g, lengths, out, pa, ps, counters, device)
+                           : launch<T, 1, 8>(a, g, lengths, out, pa, ps, counters, device);
+  else wide ? launch<T, 2, 16>(a, g, lengths, out, pa, ps, counters, device)
+            : launch<T, 2, 8>(a, g, lengths, out, pa, ps, counters, device);
 }
 
 }  // namespace
