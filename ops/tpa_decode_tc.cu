@@ -34,7 +34,7 @@ using namespace lintape::cuda;
 
 namespace {
 
-constexpr int kThreads = 128;     // 4 warps: 2 row groups x 2 column halves
+constexpr int kThreads = 128;     // 4 warps: 2 row groups x 2 halves of the heads (or of the columns)
 constexpr int kRows = 32;         // cache rows per tile, 16 per row group
 constexpr int kMaxStages = 4;     // tiles in shared memory
 constexpr int kPad = 8;           // 16-bit elements of padding per shared row: conflict-free ldmatrix
