@@ -17,7 +17,7 @@ struct DecodeArgs {
   Tensor aq, bq, ak, bk, av, bv;
   std::vector<int64_t> lengths;
   double scale = 0;
-  int64_t split_rows = 0;          // about this many cache rows per split; 0 lets the launcher choose
+  int64_t split_rows = 0;          // cache rows per split; 0 lets the launcher choose from the shapes
   bool allow_tensor_cores = true;  // false forces the general kernel (tests)
 };
 
