@@ -78,37 +78,6 @@ bool use_chunks(const Tensor& q, const Tensor& v, const FalStepSpec& spec) {
   return causal_chunked(q.dtype(), q.size(3), v.size(3), spec);
 }
 
-Tensor readable(const Tensor& x) { return chunk_readable(x) ? x : x.contiguous(); }
-
-chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec) {
-  chunk::Args a{};
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.g = g.data();
-  a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
-  a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
-  a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];
-  a.sg_b = g.strides()[0], a.sg_t = g.strides()[1];
-  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
-  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
-  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
-  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
-  a.H = int(q.size(2));
-  a.D = int(q.size(3));
-  a.E = int(v.size(3));
-  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
-  a.N = q.size(1);
-  a.nC = (a.N + chunk::kC - 1) / chunk::kC;
-  a.position = spec.position;
-  a.act_q = spec.act_q;
-  a.act_k = spec.act_k;
-  a.act_v = spec.act_v;
-  a.act_g = spec.act_g;
-  a.lrpe = spec.lrpe;
-  return a;
-}
-
 }  // namespace
 
 bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
@@ -145,8 +114,8 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (BH == 0 || v.size(3) == 0) return;
   const Device dev = q.device();
   if (use_chunks(q, v, spec)) {
-    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
-    chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
+    const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
+    chunk::Args a = over_tokens(chunk_args(qr, kr, vr, gr, spec), q.size(1));
     // The state entering each chunk, in the inputs' dtype: the only memory beside the output and S_final.
     Tensor states = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
     a.states = states.data();
@@ -172,25 +141,13 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   const Device dev = q.device();
   cudaStream_t st = cuda::stream(dev.index);
   if (use_chunks(q, v, spec)) {
-    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
-    chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
+    const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
+    chunk::Args a = over_tokens(chunk_args(qr, kr, vr, gr, spec), q.size(1));
     // S_c and R_(c+1) per chunk in the inputs' dtype: the only memory beside the gradients.
     Tensor states = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev), rstates = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
     a.states = states.data();
     a.rstates = rstates.data();
-    a.dout = dout.data();
-    // The gradients may be strided like the inputs (rows of one buffer, as split's backward wants them).
-    for (const Tensor* x : {&dq, &dk, &dv, &dg})
-      LT_CHECK(chunk_readable(*x), "[fal] internal: a gradient's layout does not suit the chunk kernels: strides ",
-               shape_str(x->strides()));
-    a.dq = dq.data();
-    a.dk = dk.data();
-    a.dv = dv.data();
-    a.dg = dg.data();
-    a.sdq_b = dq.strides()[0], a.sdq_t = dq.strides()[1];
-    a.sdk_b = dk.strides()[0], a.sdk_t = dk.strides()[1];
-    a.sdv_b = dv.strides()[0], a.sdv_t = dv.strides()[1];
-    a.sdg_b = dg.strides()[0], a.sdg_t = dg.strides()[1];
+    set_gradients(a, dout, dq, dk, dv, dg);
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
     a.dS_final = dS_final.defined() ? dS_final.data_ptr<float>() : nullptr;
     a.dS0 = dS0.defined() ? dS0.data_ptr<float>() : nullptr;

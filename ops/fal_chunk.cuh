@@ -423,3 +423,65 @@ void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);   // stat
 void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // both state passes, then the grads
 
 }  // namespace lintape::fal_cuda::chunk
+
+namespace lintape::fal_cuda {
+
+// x as the chunk kernels read it: in place when its rows suit them, else a contiguous copy.
+inline Tensor chunk_input(const Tensor& x) { return chunk_readable(x) ? x : x.contiguous(); }
+
+// The arguments both modes share, for inputs that chunk_readable accepts (the token counts are the
+// caller's to set).
+inline chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                              const FalStepSpec& spec) {
+  chunk::Args a{};
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.g = g.data();
+  a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
+  a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
+  a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];
+  a.sg_b = g.strides()[0], a.sg_t = g.strides()[1];
+  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
+  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
+  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
+  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
+  a.H = int(q.size(2));
+  a.D = int(q.size(3));
+  a.E = int(v.size(3));
+  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
+  a.position = spec.position;
+  a.act_q = spec.act_q;
+  a.act_k = spec.act_k;
+  a.act_v = spec.act_v;
+  a.act_g = spec.act_g;
+  a.lrpe = spec.lrpe;
+  return a;
+}
+
+// The arguments for a pass over `tokens` tokens (the queries or the keys).
+inline chunk::Args over_tokens(chunk::Args a, int64_t tokens) {
+  a.N = tokens;
+  a.nC = (tokens + chunk::kC - 1) / chunk::kC;
+  return a;
+}
+
+// dO and the gradients, which may be strided like the inputs (rows of one buffer, as split's backward
+// wants them).
+inline void set_gradients(chunk::Args& a, const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                          const Tensor& dg) {
+  for (const Tensor* x : {&dq, &dk, &dv, &dg})
+    LT_CHECK(chunk_readable(*x), "[fal] internal: a gradient's layout does not suit the chunk kernels: strides ",
+             shape_str(x->strides()));
+  a.dout = dout.data();
+  a.dq = dq.data();
+  a.dk = dk.data();
+  a.dv = dv.data();
+  a.dg = dg.data();
+  a.sdq_b = dq.strides()[0], a.sdq_t = dq.strides()[1];
+  a.sdk_b = dk.strides()[0], a.sdk_t = dk.strides()[1];
+  a.sdv_b = dv.strides()[0], a.sdv_t = dv.strides()[1];
+  a.sdg_b = dg.strides()[0], a.sdg_t = dg.strides()[1];
+}
+
+}  // namespace lintape::fal_cuda

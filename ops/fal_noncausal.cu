@@ -231,43 +231,6 @@ void sweep_rows(SweepArgs a, int pass, int64_t tokens, int64_t BH, DType dtype, 
   if (blocks > 0) launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(blocks)), st, "fal");
 }
 
-// ---------------------------------------------------------------------------------------------------
-// The chunk kernels' arguments.
-
-Tensor readable(const Tensor& x) { return chunk_readable(x) ? x : x.contiguous(); }
-
-chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec) {
-  chunk::Args a{};
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.g = g.data();
-  a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
-  a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
-  a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];
-  a.sg_b = g.strides()[0], a.sg_t = g.strides()[1];
-  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
-  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
-  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
-  a.H = int(q.size(2));
-  a.D = int(q.size(3));
-  a.E = int(v.size(3));
-  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
-  a.position = spec.position;
-  a.act_q = spec.act_q;
-  a.act_k = spec.act_k;
-  a.act_v = spec.act_v;
-  a.act_g = spec.act_g;
-  a.lrpe = spec.lrpe;
-  return a;
-}
-
-// The pass over `tokens` tokens (the keys or the queries).
-chunk::Args over(chunk::Args a, int64_t tokens) {
-  a.N = tokens;
-  a.nC = (tokens + chunk::kC - 1) / chunk::kC;
-  return a;
-}
 
 }  // namespace
 
@@ -288,11 +251,11 @@ void noncausal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const Device dev = q.device();
   cudaStream_t st = cuda::stream(dev.index);
   if (noncausal_chunked(q.dtype(), q.size(3), v.size(3), spec)) {
-    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
+    const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
     chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
     a.out = out.data();
-    noncausal::reduce(over(a, k.size(1)), false, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
-    noncausal::rows(over(a, q.size(1)), noncausal::kOut, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
+    noncausal::reduce(over_tokens(a, k.size(1)), false, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
+    noncausal::rows(over_tokens(a, q.size(1)), noncausal::kOut, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
     return;
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
@@ -312,21 +275,10 @@ void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   cudaStream_t st = cuda::stream(dev.index);
   Tensor dkv = empty(kv.shape(), DType::F32, dev);
   if (noncausal_chunked(q.dtype(), q.size(3), v.size(3), spec)) {
-    const Tensor qr = readable(q), kr = readable(k), vr = readable(v), gr = readable(g);
+    const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
     chunk::Args a = chunk_args(qr, kr, vr, gr, spec);
-    for (const Tensor* x : {&dq, &dk, &dv, &dg})
-      LT_CHECK(chunk_readable(*x), "[fal] internal: a gradient's layout does not suit the chunk kernels: strides ",
-               shape_str(x->strides()));
-    a.dout = dout.data();
-    a.dq = dq.data();
-    a.dk = dk.data();
-    a.dv = dv.data();
-    a.dg = dg.data();
-    a.sdq_b = dq.strides()[0], a.sdq_t = dq.strides()[1];
-    a.sdk_b = dk.strides()[0], a.sdk_t = dk.strides()[1];
-    a.sdv_b = dv.strides()[0], a.sdv_t = dv.strides()[1];
-    a.sdg_b = dg.strides()[0], a.sdg_t = dg.strides()[1];
-    const chunk::Args queries = over(a, q.size(1)), keys = over(a, k.size(1));
+    set_gradients(a, dout, dq, dk, dv, dg);
+    const chunk::Args queries = over_tokens(a, q.size(1)), keys = over_tokens(a, k.size(1));
     noncausal::reduce(queries, true, q.dtype(), BH, dkv.data_ptr<float>(), st, dev);
     noncausal::rows(queries, noncausal::kQueryGrads, q.dtype(), BH, kv.data_ptr<float>(), st, dev);
     noncausal::rows(keys, noncausal::kKeyGrads, q.dtype(), BH, dkv.data_ptr<float>(), st, dev);
