@@ -21,11 +21,10 @@ template <class T> using lse_t = std::conditional_t<std::is_same_v<T, double>, d
            target, " at row ", row));
 }
 
-// Returns the summed loss of the rows not ignored; writes lse per row and counts those rows. Rows are
-// numbered from row_offset in errors.
+// Returns the summed loss of the rows not ignored; writes lse per row and counts those rows.
 template <class T>
 double forward_cpu(const T* logits, const int64_t* targets, int64_t rows, int64_t classes, int64_t ignore_index,
-                   lse_t<T>* lse, int64_t& count, int64_t row_offset = 0) {
+                   lse_t<T>* lse, int64_t& count) {
   double total = 0;
   count = 0;
   for (int64_t i = 0; i < rows; ++i) {
@@ -37,7 +36,7 @@ double forward_cpu(const T* logits, const int64_t* targets, int64_t rows, int64_
     lse[i] = lse_t<T>(l);
     int64_t t = targets[i];
     if (t == ignore_index) continue;
-    if (t < 0 || t >= classes) fail_bad_target(row_offset + i, t, classes, ignore_index);
+    if (t < 0 || t >= classes) fail_bad_target(i, t, classes, ignore_index);
     total += l - double(x[t]);
     ++count;
   }
@@ -201,9 +200,9 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
     LT_DISPATCH_FLOAT(dt, op, T, {
       for_chunks(
           [&](const Tensor& lg, int64_t r0, int64_t n) {
-            int64_t counted = 0;
+            int64_t counted = 0;  // the targets were checked and counted above
             total += forward_cpu(lg.data_ptr<T>(), host.data() + r0, n, classes, ignore_index,
-                                 lse.data_ptr<lse_t<T>>() + r0, counted, r0);
+                                 lse.data_ptr<lse_t<T>>() + r0, counted);
           },
           [&](const Tensor& lg, int64_t r0, int64_t n) {
             backward_cpu(1.0, lg.data_ptr<T>(), host.data() + r0, n, classes, ignore_index,

@@ -128,6 +128,20 @@ Tensor shared_b_grad(const Tensor& a, const Tensor& dc, bool ta, bool tb) {
   return tb ? product(dcf, af, true, false) : product(af, dcf, true, false);
 }
 
+// The sizes of op(a) @ op(b) written into c: c must be contiguous, of the product's shape and device, and of
+// a's dtype (or f32 for 16-bit inputs, when allowed).
+Dims checked_output(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, bool f32_for_16_bit) {
+  check_inputs(a, b, ta, tb);
+  Dims d = dims_of(a, b, ta, tb);
+  const bool wide = f32_for_16_bit && (a.dtype() == DType::BF16 || a.dtype() == DType::F16);
+  LT_CHECK(c.shape() == d.out && (c.dtype() == a.dtype() || (wide && c.dtype() == DType::F32)) &&
+               c.device() == a.device() && c.is_contiguous(),
+           "[matmul] the output must be a contiguous ", shape_str(d.out), " tensor of ", dtype_name(a.dtype()),
+           wide ? " (or f32)" : "", " on ", a.device().name(), "; got ", shape_str(c.shape()), " ",
+           dtype_name(c.dtype()), " on ", c.device().name(), c.is_contiguous() ? "" : " (not contiguous)");
+  return d;
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
@@ -155,15 +169,7 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 }
 
 void matmul_out(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, bool accumulate) {
-  check_inputs(a, b, ta, tb);
-  Dims d = dims_of(a, b, ta, tb);
-  const bool half_in = a.dtype() == DType::BF16 || a.dtype() == DType::F16;
-  const bool wide_out = half_in && c.dtype() == DType::F32;
-  LT_CHECK(c.shape() == d.out && (c.dtype() == a.dtype() || wide_out) && c.device() == a.device() &&
-               c.is_contiguous(),
-           "[matmul] the output must be a contiguous ", shape_str(d.out), " tensor of ", dtype_name(a.dtype()),
-           half_in ? " (or f32)" : "", " on ", a.device().name(), "; got ", shape_str(c.shape()),
-           " ", dtype_name(c.dtype()), " on ", c.device().name(), c.is_contiguous() ? "" : " (not contiguous)");
+  const Dims d = checked_output(a, b, c, ta, tb, /*f32_for_16_bit=*/true);
   c.storage().version++;
   gemm(operand(a, ta), operand(b, tb), c, d, 0, accumulate);
 }
@@ -178,12 +184,7 @@ int matmul_heuristic_count(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 }
 
 void matmul_into(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int heuristic_rank) {
-  check_inputs(a, b, ta, tb);
-  Dims d = dims_of(a, b, ta, tb);
-  LT_CHECK(c.shape() == d.out && c.dtype() == a.dtype() && c.device() == a.device() && c.is_contiguous(),
-           "[matmul] the output must be a contiguous ", shape_str(d.out), " ", dtype_name(a.dtype()), " tensor on ",
-           a.device().name(), "; got ", shape_str(c.shape()), " ", dtype_name(c.dtype()), " on ", c.device().name(),
-           c.is_contiguous() ? "" : " (not contiguous)");
+  const Dims d = checked_output(a, b, c, ta, tb, /*f32_for_16_bit=*/false);
   c.storage().version++;
   gemm(operand(a, ta), operand(b, tb), c, d, heuristic_rank);
 }

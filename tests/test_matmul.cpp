@@ -129,6 +129,36 @@ TEST_CASE("bad input matmul dtype") {
                           {"[matmul]", "float", "i64"});
 }
 
+TEST_CASE("matmul_out writes, accumulates, and keeps an f32 sum for bf16 inputs") {
+  Tensor a = randn({5, 7}, DType::F64, Device::cpu(), 40), b = randn({6, 7}, DType::F64, Device::cpu(), 41);
+  const Tensor ref = matmul(a, b, false, true);
+  Tensor c = full({5, 6}, 3.0, DType::F64);
+  matmul_out(a, b, c, false, true);
+  CHECK_CLOSE_TENSOR(c, ref, DType::F64);
+  matmul_out(a, b, c, false, true, /*accumulate=*/true);
+  CHECK_CLOSE_TENSOR(c, mul(ref, 2.0), DType::F64);
+  // bf16 inputs into an f32 sum: two accumulated products equal twice the product of the bf16 values.
+  const Tensor a16 = a.to(DType::BF16), b16 = b.to(DType::BF16);
+  const Tensor exact = matmul(a16.to(DType::F64), b16.to(DType::F64), false, true);
+  Tensor c32 = zeros({5, 6}, DType::F32);
+  matmul_out(a16, b16, c32, false, true, true);
+  matmul_out(a16, b16, c32, false, true, true);
+  CHECK_CLOSE_TENSOR(c32, mul(exact, 2.0), DType::F32);
+}
+
+TEST_CASE("bad input matmul_out output") {
+  Tensor a = randn({4, 5}), b = randn({5, 6});
+  check_throws_containing([&] { matmul_out(a, b, zeros({4, 7}), false, false); }, {"[matmul]", "(4, 6)", "(4, 7)"});
+  check_throws_containing([&] { matmul_out(a, b, zeros({4, 6}, DType::F64), false, false); },
+                          {"[matmul]", "of f32", "f64"});
+  check_throws_containing([&] { matmul_out(a, b, zeros({6, 4}).transpose(0, 1), false, false); },
+                          {"[matmul]", "not contiguous"});
+  // f32 output is for 16-bit inputs; the message offers it only there.
+  check_throws_containing([&] { matmul_out(a.to(DType::BF16), b.to(DType::BF16), zeros({4, 6}, DType::F64), false,
+                                           false); },
+                          {"[matmul]", "of bf16 (or f32)", "f64"});
+}
+
 TEST_CASE("cuda matmul matches cpu" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
