@@ -65,9 +65,9 @@ void accumulate_leaf(TensorImpl& leaf, const Tensor& g) {
 // finds every node reached from the root.
 class LeafCounter {
  public:
-  LeafCounter(const Node* root, const LeafReadyFn& ready) : ready_(ready) {
+  LeafCounter(const std::vector<const Node*>& roots, const LeafReadyFn& ready) : ready_(ready) {
     if (!ready_) return;
-    reached_.insert(root);
+    reached_.insert(roots.begin(), roots.end());
     for (size_t i = t_tape.size(); i-- > 0;) {
       std::shared_ptr<Node> node = t_tape[i].lock();
       if (!node || !reached_.count(node.get())) continue;
@@ -145,6 +145,17 @@ void record(const char* name, const std::vector<Input>& inputs, const std::vecto
   if (t_tape.size() >= t_compact_at) compact_tape();
 }
 
+namespace {
+void check_seed(const Tensor& out, const Tensor& seed) {
+  LT_CHECK(seed.defined() && seed.shape() == out.shape() && seed.dtype() == out.dtype() &&
+               seed.device() == out.device(),
+           "[backward] expected grad_output like the loss: ", shape_str(out.shape()), " ", dtype_name(out.dtype()),
+           " on ", out.device().name(), "; got ",
+           seed.defined() ? str(shape_str(seed.shape()), " ", dtype_name(seed.dtype()), " on ", seed.device().name())
+                          : std::string("an undefined tensor"));
+}
+}  // namespace
+
 void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph, const LeafReadyFn& on_leaf_ready) {
   LT_CHECK(loss.defined(), "[backward] the loss is an undefined tensor");
   LT_CHECK(loss.requires_grad(), "[backward] expected a loss that requires grad; this one does not (no input of ",
@@ -155,21 +166,35 @@ void backward(const Tensor& loss, const Tensor& grad_output, bool retain_graph, 
              " needs an explicit grad_output (only one-element losses default to 1)");
     seed = ones(loss.shape(), loss.dtype(), loss.device());
   }
-  LT_CHECK(seed.shape() == loss.shape() && seed.dtype() == loss.dtype() && seed.device() == loss.device(),
-           "[backward] expected grad_output like the loss: ", shape_str(loss.shape()), " ", dtype_name(loss.dtype()),
-           " on ", loss.device().name(), "; got ", shape_str(seed.shape()), " ", dtype_name(seed.dtype()), " on ",
-           seed.device().name());
   if (loss.is_leaf()) {
+    check_seed(loss, seed);
     accumulate_leaf(*loss.impl(), seed);
     if (on_leaf_ready) on_leaf_ready(loss);
     return;
   }
-  std::shared_ptr<Node> root = loss.grad_fn();
-  if (root->released) fail_released(*root);
-  add_into(root->grad_slots[size_t(loss.impl()->output_index)], seed);
+  backward(std::vector<Tensor>{loss}, std::vector<Tensor>{seed}, retain_graph, on_leaf_ready);
+}
+
+void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs, bool retain_graph,
+              const LeafReadyFn& on_leaf_ready) {
+  LT_CHECK(!outputs.empty() && outputs.size() == grad_outputs.size(), "[backward] expected one grad_output per ",
+           "output; got ", outputs.size(), " outputs and ", grad_outputs.size(), " grad_outputs");
+  std::shared_ptr<Node> root;  // the latest node that made an output: the walk starts there
+  std::vector<const Node*> roots;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& out = outputs[i];
+    LT_CHECK(out.defined() && out.requires_grad() && !out.is_leaf(), "[backward] output ", i,
+             " must be made by a recorded op (defined, requiring grad, not a leaf)");
+    check_seed(out, grad_outputs[i]);
+    std::shared_ptr<Node> node = out.grad_fn();
+    if (node->released) fail_released(*node);
+    add_into(node->grad_slots[size_t(out.impl()->output_index)], grad_outputs[i]);
+    roots.push_back(node.get());
+    if (!root || node->seq > root->seq) root = node;
+  }
 
   NoGradGuard no_grad;
-  LeafCounter leaves(root.get(), on_leaf_ready);
+  LeafCounter leaves(roots, on_leaf_ready);
   for (size_t i = t_tape.size(); i-- > 0;) {
     std::shared_ptr<Node> node = t_tape[i].lock();
     if (!node || node->seq > root->seq) continue;

@@ -85,6 +85,10 @@ using LeafReadyFn = std::function<void(const Tensor& leaf)>;
 // Reverse-mode pass from loss. grad_output defaults to 1 for a one-element loss.
 void backward(const Tensor& loss, const Tensor& grad_output = {}, bool retain_graph = false,
               const LeafReadyFn& on_leaf_ready = {});
+// One pass from several outputs of recorded ops at once (each with its gradient), e.g. both outputs of
+// one node: each node runs once, with all of its outputs' gradients.
+void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs,
+              bool retain_graph = false, const LeafReadyFn& on_leaf_ready = {});
 
 size_t tape_size();  // live nodes on this thread's tape (for tests and leak checks)
 

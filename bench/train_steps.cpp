@@ -73,43 +73,58 @@ class Stamps {
   std::vector<std::chrono::steady_clock::time_point> times_;
 };
 
-// A part of the model as a function of earlier values (by index); value 0 is the token ids.
+// A part of the model as a function of earlier values (by index); value 0 is the token ids. A part makes
+// `outputs` values, numbered after those of the parts before it.
 struct Part {
   std::string name, kind;
   std::vector<size_t> inputs;
-  std::function<Tensor(const std::vector<Tensor>&)> run;
+  size_t outputs;
+  std::function<std::vector<Tensor>(const std::vector<Tensor>&)> run;
 };
 
+// The parts in the order LanguageModel runs them (language_model.cpp): each residual add inside the norm
+// after it.
 std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, size_t* loss_value) {
   std::vector<Part> parts;
   size_t next = 1;  // the next value's index
-  auto add_part = [&](std::string name, std::string kind, std::vector<size_t> in,
-                      std::function<Tensor(const std::vector<Tensor>&)> fn) {
-    parts.push_back({std::move(name), std::move(kind), std::move(in), std::move(fn)});
-    return next++;
+  using Fn = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
+  auto add_part = [&](std::string name, std::string kind, std::vector<size_t> in, size_t outputs, Fn fn) {
+    parts.push_back({std::move(name), std::move(kind), std::move(in), outputs, std::move(fn)});
+    next += outputs;
+    return next - outputs;
   };
+  auto one = [](std::function<Tensor(const std::vector<Tensor>&)> fn) -> Fn {
+    return [fn](const std::vector<Tensor>& v) { return std::vector<Tensor>{fn(v)}; };
+  };
+  auto pair = [](std::pair<Tensor, Tensor> p) { return std::vector<Tensor>{p.first, p.second}; };
   // As LanguageModel::forward: wte cast to the compute dtype feeds the embedding and the tied head (the
   // head casts its own copy here, so that the parts stay apart), the loss in float32.
-  size_t x = add_part("embedding", "embedding", {0}, [&m](const std::vector<Tensor>& v) {
+  size_t x = add_part("embedding", "embedding", {0}, 1, one([&m](const std::vector<Tensor>& v) {
     return embedding(m.wte.to(m.compute_dtype()), v[0]);
-  });
+  }));
+  const Block& first = *m.blocks.front();
+  size_t h = add_part("blocks.0.norm1", "norm", {x}, 1, one([&first](const std::vector<Tensor>& v) {
+    return first.norm1.forward(v[0]);
+  }));
   for (size_t i = 0; i < m.blocks.size(); ++i) {
     const Block& b = *m.blocks[i];
     const std::string p = "blocks." + std::to_string(i) + ".";
-    const std::string mixer = b.fal ? "fal" : "tpa";
-    size_t h = add_part(p + "norm1", "norm", {x}, [&b](const std::vector<Tensor>& v) { return b.norm1.forward(v[0]); });
-    size_t mixed = add_part(p + mixer, mixer, {h}, [&b](const std::vector<Tensor>& v) {
-      return b.fal ? b.fal->forward(v[0]) : b.tpa->forward(v[0]);
-    });
-    size_t y = add_part(p + "residual1", "residual", {x, mixed}, [](const std::vector<Tensor>& v) { return add(v[0], v[1]); });
-    size_t h2 = add_part(p + "norm2", "norm", {y}, [&b](const std::vector<Tensor>& v) { return b.norm2.forward(v[0]); });
-    size_t mlp = add_part(p + "mlp", "mlp", {h2}, [&b](const std::vector<Tensor>& v) { return b.mlp.forward(v[0]); });
-    x = add_part(p + "residual2", "residual", {y, mlp}, [](const std::vector<Tensor>& v) { return add(v[0], v[1]); });
+    const bool last = i + 1 == m.blocks.size();
+    const RMSNorm& next_norm = last ? m.norm : m.blocks[i + 1]->norm1;
+    const std::string next_name = last ? "norm" : "blocks." + std::to_string(i + 1) + ".norm1";
+    size_t mixed = add_part(p + (b.fal ? "fal" : "tpa"), b.fal ? "fal" : "tpa", {h}, 1,
+                            one([&b](const std::vector<Tensor>& v) { return b.mix(v[0]); }));
+    size_t y = add_part(p + "residual1 + norm2", "residual + norm", {x, mixed}, 2,
+                        [&b, pair](const std::vector<Tensor>& v) { return pair(b.norm2.forward_sum(v[0], v[1])); });
+    size_t mlp = add_part(p + "mlp", "mlp", {y + 1}, 1,
+                          one([&b](const std::vector<Tensor>& v) { return b.mlp.forward(v[0]); }));
+    x = add_part(p + "residual2 + " + next_name, last ? "residual + final norm" : "residual + norm", {y, mlp}, 2,
+                 [&next_norm, pair](const std::vector<Tensor>& v) { return pair(next_norm.forward_sum(v[0], v[1])); });
+    h = x + 1;
   }
-  size_t normed = add_part("norm", "final norm", {x}, [&m](const std::vector<Tensor>& v) { return m.norm.forward(v[0]); });
-  *loss_value = add_part("head and loss", "head and loss", {normed}, [&m, targets](const std::vector<Tensor>& v) {
+  *loss_value = add_part("head and loss", "head and loss", {h}, 1, one([&m, targets](const std::vector<Tensor>& v) {
     return m.head_loss(v[0], m.wte.to(m.compute_dtype()), targets);
-  });
+  }));
   return parts;
 }
 
@@ -213,10 +228,10 @@ ProfileResult profile_train_step(TrainSetup& s) {
         bwd_spans.back().end = stamps.mark();
     });
     s.model->zero_grad();
-    std::vector<Tensor> values(parts.size() + 1), outputs(parts.size());
-    std::vector<std::vector<Tensor>> leaves(parts.size());
+    std::vector<Tensor> values{tokens};
+    std::vector<std::vector<Tensor>> outputs(parts.size()), leaves(parts.size());
+    std::vector<size_t> first_output(parts.size());
     std::vector<std::pair<size_t, size_t>> fwd_marks(parts.size()), bwd_marks(parts.size());
-    values[0] = tokens;
     for (size_t p = 0; p < parts.size(); ++p) {
       // Each part sees detached copies of its inputs, so that its backward stops at its own boundary.
       for (size_t in : parts[p].inputs) {
@@ -230,27 +245,33 @@ ProfileResult profile_train_step(TrainSetup& s) {
       outputs[p] = parts[p].run(leaves[p]);
       fwd_marks[p].second = stamps.mark();
       act[p].push_back(double(int64_t(memory_stats(d).in_use) - before) / kMiB);
-      values[p + 1] = outputs[p];
+      first_output[p] = values.size();
+      values.insert(values.end(), outputs[p].begin(), outputs[p].end());
     }
-    std::vector<Tensor> grads(parts.size() + 1);
+    std::vector<Tensor> grads(values.size());
     for (size_t p = parts.size(); p-- > 0;) {
-      const size_t out = p + 1;
-      if (out != loss_value && !grads[out].defined()) continue;
+      std::vector<Tensor> outs, seeds;  // the part's outputs that later parts sent a gradient
+      for (size_t k = 0; k < parts[p].outputs; ++k) {
+        const size_t out = first_output[p] + k;
+        if (out == loss_value || grads[out].defined()) {
+          outs.push_back(outputs[p][k]);
+          const Tensor& o = outputs[p][k];
+          seeds.push_back(out == loss_value ? ones(o.shape(), o.dtype(), o.device()) : grads[out]);
+          grads[out] = Tensor();
+        }
+      }
+      if (outs.empty()) continue;
       kind_now = &parts[p].kind;
       bwd_marks[p].first = stamps.mark();
-      if (out == loss_value)
-        backward(outputs[p]);
-      else
-        backward(outputs[p], grads[out]);
+      backward(outs, seeds);
       bwd_marks[p].second = stamps.mark();
-      outputs[p] = Tensor();
+      outputs[p].clear();
       for (size_t j = 0; j < parts[p].inputs.size(); ++j) {
         const size_t in = parts[p].inputs[j];
         if (in == 0 || !leaves[p][j].grad().defined()) continue;
         grads[in] = grads[in].defined() ? add(grads[in], leaves[p][j].grad()) : leaves[p][j].grad();
       }
       leaves[p].clear();
-      grads[out] = Tensor();
     }
     autograd::set_forward_observer(nullptr);
     autograd::set_backward_observer(nullptr);

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <tuple>
 
 #include "autograd/tape.h"
 #include "ops/cross_entropy.h"
@@ -9,6 +10,7 @@
 #include "ops/embedding.h"
 #include "ops/fal.h"
 #include "ops/matmul.h"
+#include "ops/rms_norm.h"
 
 namespace lintape {
 
@@ -82,24 +84,24 @@ Block::Block(const ModelConfig& c, int64_t layer, uint64_t seed)
   }
 }
 
+Tensor Block::mix(const Tensor& h) const { return fal ? fal->forward(h) : tpa->forward(h); }
+
+Tensor Block::mix_prefill(const Tensor& h, DecodeState& state, size_t layer) const {
+  return fal ? fal->prefill(h, state.fal_states[layer], state.position) : tpa->prefill(h, *state.caches[layer]);
+}
+
+Tensor Block::mix_step(const Tensor& h, DecodeState& state, size_t layer) const {
+  return fal ? fal->step(h, state.fal_states[layer], state.position) : tpa->step(h, *state.caches[layer]);
+}
+
+std::pair<Tensor, Tensor> Block::finish(const Tensor& x, const Tensor& mixed, const RMSNorm& next) const {
+  const auto [y, h2] = norm2.forward_sum(x, mixed);
+  return next.forward_sum(y, mlp.forward(h2));
+}
+
 Tensor Block::forward(const Tensor& x) const {
-  const Tensor h = norm1.forward(x);
-  const Tensor y = add(x, fal ? fal->forward(h) : tpa->forward(h));
-  return add(y, mlp.forward(norm2.forward(y)));
-}
-
-Tensor Block::prefill(const Tensor& x, DecodeState& state, size_t layer) const {
-  const Tensor h = norm1.forward(x);
-  const Tensor y =
-      add(x, fal ? fal->prefill(h, state.fal_states[layer], state.position) : tpa->prefill(h, *state.caches[layer]));
-  return add(y, mlp.forward(norm2.forward(y)));
-}
-
-Tensor Block::step(const Tensor& x_t, DecodeState& state, size_t layer) const {
-  const Tensor h = norm1.forward(x_t);
-  const Tensor y =
-      add(x_t, fal ? fal->step(h, state.fal_states[layer], state.position) : tpa->step(h, *state.caches[layer]));
-  return add(y, mlp.forward(norm2.forward(y)));
+  const auto [y, h2] = norm2.forward_sum(x, mix(norm1.forward(x)));
+  return add(y, mlp.forward(h2));
 }
 
 void Block::set_impl(Impl impl) {
@@ -127,11 +129,24 @@ void LanguageModel::set_compute_dtype(DType dtype) {
 
 DType LanguageModel::compute_dtype() const { return has_compute_dtype_ ? compute_dtype_ : wte.dtype(); }
 
+namespace {
+// The embedded tokens x through the blocks and the final norm; mix(block, layer, h) is a block's mixer.
+template <class Mix>
+Tensor through_blocks(const std::vector<std::unique_ptr<Block>>& blocks, const RMSNorm& final_norm, Tensor x,
+                      Mix&& mix) {
+  Tensor h = blocks.front()->norm1.forward(x);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const RMSNorm& next = i + 1 < blocks.size() ? blocks[i + 1]->norm1 : final_norm;
+    std::tie(x, h) = blocks[i]->finish(x, mix(*blocks[i], i, h), next);
+  }
+  return h;
+}
+}  // namespace
+
 Tensor LanguageModel::normed_hidden(const Tensor& tokens, const Tensor& w) const {
   LT_CHECK(tokens.dim() == 2, "[LanguageModel] tokens must be (B, N); got ", shape_str(tokens.shape()));
-  Tensor x = embedding(w, tokens);
-  for (const auto& block : blocks) x = block->forward(x);
-  return norm.forward(x);
+  return through_blocks(blocks, norm, embedding(w, tokens),
+                        [](const Block& b, size_t, const Tensor& h) { return b.mix(h); });
 }
 
 Tensor LanguageModel::forward(const Tensor& tokens) const {
@@ -177,10 +192,12 @@ Tensor LanguageModel::prefill(const Tensor& tokens, DecodeState& state) const {
            state.position, " tokens (continue with decode_step)");
   NoGradGuard no_grad;
   const Tensor w = wte.to(compute_dtype());
-  Tensor x = embedding(w, tokens);
-  for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->prefill(x, state, i);
+  const auto prefill_mixer = [&state](const Block& b, size_t i, const Tensor& h) {
+    return b.mix_prefill(h, state, i);
+  };
+  const Tensor h = through_blocks(blocks, norm, embedding(w, tokens), prefill_mixer);
   state.position += tokens.size(1);
-  return matmul(norm.forward(x), w, false, true);
+  return matmul(h, w, false, true);
 }
 
 Tensor LanguageModel::decode_step(const Tensor& tokens_t, DecodeState& state) const {
@@ -188,10 +205,10 @@ Tensor LanguageModel::decode_step(const Tensor& tokens_t, DecodeState& state) co
            shape_str(tokens_t.shape()));
   NoGradGuard no_grad;
   const Tensor w = wte.to(compute_dtype());
-  Tensor x = embedding(w, tokens_t);
-  for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->step(x, state, i);
+  const auto step_mixer = [&state](const Block& b, size_t i, const Tensor& h_t) { return b.mix_step(h_t, state, i); };
+  const Tensor h = through_blocks(blocks, norm, embedding(w, tokens_t), step_mixer);
   ++state.position;
-  return matmul(norm.forward(x), w, false, true);
+  return matmul(h, w, false, true);
 }
 
 void LanguageModel::set_impl(Impl impl) {

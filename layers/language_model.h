@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 #include "../core/tensor.h"
 #include "../ops/impl.h"
@@ -44,9 +45,16 @@ struct DecodeState {
 class Block : public Module {
  public:
   Block(const ModelConfig& config, int64_t layer, uint64_t seed);
-  Tensor forward(const Tensor& x) const;
-  Tensor prefill(const Tensor& x, DecodeState& state, size_t layer) const;  // x (B, N, C), from position 0
-  Tensor step(const Tensor& x_t, DecodeState& state, size_t layer) const;   // x_t (B, 1, C)
+  Tensor forward(const Tensor& x) const;  // the block alone
+  // The mixer on h = norm1(x): for training, for a prefill (h (B, N, C), from position 0) and for one
+  // decoding step (h (B, 1, C)).
+  Tensor mix(const Tensor& h) const;
+  Tensor mix_prefill(const Tensor& h, DecodeState& state, size_t layer) const;
+  Tensor mix_step(const Tensor& h, DecodeState& state, size_t layer) const;
+  // The rest of the block inside the model, given the mixer's output: returns the residual stream after
+  // the block and `next` of it (the next block's norm1 or the final norm). Each residual add runs inside
+  // the norm after it (add_rms_norm).
+  std::pair<Tensor, Tensor> finish(const Tensor& x, const Tensor& mixed, const RMSNorm& next) const;
   void set_impl(Impl impl);
   RMSNorm norm1, norm2;
   SwiGluMlp mlp;

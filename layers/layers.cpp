@@ -42,6 +42,10 @@ RMSNorm::RMSNorm(int64_t width, double eps) : eps(eps) {
 
 Tensor RMSNorm::forward(const Tensor& x) const { return rms_norm(x, weight_as(weight, x), eps); }
 
+std::pair<Tensor, Tensor> RMSNorm::forward_sum(const Tensor& x, const Tensor& residual) const {
+  return add_rms_norm(x, residual, weight_as(weight, x), eps);
+}
+
 SwiGluMlp::SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_std, uint64_t seed)
     : up(width, 2 * hidden, init_std, seed), down(hidden, width, out_std, seed + 1), hidden(hidden) {
   register_module("up", up);

@@ -5,6 +5,7 @@
 // back to the master weights in its dtype.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include "../core/tensor.h"
 #include "module.h"
 
@@ -35,6 +36,8 @@ class RMSNorm : public Module {
  public:
   RMSNorm(int64_t width, double eps);
   Tensor forward(const Tensor& x) const;  // over the last dim
+  // {x + residual, forward(x + residual)} in one pass (add_rms_norm).
+  std::pair<Tensor, Tensor> forward_sum(const Tensor& x, const Tensor& residual) const;
   Tensor weight;
   double eps;
 };

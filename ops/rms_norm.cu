@@ -7,6 +7,8 @@
 // lane always sees the same columns of a held row, so it sums them over its rows in registers and adds
 // them into the block's shared f32 partial (f64 for f64) once at the end (streamed rows add each
 // element there); a second kernel adds the per-block partials into dweight.
+// add_rms_norm: the forward first forms s = x + residual (rounded to the dtype, as `add` does), writes it
+// and normalises it; the backward adds the residual stream's gradient to dx before its one rounding.
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_types.cuh"
@@ -57,9 +59,11 @@ template <int L> __device__ __forceinline__ int64_t pack_index(int64_t c0, int h
   return c0 + int64_t(h) * L + (threadIdx.x % L);
 }
 
+// res and sum are null for rms_norm alone; for add_rms_norm the row normalised is sum = x + res.
 template <class T, int V, int L>
-__global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                               acc_t<T>* __restrict__ rstd, int64_t rows, int64_t cols, acc_t<T> eps) {
+__global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ sum,
+                               const T* __restrict__ w, T* __restrict__ y, acc_t<T>* __restrict__ rstd, int64_t rows,
+                               int64_t cols, acc_t<T> eps) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
   constexpr int64_t kChunk = int64_t(L) * kHeld<V>;
@@ -69,6 +73,8 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
   const int64_t packs = cols / V;
   const bool held = packs <= kChunk;
   const P* xr = reinterpret_cast<const P*>(x + row * cols);
+  const P* rr = res ? reinterpret_cast<const P*>(res + row * cols) : nullptr;
+  P* sr = sum ? reinterpret_cast<P*>(sum + row * cols) : nullptr;
   const P* wr = reinterpret_cast<const P*>(w);
   P* yr = reinterpret_cast<P*>(y + row * cols);
   P p[kHeld<V>];
@@ -77,7 +83,14 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
     for (int h = 0; h < kHeld<V>; ++h) {
       const int64_t j = pack_index<L>(c0, h);
-      if (active && j < packs) p[h] = xr[j];
+      if (!active || j >= packs) continue;
+      p[h] = xr[j];
+      if (res) {
+        const P q = rr[j];
+#pragma unroll
+        for (int k = 0; k < V; ++k) p[h].v[k] = from_acc<T>(to_acc(p[h].v[k]) + to_acc(q.v[k]));
+        sr[j] = p[h];
+      }
     }
 #pragma unroll
     for (int h = 0; h < kHeld<V>; ++h)
@@ -93,7 +106,7 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
     for (int h = 0; h < kHeld<V>; ++h) {
       const int64_t j = pack_index<L>(c0, h);
       if (j >= packs) continue;
-      if (!held) p[h] = xr[j];
+      if (!held) p[h] = res ? sr[j] : xr[j];  // this thread wrote sr[j] in the first pass
       P q = wr[j], o;
 #pragma unroll
       for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(to_acc(p[h].v[k]) * r * to_acc(q.v[k]));
@@ -102,13 +115,15 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
-// dx may be null (not wanted); dw_part (gridDim.x, C) is null when dweight is not wanted. Shared memory
+// dx may be null (not wanted); dres (the residual stream's gradient, added to dx) is null for rms_norm
+// alone; dw_part (gridDim.x, C) is null when dweight is not wanted. Shared memory
 // holds the block's dweight partial, element (j, k) of pack j at k * packs + j so that the lanes of a
 // warp add into consecutive banks.
 template <class T, int V, int L>
-__global__ void __launch_bounds__(kThreads, 2) backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                                const acc_t<T>* __restrict__ rstd, T* __restrict__ dx, acc_t<T>* __restrict__ dw_part,
-                                int64_t rows, int64_t cols) {
+__global__ void __launch_bounds__(kThreads, 2)
+    backward_kernel(const T* __restrict__ dy, const T* __restrict__ dres, const T* __restrict__ x,
+                    const T* __restrict__ w, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+                    acc_t<T>* __restrict__ dw_part, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
   constexpr int64_t kChunk = int64_t(L) * kHeld<V>;
@@ -162,11 +177,12 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const T* __restri
           g[h] = gr[j];
           xv[h] = xr[j];
         }
-        P wv = wr[j], o;
+        P wv = wr[j], o, dr;
+        if (dres) dr = reinterpret_cast<const P*>(dres + row * cols)[j];
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const A gk = to_acc(g[h].v[k]), xk = to_acc(xv[h].v[k]);
-          o.v[k] = from_acc<T>(r * to_acc(wv.v[k]) * gk - coef * xk);
+          o.v[k] = from_acc<T>(r * to_acc(wv.v[k]) * gk - coef * xk + (dres ? to_acc(dr.v[k]) : A(0)));
           if (dw_part && held)
             dw_held[h][k] += gk * xk * r;
           else if (dw_part)
@@ -187,7 +203,8 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const T* __restri
       }
     }
     __syncthreads();
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dw_part[blockIdx.x * cols + c] = sdw[(c % V) * packs + c / V];
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      dw_part[blockIdx.x * cols + c] = sdw[(c % V) * packs + c / V];
   }
 }
 
@@ -235,22 +252,26 @@ template <int V, class F> void with_lanes(int64_t cols, F&& f) {
   }
 }
 
+template <class T> const T* data_or_null(const Tensor& t) {
+  return t.defined() ? static_cast<const T*>(t.data()) : nullptr;
+}
+
 template <class T, int V>
-void forward_for(const Tensor& x, const Tensor& w, double eps, const Tensor& y, const Tensor& rstd, int64_t rows,
-                 int64_t cols) {
+void forward_for(const Tensor& x, const Tensor& res, const Tensor& sum, const Tensor& w, double eps, const Tensor& y,
+                 const Tensor& rstd, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
   with_lanes<V>(cols, [&](auto lanes) {
     constexpr int L = decltype(lanes)::value;
     forward_kernel<T, V, L><<<grid_for(rows, kThreads / L), kThreads, 0, stream(x.device().index)>>>(
-        static_cast<const T*>(x.data()), static_cast<const T*>(w.data()), static_cast<T*>(y.data()),
-        static_cast<A*>(rstd.data()), rows, cols, A(eps));
+        static_cast<const T*>(x.data()), data_or_null<T>(res), sum.defined() ? static_cast<T*>(sum.data()) : nullptr,
+        static_cast<const T*>(w.data()), static_cast<T*>(y.data()), static_cast<A*>(rstd.data()), rows, cols, A(eps));
     LT_CUDA_CHECK_LAUNCH();
   });
 }
 
 template <class T, int V, int L>
-void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
-                     const Tensor& dweight, int64_t rows, int64_t cols) {
+void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                     const Tensor& dx, const Tensor& dweight, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
   int dev = x.device().index;
   cudaStream_t s = stream(dev);
@@ -271,7 +292,8 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const T
     part = empty({int64_t(grid), cols}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
   }
   backward_kernel<T, V, L><<<grid, kThreads, smem, s>>>(
-      static_cast<const T*>(dy.data()), static_cast<const T*>(x.data()), static_cast<const T*>(w.data()),
+      static_cast<const T*>(dy.data()), data_or_null<T>(dres), static_cast<const T*>(x.data()),
+      static_cast<const T*>(w.data()),
       static_cast<const A*>(rstd.data()), dx.defined() ? static_cast<T*>(dx.data()) : nullptr,
       part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols);
   LT_CUDA_CHECK_LAUNCH();
@@ -282,28 +304,29 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const T
 }
 
 template <class T, int V>
-void backward_for(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dx,
-                  const Tensor& dweight, int64_t rows, int64_t cols) {
+void backward_for(const Tensor& dy, const Tensor& dres, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                  const Tensor& dx, const Tensor& dweight, int64_t rows, int64_t cols) {
   with_lanes<V>(cols, [&](auto lanes) {
-    launch_backward<T, V, decltype(lanes)::value>(dy, x, w, rstd, dx, dweight, rows, cols);
+    launch_backward<T, V, decltype(lanes)::value>(dy, dres, x, w, rstd, dx, dweight, rows, cols);
   });
 }
 
 }  // namespace
 
-void rms_norm_forward_cuda(const Tensor& x, const Tensor& weight, double eps, const Tensor& y, const Tensor& rstd) {
+void rms_norm_forward_cuda(const Tensor& x, const Tensor& residual, const Tensor& sum, const Tensor& weight,
+                           double eps, const Tensor& y, const Tensor& rstd) {
   int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   if (rows == 0) return;
   LT_DISPATCH_FLOAT_CUDA(x.dtype(), "rms_norm", T, {
-    if (packable<T>(cols, {&x, &weight, &y}))
-      forward_for<T, 16 / sizeof(T)>(x, weight, eps, y, rstd, rows, cols);
+    if (packable<T>(cols, {&x, &residual, &sum, &weight, &y}))
+      forward_for<T, 16 / sizeof(T)>(x, residual, sum, weight, eps, y, rstd, rows, cols);
     else
-      forward_for<T, 1>(x, weight, eps, y, rstd, rows, cols);
+      forward_for<T, 1>(x, residual, sum, weight, eps, y, rstd, rows, cols);
   });
 }
 
-void rms_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                            const Tensor& dx, const Tensor& dweight) {
+void rms_norm_backward_cuda(const Tensor& dy, const Tensor& dsum, const Tensor& x, const Tensor& weight,
+                            const Tensor& rstd, const Tensor& dx, const Tensor& dweight) {
   int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   if (cols == 0) return;
   if (rows == 0) {
@@ -311,10 +334,10 @@ void rms_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& wei
     return;
   }
   LT_DISPATCH_FLOAT_CUDA(x.dtype(), "rms_norm", T, {
-    if (packable<T>(cols, {&dy, &x, &weight, &dx}))
-      backward_for<T, 16 / sizeof(T)>(dy, x, weight, rstd, dx, dweight, rows, cols);
+    if (packable<T>(cols, {&dy, &dsum, &x, &weight, &dx}))
+      backward_for<T, 16 / sizeof(T)>(dy, dsum, x, weight, rstd, dx, dweight, rows, cols);
     else
-      backward_for<T, 1>(dy, x, weight, rstd, dx, dweight, rows, cols);
+      backward_for<T, 1>(dy, dsum, x, weight, rstd, dx, dweight, rows, cols);
   });
 }
 

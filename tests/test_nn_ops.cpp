@@ -4,7 +4,11 @@
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
+#include "ops/elementwise.h"
 #include "ops/rms_norm.h"
+#if LINTAPE_WITH_CUDA
+#include "ops/rms_norm_cuda.h"
+#endif
 
 using namespace lintape;
 using namespace lintape::test;
@@ -147,6 +151,92 @@ TEST_CASE("cuda rms_norm of a transposed view" * LT_CUDA_CASE) {
   Tensor w = randn({65}, DType::F32, gpu(), 15);
   CHECK_CLOSE_TENSOR(rms_norm(x, w), rms_norm(cpu64(x), cpu64(w)), DType::F32);
 }
+
+// ---- add_rms_norm ----
+
+TEST_CASE("add_rms_norm equals add then rms_norm, values and gradients") {
+  for (DType dt : {DType::F64, DType::F32, DType::BF16}) {
+    INFO(dtype_name(dt));
+    Tensor x = randn({4, 3, 24}, dt, Device::cpu(), 31).requires_grad_();
+    Tensor r = randn({4, 3, 24}, dt, Device::cpu(), 32).requires_grad_();
+    Tensor w = randn({24}, dt, Device::cpu(), 33).requires_grad_();
+    Tensor x2 = x.detach().requires_grad_(), r2 = r.detach().requires_grad_(), w2 = w.detach().requires_grad_();
+    const auto [sum, y] = add_rms_norm(x, r, w, 1e-5);
+    const Tensor sum_ref = add(x2, r2), y_ref = rms_norm(sum_ref, w2, 1e-5);
+    CHECK(rel_error(sum, sum_ref) == 0.0);  // the same rounding as add
+    CHECK_CLOSE_TENSOR(y, y_ref, dt);
+    // Both outputs carry a gradient, as in the model: the stream goes on and the normed rows feed a layer.
+    Tensor dsum = randn(sum.shape(), dt, Device::cpu(), 34), dy = randn(y.shape(), dt, Device::cpu(), 35);
+    backward(std::vector<Tensor>{sum, y}, std::vector<Tensor>{dsum, dy});
+    backward(std::vector<Tensor>{sum_ref, y_ref}, std::vector<Tensor>{dsum, dy});
+    CHECK_CLOSE_TENSOR(x.grad(), x2.grad(), dt);
+    CHECK_CLOSE_TENSOR(r.grad(), r2.grad(), dt);
+    CHECK_CLOSE_TENSOR(w.grad(), w2.grad(), dt);
+  }
+}
+
+TEST_CASE("gradcheck add_rms_norm x, residual and weight") {
+  Tensor x = leaf({2, 3, 5}, 36), r = leaf({2, 3, 5}, 37), w = leaf({5}, 38, 0.5);
+  Tensor mix = randn({2, 3, 5}, DType::F64, Device::cpu(), 39);
+  // Both outputs in the checked scalar: sum * mix + y.
+  auto f = [mix](const std::vector<Tensor>& in) {
+    const auto [sum, y] = add_rms_norm(in[0], in[1], in[2], 1e-5);
+    return add(mul(sum, mix), y);
+  };
+  CHECK_GRADCHECK(f, (std::vector<Tensor>{x, r, w}));
+  auto normed_only = [](const std::vector<Tensor>& in) { return add_rms_norm(in[0], in[1], in[2], 1e-5).second; };
+  CHECK_GRADCHECK(normed_only, (std::vector<Tensor>{x, r, w}));
+  auto sum_only = [](const std::vector<Tensor>& in) { return add_rms_norm(in[0], in[1], in[2], 1e-5).first; };
+  CHECK_GRADCHECK(sum_only, (std::vector<Tensor>{x, r, w}));
+}
+
+TEST_CASE("bad input add_rms_norm") {
+  check_throws_containing([] { add_rms_norm(randn({2, 5}), randn({2, 4}), randn({5})); },
+                          {"[add_rms_norm]", "residual", "(2, 5)", "got (2, 4)"});
+  check_throws_containing([] { add_rms_norm(randn({2, 5}), randn({2, 5}, DType::BF16), randn({5})); },
+                          {"[add_rms_norm]", "residual", "f32", "bf16"});
+  check_throws_containing([] { add_rms_norm(randn({2, 5}), randn({2, 5}), randn({4})); },
+                          {"[add_rms_norm]", "(C) with C = 5", "got (4)"});
+}
+
+#if LINTAPE_WITH_CUDA
+TEST_CASE("cuda add_rms_norm matches cpu" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // As the rms_norm case: rows held by 4 to 256 lanes, scalar loads (129, 1031) and streamed rows (8200).
+  for (DType dt : {DType::F32, DType::BF16})
+    for (int64_t cols : {8, 128, 129, 768, 1031, 8200}) {
+      INFO(dtype_name(dt) << " C = " << cols);
+      const int64_t mid = cols > 1000 ? 5 : cols <= 128 ? 1500 : 37;
+      Tensor x = randn({3, mid, cols}, dt, gpu(), 41).requires_grad_();
+      Tensor r = randn({3, mid, cols}, dt, gpu(), 42).requires_grad_();
+      Tensor w = randn({cols}, dt, gpu(), 43).requires_grad_();
+      Tensor x64 = cpu64(x).requires_grad_(), r64 = cpu64(r).requires_grad_(), w64 = cpu64(w).requires_grad_();
+      // Outputs written over poison: whatever a kernel leaves unwritten shows as NaN.
+      Tensor sum_p = empty(x.shape(), dt, gpu()), y_p = empty(x.shape(), dt, gpu());
+      Tensor rstd = empty({3 * mid}, DType::F32, gpu());
+      poison_(sum_p);
+      poison_(y_p);
+      cuda_ops::rms_norm_forward_cuda(x.detach(), r.detach(), sum_p, w.detach(), 1e-6, y_p, rstd);
+      const auto [sum, y] = add_rms_norm(x, r, w);
+      const auto [sum64, y64] = add_rms_norm(x64, r64, w64);
+      CHECK_CLOSE_TENSOR(sum_p, sum64, dt);
+      CHECK_CLOSE_TENSOR(y_p, y64, dt);
+      CHECK(rel_error(sum, add(x.detach(), r.detach())) == 0.0);
+      CHECK_CLOSE_TENSOR(y, y64, dt);
+      Tensor dsum = randn(sum.shape(), dt, gpu(), 44), dy = randn(y.shape(), dt, gpu(), 45);
+      backward(std::vector<Tensor>{sum, y}, std::vector<Tensor>{dsum, dy});
+      backward(std::vector<Tensor>{sum64, y64}, std::vector<Tensor>{cpu64(dsum), cpu64(dy)});
+      CHECK_CLOSE_TENSOR(x.grad(), x64.grad(), dt);
+      CHECK_CLOSE_TENSOR(r.grad(), r64.grad(), dt);
+      CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), dt);
+      // The backward kernel alone, dx over poison.
+      Tensor dx_p = empty(x.shape(), dt, gpu());
+      poison_(dx_p);
+      cuda_ops::rms_norm_backward_cuda(dy, dsum, sum.detach(), w.detach(), rstd, dx_p, Tensor());
+      CHECK_CLOSE_TENSOR(dx_p, x64.grad(), dt);
+    }
+}
+#endif
 
 // ---- cross_entropy ----
 

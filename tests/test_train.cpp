@@ -189,9 +189,16 @@ TEST_CASE("mqar: accuracy well above chance") {
   c.warmup = 10;
   c.val_batches = 2;
   c.val_every = 100;
-  const TrainResult r = Trainer(c, {}).run();
-  INFO("accuracy " << r.accuracy << ", loss " << r.losses.front() << " -> " << r.losses.back());
-  CHECK(r.accuracy > 0.1);  // chance is 1/128; this run reaches about 0.18
+  // One run's accuracy swings with rounding alone (0.03 to 0.21 over seeds), so the mean of three runs.
+  double mean_accuracy = 0;
+  for (uint64_t seed : {1, 2, 3}) {
+    c.seed = seed;
+    const TrainResult r = Trainer(c, {}).run();
+    INFO("seed " << seed << ": accuracy " << r.accuracy << ", loss " << r.losses.front() << " -> " << r.losses.back());
+    CHECK(r.losses.back() < 0.85 * r.losses.front());
+    mean_accuracy += r.accuracy / 3;
+  }
+  CHECK(mean_accuracy > 0.08);  // chance is 1/128; these runs reach about 0.14
 }
 
 TEST_CASE("resume is bit-identical to an uninterrupted run") {
