@@ -146,7 +146,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const P* gr = reinterpret_cast<const P*>(dy + row * cols);
     const P* xr = reinterpret_cast<const P*>(x + row * cols);
     const A r = active ? rstd[row] : A(0);
-    P g[kHeld<V>], xv[kHeld<V>];
+    const P* dr = dres ? reinterpret_cast<const P*>(dres + row * cols) : nullptr;
+    P g[kHeld<V>], xv[kHeld<V>], dv[kHeld<V>];
     A s = 0;
     for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
 #pragma unroll
@@ -155,6 +156,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (active && j < packs) {
           g[h] = gr[j];
           xv[h] = xr[j];
+          if (dr && held) dv[h] = dr[j];  // in flight with the others, used after the row's sum
         }
       }
 #pragma unroll
@@ -177,12 +179,12 @@ __global__ void __launch_bounds__(kThreads, 2)
           g[h] = gr[j];
           xv[h] = xr[j];
         }
-        P wv = wr[j], o, dr;
-        if (dres) dr = reinterpret_cast<const P*>(dres + row * cols)[j];
+        P wv = wr[j], o;
+        if (dr && !held) dv[h] = dr[j];
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const A gk = to_acc(g[h].v[k]), xk = to_acc(xv[h].v[k]);
-          o.v[k] = from_acc<T>(r * to_acc(wv.v[k]) * gk - coef * xk + (dres ? to_acc(dr.v[k]) : A(0)));
+          o.v[k] = from_acc<T>(r * to_acc(wv.v[k]) * gk - coef * xk + (dr ? to_acc(dv[h].v[k]) : A(0)));
           if (dw_part && held)
             dw_held[h][k] += gk * xk * r;
           else if (dw_part)
@@ -208,14 +210,26 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// dweight[c] = the sum over the blocks' partials of column c: a block of 32 x 32 threads takes 32 columns,
+// each of its 32 rows of lanes a strided share of the partials, then one row adds the 32 shares. The order
+// is fixed, so the result is the same every run.
+constexpr int kReduceLanes = 32;
+
 template <class T>
-__global__ void reduce_partials_kernel(const acc_t<T>* __restrict__ part, T* __restrict__ dw, int64_t parts,
-                                       int64_t cols) {
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x) {
-    acc_t<T> s = 0;
-    for (int64_t b = 0; b < parts; ++b) s += part[b * cols + c];
-    dw[c] = from_acc<T>(s);
-  }
+__global__ void __launch_bounds__(kReduceLanes * kReduceLanes)
+    reduce_partials_kernel(const acc_t<T>* __restrict__ part, T* __restrict__ dw, int64_t parts, int64_t cols) {
+  using A = acc_t<T>;
+  __shared__ A shares[kReduceLanes][kReduceLanes + 1];
+  const int64_t c = blockIdx.x * int64_t(kReduceLanes) + threadIdx.x;
+  A s = 0;
+  if (c < cols)
+    for (int64_t b = threadIdx.y; b < parts; b += kReduceLanes) s += part[b * cols + c];
+  shares[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  A total = 0;
+  for (int y = 0; y < kReduceLanes; ++y) total += shares[y][threadIdx.x];
+  dw[c] = from_acc<T>(total);
 }
 
 // 16-byte packs when the row length and every base address allow it.
@@ -298,8 +312,8 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
       part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols);
   LT_CUDA_CHECK_LAUNCH();
   if (!dweight.defined()) return;
-  reduce_partials_kernel<T><<<grid_for(cols, kThreads), kThreads, 0, s>>>(static_cast<const A*>(part.data()),
-                                                                           static_cast<T*>(dweight.data()), grid, cols);
+  reduce_partials_kernel<T><<<unsigned((cols + kReduceLanes - 1) / kReduceLanes), dim3(kReduceLanes, kReduceLanes), 0,
+                              s>>>(static_cast<const A*>(part.data()), static_cast<T*>(dweight.data()), grid, cols);
   LT_CUDA_CHECK_LAUNCH();
 }
 
