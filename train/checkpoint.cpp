@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <vector>
@@ -53,10 +54,18 @@ std::string save_checkpoint(const std::string& dir, Module& model,
   const fs::path tmp = root / (".tmp_" + name), final_dir = root / name;
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  save_safetensors((tmp / kTensorFiles[0]).string(), model.state_dict());
-  save_safetensors((tmp / kTensorFiles[1]).string(), optimizer_state);
+  // The two files are written (with fsync) and hashed at once, each on its own thread.
+  auto write_and_hash = [&tmp](const char* file, const std::map<std::string, Tensor>& tensors) {
+    const std::string path = (tmp / file).string();
+    save_safetensors(path, tensors);
+    return sha256_file(path);
+  };
+  const std::map<std::string, Tensor> model_state = model.state_dict();
+  std::future<std::string> optim_hash =
+      std::async(std::launch::async, write_and_hash, kTensorFiles[1], std::cref(optimizer_state));
   json files;
-  for (const char* f : kTensorFiles) files[f] = sha256_file((tmp / f).string());
+  files[kTensorFiles[0]] = write_and_hash(kTensorFiles[0], model_state);
+  files[kTensorFiles[1]] = optim_hash.get();  // rethrows the thread's error, if any
   const json train{{"step", state.step},
                    {"data_position", state.data_position},
                    {"seed", config.seed},
