@@ -15,16 +15,17 @@
 // Impl::Fused runs the fused CUDA kernels of fal and fal_with_state for f32/bf16/f16 inputs with LRPE none,
 // cosine or rotate, acts other than softmax over the sequence and D, E <= 256 (D' x E up to 256 x 128); for
 // md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). Causal
-// bf16/f16 calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts run the chunk-parallel
-// kernels (bf16/f16 tensor-core products, f32 accumulation and carried states, per-chunk states stored in the
-// inputs' dtype: with f16 inputs a state entry past 65504 overflows, which long sequences without decay can
-// reach; bf16 has f32's range). Noncausal bf16/f16 calls with LRPE none or cosine, D 64 or 128, E <= 128 and
-// elementwise acts or softmax over the feature dim on q and k run the noncausal chunk kernels (the same
-// products; kv and dkv summed in f32, read by the row passes in the inputs' dtype, with the same f16 caveat).
-// The others run a chunk sweep (tf32; f32 inputs in split tf32 at f32 accuracy). Impl::Auto runs Reference on
-// the CPU; on CUDA it runs Fused for the calls that the chunk kernels take (faster than Composed both ways,
-// and without its intermediates) and for causal calls that record no gradient, and Composed otherwise (the
-// sweeps' backwards are slower than the composed ones, and the noncausal sweep's forward no faster).
+// bf16/f16 calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts run the chunked
+// tensor-core kernels (bf16/f16 products, f32 accumulation and carried states; the state enters the products in
+// the inputs' dtype, and the backward stores its per-chunk states in it: with f16 inputs a state entry past
+// 65504 overflows, which long sequences without decay can reach; bf16 has f32's range). Noncausal bf16/f16
+// calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts or softmax over the feature dim
+// on q and k run the noncausal chunk kernels (the same products; kv and dkv summed in f32, read by the row
+// passes in the inputs' dtype, with the same f16 caveat). The others run a chunk sweep (tf32; f32 inputs in
+// split tf32 at f32 accuracy). Impl::Auto runs Reference on the CPU; on CUDA it runs Fused for the calls that
+// the chunk kernels take (faster than Composed both ways, and without its intermediates) and for causal calls
+// that record no gradient, and Composed otherwise (the sweeps' backwards are slower than the composed ones,
+// and the noncausal sweep's forward no faster).
 // fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
 #pragma once
 #include <cstdint>

@@ -1,6 +1,6 @@
-// Fused FAL, causal with decay and state. bf16/f16 calls that ops/fal_chunk.cuh covers run its chunk-parallel
-// kernels (they read q, k, v, g in place when each token's heads are contiguous rows, e.g. slices of one
-// projection); the others (f32, softmax over the feature dim, rotate, other head dims) run the chunk sweep
+// Fused FAL, causal with decay and state. bf16/f16 calls that ops/fal_chunk.cuh covers run its kernels (they
+// read q, k, v, g in place when each token's heads are contiguous rows, e.g. slices of one projection); the
+// others (f32, softmax over the feature dim, rotate, other head dims) run the chunk sweep
 // of ops/fal_sweep.cuh (16-token chunks on the tensor cores, the f32 state in shared memory). The sequence is
 // cut into G segments so that B x H x G blocks fill the GPU (G = 1 when B x H alone does):
 //   1. each segment's local state, from zero: sum over its tokens of lambda^(end - 1 - t) kb_t^T vb_t;
@@ -116,10 +116,7 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (use_chunks(q, v, spec)) {
     const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
     chunk::Args a = over_tokens(chunk_args(qr, kr, vr, gr, spec), q.size(1));
-    // The state entering each chunk, in the inputs' dtype: the only memory beside the output and S_final.
-    Tensor states = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
-    a.states = states.data();
-    a.out = out.data();
+    a.out = out.data();  // the state stays in registers: no memory beside the output and S_final
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
     a.S_final = S_final.data_ptr<float>();
     chunk::forward(a, q.dtype(), BH, cuda::stream(dev.index));

@@ -1,4 +1,4 @@
-// Internal to the FAL family: the pieces of the chunk-parallel causal kernels (ops/fal_chunk_fwd.cu,
+// Internal to the FAL family: the pieces of the causal tensor-core kernels (ops/fal_chunk_fwd.cu,
 // ops/fal_chunk_bwd.cu) for bf16 and f16 inputs.
 //
 // The sequence is cut into chunks of C = 64 tokens. Per (b, h) and chunk c, with Q, K (C x D'), V, G, dO
@@ -9,9 +9,11 @@
 //   R_c = lambda^cl R_(c+1) + Q^T diag(gamma) dY
 //   dQ = diag(gamma) dY S_c^T + (dY V^T o M) K,   dK = (dY V^T o M)^T Q + diag(delta) V R_(c+1)^T
 //   dV = (Q K^T o M)^T dY + diag(delta) K R_(c+1),  dgb = dO o Y.
-// The state kernels are sequential over chunks and parallel over (b, h, 64-wide slice of D', 64-wide slice of
-// E): each keeps its f32 state tile in registers and writes the state entering every chunk (forward S_c,
-// backward R_(c+1)) once, in the inputs' dtype; the chunk kernels are parallel over (chunk, b, h).
+// The forward is one kernel per (b, h), sequential over chunks with the whole f32 state in registers; it
+// writes only the output and S_final. The backward's state kernels are sequential over chunks and parallel
+// over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32 state tile in registers and writes
+// the state entering every chunk (S_c, then R_(c+1)) once, in the inputs' dtype; its gradient kernel is
+// parallel over (chunk, b, h).
 //
 // Rows are put through the act and the LRPE as they are loaded into shared memory (never written to global
 // memory), 64 columns of D (an "angle slice") at a time: one slice gives one 64-wide slice of D' (no LRPE) or
@@ -160,8 +162,19 @@ __device__ __forceinline__ T* at_head(void* p, int64_t b, int64_t sb, int64_t h,
   return static_cast<T*>(p) + b * sb + h * width;
 }
 
-// The approximate division is one reciprocal; it gives 0 past 2^126 (x below -87), where sigmoid is 0 in f32.
-__device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// 2^x and 1 / x, one instruction each: subnormal results flush to zero (the library's versions add a fix-up
+// for them, three instructions more); ex2 of a large x is +inf and its reciprocal 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float sigmoid_f(float x) { return rcp_ftz(1.0f + exp2_ftz(-1.4426950408889634f * x)); }
 
 __device__ __forceinline__ float act_f(float x, int act) {
   switch (act) {
@@ -172,25 +185,26 @@ __device__ __forceinline__ float act_f(float x, int act) {
   }
 }
 
-// act over 8 values (one dispatch), or zeros when dead.
-__device__ __forceinline__ void act8(float (&x)[8], int act, bool live) {
+// act over N values (one dispatch), or zeros when dead.
+template <int N>
+__device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
   if (!live) {
 #pragma unroll
-    for (int u = 0; u < 8; ++u) x[u] = 0.0f;
+    for (int u = 0; u < N; ++u) x[u] = 0.0f;
     return;
   }
   switch (act) {
     case FalStepSpec::kRelu:
 #pragma unroll
-      for (int u = 0; u < 8; ++u) x[u] = fmaxf(x[u], 0.0f);
+      for (int u = 0; u < N; ++u) x[u] = fmaxf(x[u], 0.0f);
       break;
     case FalStepSpec::kSigmoid:
 #pragma unroll
-      for (int u = 0; u < 8; ++u) x[u] = sigmoid_f(x[u]);
+      for (int u = 0; u < N; ++u) x[u] = sigmoid_f(x[u]);
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
-      for (int u = 0; u < 8; ++u) x[u] *= sigmoid_f(x[u]);
+      for (int u = 0; u < N; ++u) x[u] *= sigmoid_f(x[u]);
       break;
     default: break;
   }
@@ -213,7 +227,9 @@ __device__ __forceinline__ float act_grad(float x, float dy, int act) {
 }
 
 // lambda^e for e >= 0 (1 without decay).
-__device__ __forceinline__ float decay_pow(float log2_lam, int e) { return e <= 0 ? 1.0f : exp2f(log2_lam * float(e)); }
+__device__ __forceinline__ float decay_pow(float log2_lam, int e) {
+  return e <= 0 ? 1.0f : exp2_ftz(log2_lam * float(e));
+}
 
 // cos and sin of rate * pos. The angle is reduced modulo 2 pi in f32 (FP64 and its conversions are slow
 // here): pos * rate = hi + lo exactly (pos < 2^24 is exact in f32), then hi - k 2 pi with 2 pi in three parts
@@ -237,12 +253,6 @@ __device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, floa
 __device__ __forceinline__ float rate_of(const Args& a, int h, int j) {
   const float* r = a.theta + (a.theta_rows == 1 ? 0 : h * a.theta_cols);
   return a.theta_cols == 1 ? r[0] : j < a.theta_cols ? r[j] : 0.0f;
-}
-
-// The rates of columns j ... j + 7.
-__device__ __forceinline__ void rates8(const Args& a, int h, int j, float (&rate)[8]) {
-#pragma unroll
-  for (int u = 0; u < 8; ++u) rate[u] = rate_of(a, h, j + u);
 }
 
 // 8 values as 16 bytes.
@@ -320,47 +330,77 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&x)[8]) {
   for (int i = 0; i < 8; ++i) x[i] = cuda::to_acc(e[i]);
 }
 
+// Values first ... first + N - 1 of 8 packed in 16 bytes, and N values stored as 2 N bytes.
+template <class T, int N>
+__device__ __forceinline__ void unpack_part(const uint4& u, int first, float (&x)[N]) {
+  const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = cuda::to_acc(e[first + i]);
+}
+template <class T, int N>
+__device__ __forceinline__ void store_part(T* p, const float (&x)[N]) {
+  if constexpr (N == 8) {
+    store8(p, x);
+  } else {
+    static_assert(N == 4, "8 or 4 values");
+    uint2 u;
+    T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e[i] = cuda::from_acc<T>(x[i]);
+    *reinterpret_cast<uint2*>(p) = u;
+  }
+}
+
 // q or k rows of angle slice `slice` (fetched with c0 = slice kSlice): half0 (and half1 with the cosine LRPE)
 // are kC x kSlice tiles of leading dimension kLdS. Rows past the sequence are zeros. With r2 (q and k of the
-// same tokens) the second rows go to r2_half0 and r2_half1 through the same angles.
-template <class T, int NThr>
+// same tokens) the second rows go to r2_half0 and r2_half1 through the same angles. A thread's 8 columns go
+// through in parts of Part (4 needs fewer registers). rates: the head's D rates (shared memory), or null to
+// read them from theta.
+template <class T, int NThr, int Part = 8>
 __device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice, NThr>& r, int act, T* half0, T* half1,
                                               const Raw<kSlice, NThr>* r2, int act2, T* r2_half0, T* r2_half1, int h,
-                                              int64_t t0, int slice) {
+                                              int64_t t0, int slice, const float* rates = nullptr) {
+  static_assert(Part == 8 || Part == 4, "parts of 8 or 4 columns");
   const int c8 = (threadIdx.x % (kSlice / 8)) * 8;
-  float rate[8];
-  if (a.lrpe == FalStepSpec::kCosine) rates8(a, h, slice * kSlice + c8, rate);
 #pragma unroll
-  for (int it = 0; it < Raw<kSlice, NThr>::kIt; ++it) {
-    const int i = (threadIdx.x + it * NThr) / (kSlice / 8);
-    const int64_t t = t0 + i;
-    const bool live = t < a.N;
-    float x[8], y[8];
-    unpack8<T>(r.u[it], x);
+  for (int part = 0; part < 8; part += Part) {
+    float rate[Part];
+    if (a.lrpe == FalStepSpec::kCosine)
 #pragma unroll
-    for (int u = 0; u < 8; ++u) x[u] = live ? act_f(x[u], act) : 0.0f;
-    if (r2) {
-      unpack8<T>(r2->u[it], y);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) y[u] = live ? act_f(y[u], act2) : 0.0f;
-    }
-    if (a.lrpe == FalStepSpec::kCosine) {  // dead rows are zeros whatever their angles
-      const int64_t pos = a.position + t;
-      float xs[8], ys[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        float c, s;
-        angle_cs(rate[u], pos, c, s);
-        xs[u] = x[u] * s;
-        x[u] *= c;
-        ys[u] = y[u] * s;
-        y[u] *= c;
+      for (int u = 0; u < Part; ++u) {
+        const int j = slice * kSlice + c8 + part + u;
+        rate[u] = rates ? rates[j] : rate_of(a, h, j);
       }
-      store8(half1 + i * kLdS + c8, xs);
-      if (r2) store8(r2_half1 + i * kLdS + c8, ys);
+#pragma unroll
+    for (int it = 0; it < Raw<kSlice, NThr>::kIt; ++it) {
+      const int i = (threadIdx.x + it * NThr) / (kSlice / 8), at = i * kLdS + c8 + part;
+      const int64_t t = t0 + i;
+      const bool live = t < a.N;
+      float x[Part], y[Part];
+      unpack_part<T>(r.u[it], part, x);
+      act_n(x, act, live);
+      if (r2) {
+        unpack_part<T>(r2->u[it], part, y);
+        act_n(y, act2, live);
+      }
+      if (a.lrpe == FalStepSpec::kCosine) {  // dead rows are zeros whatever their angles
+        const int64_t pos = a.position + t;
+        float xs[Part], ys[Part];
+#pragma unroll
+        for (int u = 0; u < Part; ++u) {
+          float c, s;
+          angle_cs(rate[u], pos, c, s);
+          xs[u] = x[u] * s;
+          x[u] *= c;
+          ys[u] = y[u] * s;
+          y[u] *= c;
+        }
+        store_part<T>(half1 + at, xs);
+        if (r2) store_part<T>(r2_half1 + at, ys);
+      }
+      store_part<T>(half0 + at, x);
+      if (r2) store_part<T>(r2_half0 + at, y);
     }
-    store8(half0 + i * kLdS + c8, x);
-    if (r2) store8(r2_half0 + i * kLdS + c8, y);
   }
 }
 
@@ -375,7 +415,7 @@ __device__ __forceinline__ void store_rows(const Args& a, const Raw<W, NThr>& r,
     const bool live = t0 + i < a.N && e0 + c8 < a.E;
     float y[8];
     unpack8<T>(r.u[it], y);
-    act8(y, act, live);
+    act_n(y, act, live);
     if (d) {
       float z[8];
       unpack8<T>(d->u[it], z);
@@ -419,7 +459,7 @@ bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
 // The state pass: forward (reverse false) S_c into a.states and S_final from S0; reverse R_(c+1) into
 // a.rstates and dS0 from dS_final.
 void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st);
-void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);   // state pass, then the outputs
+void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);   // outputs and S_final, one kernel
 void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // both state passes, then the grads
 
 }  // namespace lintape::fal_cuda::chunk

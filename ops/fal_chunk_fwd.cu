@@ -1,4 +1,5 @@
-// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the state pass, both ways, and the forward outputs.
+// Causal FAL on the tensor cores (ops/fal_chunk.cuh): the state pass, both ways, for the backward, and the
+// fused forward.
 #include "ops/fal_chunk.cuh"
 
 namespace lintape::fal_cuda::chunk {
@@ -107,86 +108,231 @@ __global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
   state_body<T, Reverse>(a, int(blockIdx.z) * kEtile, sm);
 }
 
-// One block per (chunk, b, h): Y = diag(gamma) Q S_c + (Q K^T o M) V, out = gb o Y. Warp w owns rows 16 (w % 4)
-// of the chunk and half w / 4 of the columns (of E for Y, of the chunk for the scores).
-template <class T, int EP>
-__global__ void __launch_bounds__(kThreads, 2) output_kernel(Args a) {
-  constexpr int ldE = EP + kPad, NT = EP / 16;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* qs = reinterpret_cast<T*>(smem_raw);  // [2][kC][kLdS]
-  T* ks = qs + 2 * kC * kLdS;              // [2][kC][kLdS]
-  T* ss = ks + 2 * kC * kLdS;              // [2][kSlice][ldE]
-  T* vs = ss + 2 * kSlice * ldE;           // [kC][ldE]
-  T* as = vs + kC * ldE;                   // [kC][kLdC]
-  const int warp = threadIdx.x >> 5, m0 = 16 * (warp % 4), wc = warp / 4;
-  const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
-  const int h = int(bh % a.H);
-  const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
-  const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
-  const size_t PE = size_t(a.P) * a.E;
-  const T* q = at_head<T>(a.q, b, a.sq_b, h, a.D);
-  const T* k = at_head<T>(a.k, b, a.sk_b, h, a.D);
-  const T* state = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
+// The forward, fused: one block per (b, h), sequential over chunks with the whole D' x E state in registers
+// (f32). No per-chunk state goes to memory. Per chunk:
+//   A. its raw q, k, v rows (staged in shared memory by cp.async while the previous chunk multiplied) go
+//      through the acts and the LRPE into Q, K (C x D'), V and diag(delta) V; the state is copied to shared
+//      memory in T; then the next chunk's rows are requested;
+//   B. Y = diag(gamma) Q S_c + (Q K^T o M) V, out = gb o Y, and S <- lambda^cl S + K^T diag(delta) V.
+// Warp w: rows 16 (w % 4) of the chunk and column group w / 4 of Y and of the scores; state rows 16 (w % 4)
+// of half w / (warps / 2) of each angle slice. With 8 warps a thread holds 2 E / 8 state values per slice,
+// which needs more than the 128 registers that 16 warps would leave.
+constexpr int kFusedThreads = 512, kFusedWarps = kFusedThreads / 32;
+constexpr int kColGroups = kFusedWarps / 4;   // of Y and the scores
+constexpr int kStateGroups = kFusedWarps / 8;  // of the state's columns within a half
 
-  // The first slice's state rows are in flight while v's rows load.
-  auto issue_state = [&](int slice) {
-    for (int hf = 0; hf < halves; ++hf)
-      load_state_async<T, EP>(a, state, (hf == 0 ? 0 : a.D) + slice * kSlice, ss + hf * kSlice * ldE);
-  };
-  issue_state(0);
-  {
-    Raw<EP> vr;
-    fetch(a, at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, t0, 0, a.E, vr);
-    store_rows<T, EP, kThreads>(a, vr, nullptr, a.act_v, t0, 0, nullptr, vs);
+template <class T, int EP, int Slices>
+struct FusedSmem {
+  static constexpr int D = Slices * kSlice, ldE = EP + kPad;
+  static constexpr int kTile = kC * kLdS;  // one half of an angle slice's encoded rows
+  T* raw_q;   // [kC][D]  the next chunk's rows as loaded
+  T* raw_k;   // [kC][D]
+  T* raw_v;   // [kC][EP]
+  T* qs;      // [Slices][2][kC][kLdS]
+  T* ks;      // [Slices][2][kC][kLdS]; after the products, (Q K^T) o M as [kC][kLdC]
+  T* ss;      // [2 D][ldE] S_c
+  T* vs;      // [kC][ldE] V
+  T* vd;      // [kC][ldE] diag(delta) V
+  float* delta;  // [kC]
+  float* rates;  // [D] the head's LRPE rates
+  __device__ explicit FusedSmem(T* base) {
+    raw_q = base;
+    raw_k = raw_q + kC * D;
+    raw_v = raw_k + kC * D;
+    qs = raw_v + kC * EP;
+    ks = qs + Slices * 2 * kTile;
+    ss = ks + Slices * 2 * kTile;
+    vs = ss + 2 * D * ldE;
+    vd = vs + kC * ldE;
+    delta = reinterpret_cast<float*>(vd + kC * ldE);
+    rates = delta + kC;
   }
-  Acc<1, 4> sc;  // scores: rows m0, columns 32 wc
-  Acc<1, NT> y;  // rows m0, columns wc EP / 2
-  sc.zero();
-  y.zero();
-  for (int slice = 0; slice < a.D / kSlice; ++slice) {
-    if (slice > 0) {
-      __syncthreads();
-      issue_state(slice);
-    }
-    Raw<kSlice> qr, kr;
-    fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
-    fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
-    store_encoded(a, qr, a.act_q, qs, qs + kC * kLdS, &kr, a.act_k, ks, ks + kC * kLdS, h, t0, slice);
-    cp_async_wait_all();
-    __syncthreads();
-    for (int hf = 0; hf < halves; ++hf) {
-      warp_mma<T, false, false>(sc, qs + hf * kC * kLdS, kLdS, m0, ks + hf * kC * kLdS, kLdS, 32 * wc, kSlice);
-      warp_mma<T, false, true>(y, qs + hf * kC * kLdS, kLdS, m0, ss + hf * kSlice * ldE, ldE, wc * EP / 2, kSlice);
-    }
+  static constexpr size_t bytes() {
+    return sizeof(T) * size_t(2 * kC * D + kC * EP + 4 * Slices * kTile + 2 * D * ldE + 2 * kC * ldE) +
+           sizeof(float) * (kC + D);
   }
-  // Masked, decayed scores into shared memory; the state term times gamma.
-  store_masked(sc, as, m0, 32 * wc, log2_lam);
+};
+
+// Rows t0 ... t0 + kC - 1, columns [0, W) of x into stage ([kC][W]) through cp.async; rows past the sequence
+// and columns past cols are left as they are (the encoding zeroes them).
+template <class T, int W>
+__device__ __forceinline__ void stage_rows(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t0, int cols,
+                                           T* stage) {
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const float gm = decay_pow(log2_lam, m0 + y.row(0, r) + 1);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) y.x[0][n][r] *= gm;
+  for (int it = 0; it < kC * (W / 8) / kFusedThreads; ++it) {
+    const int idx = threadIdx.x + it * kFusedThreads, i = idx / (W / 8), c = (idx % (W / 8)) * 8;
+    if (t0 + i < a.N && c < cols) cp_async16(stage + i * W + c, x + (t0 + i) * ts + c);
   }
-  __syncthreads();
-  warp_mma<T, false, true>(y, as, kLdC, m0, vs, ldE, wc * EP / 2, kC);
-  const T* g = at_head<T>(a.g, b, a.sg_b, h, a.E);
-  T* out = static_cast<T*>(a.out) + b * a.N * a.H * a.E + h * a.E;
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int64_t t = t0 + m0 + y.row(0, r);
-      const int e = wc * EP / 2 + y.col(n, r);
-      if (t >= a.N || e >= a.E) continue;
-      float g0, g1;
-      load2(g + t * a.sg_t + e, g0, g1);
-      store2(out + t * a.H * a.E + e, act_f(g0, a.act_g) * y.x[0][n][r], act_f(g1, a.act_g) * y.x[0][n][r + 1]);
-    }
 }
 
-template <class T, int EP>
-size_t output_smem() {
-  return sizeof(T) * size_t(4 * kC * kLdS + 2 * kSlice * (EP + kPad) + kC * (EP + kPad) + kC * kLdC);
+// A staged tile's columns [c0, c0 + W) as fetch would have loaded them (row length LD).
+template <int LD, int W>
+__device__ __forceinline__ void from_stage(const void* stage, int c0, Raw<W, kFusedThreads>& r) {
+  const uint16_t* s = static_cast<const uint16_t*>(stage);
+#pragma unroll
+  for (int it = 0; it < Raw<W, kFusedThreads>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kFusedThreads, i = idx / (W / 8), c = c0 + (idx % (W / 8)) * 8;
+    r.u[it] = *reinterpret_cast<const uint4*>(s + i * LD + c);
+  }
+}
+
+template <class T, int EP, int Slices>
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
+  using Sm = FusedSmem<T, EP, Slices>;
+  constexpr int D = Sm::D, ldE = Sm::ldE, SCT = 8 / kColGroups, YT = EP / 8 / kColGroups;
+  constexpr int ST = EP / 8 / kStateGroups;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Sm sm(reinterpret_cast<T*>(smem_raw));
+  const int warp = threadIdx.x >> 5, m0 = 16 * (warp % 4), sc_n0 = 8 * SCT * (warp / 4), y_n0 = 8 * YT * (warp / 4);
+  const int half = warp / (kFusedWarps / 2), s_m0 = m0, s_n0 = 8 * ST * ((warp / 4) % kStateGroups);
+  const int64_t bh = blockIdx.x, b = bh / a.H;
+  const int h = int(bh % a.H);
+  const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
+  const bool owns_state = half < halves;
+  const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
+  const size_t PE = size_t(a.P) * a.E;
+  // The rows' addresses are rebuilt where they are used (b and h made opaque): held across the chunk loop,
+  // they would push the state out of the registers.
+  auto opaque = [](int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+  };
+  auto state_row = [&](int s, int r) { return half * D + s * kSlice + s_m0 + Acc<1, ST>::row(0, r); };
+
+  Acc<1, ST> st[Slices];
+#pragma unroll
+  for (int s = 0; s < Slices; ++s)
+#pragma unroll
+    for (int n = 0; n < ST; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int e = s_n0 + st[s].col(n, r);
+        st[s].x[0][n][r] =
+            a.S0 && owns_state && e < a.E ? a.S0[bh * PE + size_t(state_row(s, r)) * a.E + e] : 0.0f;
+      }
+
+  auto stage_chunk = [&](int64_t t0) {
+    const int bo = opaque(int(b)), ho = opaque(h);
+    const T* q = at_head<T>(a.q, bo, a.sq_b, ho, a.D);
+    const T* k = at_head<T>(a.k, bo, a.sk_b, ho, a.D);
+    const T* v = at_head<T>(a.v, bo, a.sv_b, ho, a.E);
+    stage_rows<T, D>(a, q, a.sq_t, t0, a.D, sm.raw_q);
+    stage_rows<T, D>(a, k, a.sk_t, t0, a.D, sm.raw_k);
+    stage_rows<T, EP>(a, v, a.sv_t, t0, a.E, sm.raw_v);
+    cp_async_commit();
+  };
+  stage_chunk(0);
+  if (a.lrpe == FalStepSpec::kCosine)
+    for (int j = threadIdx.x; j < a.D; j += kFusedThreads) sm.rates[j] = rate_of(a, h, j);
+  for (int64_t c = 0; c < a.nC; ++c) {
+    const int64_t t0 = c * kC;
+    const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
+    // A. Encode. delta's previous readers passed a barrier since.
+    for (int i = threadIdx.x; i < kC; i += kFusedThreads)
+      sm.delta[i] = i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f;
+    cp_async_wait_all();
+    __syncthreads();  // the raw rows and delta are in; the previous chunk's products are done with every tile
+    {
+      Raw<EP, kFusedThreads> vr;
+      from_stage<EP>(sm.raw_v, 0, vr);
+      store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
+      store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, sm.delta, sm.vd);
+    }
+#pragma unroll
+    for (int s = 0; s < Slices; ++s) {
+      Raw<kSlice, kFusedThreads> qr, kr;
+      from_stage<D>(sm.raw_q, s * kSlice, qr);
+      from_stage<D>(sm.raw_k, s * kSlice, kr);
+      T* qh = sm.qs + s * 2 * Sm::kTile;
+      T* kh = sm.ks + s * 2 * Sm::kTile;
+      store_encoded<T, kFusedThreads, 4>(a, qr, a.act_q, qh, qh + Sm::kTile, &kr, a.act_k, kh, kh + Sm::kTile, h, t0, s,
+                                         sm.rates);
+    }
+    if (owns_state)
+#pragma unroll
+      for (int s = 0; s < Slices; ++s)
+#pragma unroll
+        for (int n = 0; n < ST; ++n)
+#pragma unroll
+          for (int r = 0; r < 4; r += 2)
+            store2(sm.ss + state_row(s, r) * ldE + s_n0 + st[s].col(n, r), st[s].x[0][n][r], st[s].x[0][n][r + 1]);
+    __syncthreads();
+    if (c + 1 < a.nC) stage_chunk(t0 + kC);
+
+    // B. The scores, then the state update (the old state is in shared memory), then Y, so that at most two
+    // accumulators are live beside the state.
+    Acc<1, SCT> sc;
+    sc.zero();
+#pragma unroll
+    for (int s = 0; s < Slices; ++s)
+      for (int hf = 0; hf < halves; ++hf)
+        warp_mma<T, false, false>(sc, sm.qs + (s * 2 + hf) * Sm::kTile, kLdS, m0, sm.ks + (s * 2 + hf) * Sm::kTile,
+                                  kLdS, sc_n0, kSlice);
+    if (owns_state) {
+      const float carry = decay_pow(log2_lam, cl);
+#pragma unroll
+      for (int s = 0; s < Slices; ++s) {
+#pragma unroll
+        for (int n = 0; n < ST; ++n)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) st[s].x[0][n][r] *= carry;
+        warp_mma<T, true, true>(st[s], sm.ks + (s * 2 + half) * Sm::kTile, kLdS, s_m0, sm.vd, ldE, s_n0, kC);
+      }
+    }
+    __syncthreads();  // every warp is done with K: the masked scores take its place
+    T* am = sm.ks;
+    store_masked(sc, am, m0, sc_n0, log2_lam);
+    // The gate's rows load while Y's products run.
+    const T* g = at_head<T>(a.g, opaque(int(b)), a.sg_b, opaque(h), a.E);
+    uint32_t graw[YT][2];
+#pragma unroll
+    for (int n = 0; n < YT; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        const int64_t t = t0 + m0 + Acc<1, YT>::row(0, r);
+        const int e = y_n0 + Acc<1, YT>::col(n, r);
+        graw[n][r / 2] = t < a.N && e < a.E ? *reinterpret_cast<const uint32_t*>(g + t * a.sg_t + e) : 0u;
+      }
+    Acc<1, YT> y;
+    y.zero();
+#pragma unroll
+    for (int s = 0; s < Slices; ++s)
+      for (int hf = 0; hf < halves; ++hf)
+        warp_mma<T, false, true>(y, sm.qs + (s * 2 + hf) * Sm::kTile, kLdS, m0, sm.ss + (hf * D + s * kSlice) * ldE,
+                                 ldE, y_n0, kSlice);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float gm = decay_pow(log2_lam, m0 + y.row(0, r) + 1);
+#pragma unroll
+      for (int n = 0; n < YT; ++n) y.x[0][n][r] *= gm;
+    }
+    __syncthreads();  // the masked scores are in
+    warp_mma<T, false, true>(y, am, kLdC, m0, sm.vs, ldE, y_n0, kC);
+    T* out = static_cast<T*>(a.out) + (int64_t(opaque(int(b))) * a.N * a.H + opaque(h)) * a.E;
+#pragma unroll
+    for (int n = 0; n < YT; ++n) {
+      float gb[4];
+      load2(reinterpret_cast<const T*>(&graw[n][0]), gb[0], gb[1]);
+      load2(reinterpret_cast<const T*>(&graw[n][1]), gb[2], gb[3]);
+      act_n(gb, a.act_g, true);
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        const int64_t t = t0 + m0 + y.row(0, r);
+        const int e = y_n0 + y.col(n, r);
+        if (t < a.N && e < a.E) store2(out + t * a.H * a.E + e, gb[r] * y.x[0][n][r], gb[r + 1] * y.x[0][n][r + 1]);
+      }
+    }
+  }
+  if (a.S_final && owns_state)
+#pragma unroll
+    for (int s = 0; s < Slices; ++s)
+#pragma unroll
+      for (int n = 0; n < ST; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int e = s_n0 + st[s].col(n, r);
+          if (e < a.E) a.S_final[bh * PE + size_t(state_row(s, r)) * a.E + e] = st[s].x[0][n][r];
+        }
 }
 
 template <class T>
@@ -199,12 +345,22 @@ void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   LT_CUDA_CHECK_LAUNCH();
 }
 
-template <class T, int EP>
-void launch_output(const Args& a, int64_t BH, cudaStream_t st) {
-  const size_t smem = output_smem<T, EP>();
-  LT_CUDA_CHECK(cudaFuncSetAttribute(output_kernel<T, EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  output_kernel<T, EP><<<dim3(unsigned(a.nC), unsigned(BH)), kThreads, smem, st>>>(a);
+template <class T, int EP, int Slices>
+void launch_fused(const Args& a, int64_t BH, cudaStream_t st) {
+  const size_t smem = FusedSmem<T, EP, Slices>::bytes();
+  auto kernel = fused_forward_kernel<T, EP, Slices>;
+  LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<unsigned(BH), kFusedThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void launch_forward(const Args& a, int64_t BH, cudaStream_t st) {
+  const bool wide = a.E > 64, two = a.D > kSlice;
+  if (wide)
+    two ? launch_fused<T, 128, 2>(a, BH, st) : launch_fused<T, 128, 1>(a, BH, st);
+  else
+    two ? launch_fused<T, 64, 2>(a, BH, st) : launch_fused<T, 64, 1>(a, BH, st);
 }
 
 }  // namespace
@@ -226,12 +382,10 @@ void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream
 }
 
 void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
-  state_pass(a, dtype, BH, false, st);
-  const bool wide = a.E > 64;
   if (dtype == DType::BF16)
-    wide ? launch_output<__nv_bfloat16, 128>(a, BH, st) : launch_output<__nv_bfloat16, 64>(a, BH, st);
+    launch_forward<__nv_bfloat16>(a, BH, st);
   else
-    wide ? launch_output<__half, 128>(a, BH, st) : launch_output<__half, 64>(a, BH, st);
+    launch_forward<__half>(a, BH, st);
 }
 
 }  // namespace lintape::fal_cuda::chunk

@@ -52,7 +52,7 @@ int64_t causal_segments(int64_t BH, int64_t N, int sms);
 int64_t causal_segment_tokens(int64_t N, int64_t G);
 int sm_count(Device dev);
 
-// Causal, N == M: true when the chunk-parallel kernels (ops/fal_chunk.cuh) run the call (bf16/f16, LRPE none
+// Causal, N == M: true when the chunked tensor-core kernels (ops/fal_chunk.cuh) run the call (bf16/f16, LRPE none
 // or cosine, D 64 or 128, E a multiple of 8 up to 128, elementwise acts); else the chunk sweep runs it.
 bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
 

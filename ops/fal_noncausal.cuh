@@ -107,7 +107,7 @@ __device__ __forceinline__ void row_act(float (&x)[8], int act) {
 #pragma unroll
     for (int u = 0; u < 8; ++u) x[u] *= inv;
   } else {
-    chunk::act8(x, act, true);
+    chunk::act_n(x, act, true);
   }
 }
 
