@@ -226,6 +226,32 @@ __device__ __forceinline__ float act_grad(float x, float dy, int act) {
   }
 }
 
+// dy <- act'(x) dy over N values (one dispatch).
+template <int N>
+__device__ __forceinline__ void act_grad_n(const float (&x)[N], float (&dy)[N], int act) {
+  switch (act) {
+    case FalStepSpec::kRelu:
+#pragma unroll
+      for (int u = 0; u < N; ++u) dy[u] = x[u] > 0.0f ? dy[u] : 0.0f;
+      break;
+    case FalStepSpec::kSigmoid:
+#pragma unroll
+      for (int u = 0; u < N; ++u) {
+        const float y = sigmoid_f(x[u]);
+        dy[u] *= y * (1.0f - y);
+      }
+      break;
+    case FalStepSpec::kSilu:
+#pragma unroll
+      for (int u = 0; u < N; ++u) {
+        const float sg = sigmoid_f(x[u]);
+        dy[u] *= sg * (1.0f + x[u] * (1.0f - sg));
+      }
+      break;
+    default: break;
+  }
+}
+
 // lambda^e for e >= 0 (1 without decay).
 __device__ __forceinline__ float decay_pow(float log2_lam, int e) {
   return e <= 0 ? 1.0f : exp2_ftz(log2_lam * float(e));

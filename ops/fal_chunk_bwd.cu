@@ -18,6 +18,7 @@ struct GradSmem {
   T* ys;  // [kC][ldE]       dY = dO o gb
   T* am;  // [kC][kLdC]      (Q K^T) o M
   T* bm;  // [kC][kLdC]      (dY V^T) o M
+  float* rates;  // [2 kSlice]   the head's LRPE rates (D <= 128)
   __device__ explicit GradSmem(T* base) {
     qs = base;
     ks = qs + 2 * kC * kLdS;
@@ -27,9 +28,11 @@ struct GradSmem {
     ys = vs + kC * ldE;
     am = ys + kC * ldE;
     bm = am + kC * kLdC;
+    rates = reinterpret_cast<float*>(bm + kC * kLdC);
   }
   static constexpr size_t bytes() {
-    return sizeof(T) * size_t(4 * kC * kLdS + 8 * kSlice * ldE + 2 * kC * ldE + 2 * kC * kLdC);
+    return sizeof(T) * size_t(4 * kC * kLdS + 8 * kSlice * ldE + 2 * kC * ldE + 2 * kC * kLdC) +
+           sizeof(float) * 2 * kSlice;
   }
 };
 
@@ -58,17 +61,19 @@ __device__ __forceinline__ void fold(Acc<1, NT>& x, const Acc<1, NT>& d, const f
 template <class T, int NT>
 __device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, NT>& gx, const T* x, int64_t xts, T* dx,
                                                int64_t dts, int64_t t0, int m0, int col0, int act) {
+  const int64_t t_lo = t0 + m0 + gx.row(0, 0), t_hi = t0 + m0 + gx.row(0, 2);
 #pragma unroll
-  for (int n = 0; n < NT; ++n)
+  for (int n = 0; n < NT; ++n) {
+    const int col = col0 + gx.col(n, 0);
+    float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d[4];
+    if (t_lo < a.N) load2(x + t_lo * xts + col, xv[0], xv[1]);
+    if (t_hi < a.N) load2(x + t_hi * xts + col, xv[2], xv[3]);
 #pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int64_t t = t0 + m0 + gx.row(0, r);
-      if (t >= a.N) continue;
-      const int col = col0 + gx.col(n, r);
-      float x0, x1;
-      load2(x + t * xts + col, x0, x1);
-      store2(dx + t * dts + col, act_grad(x0, gx.x[0][n][r], act), act_grad(x1, gx.x[0][n][r + 1], act));
-    }
+    for (int r = 0; r < 4; ++r) d[r] = gx.x[0][n][r];
+    act_grad_n(xv, d, act);
+    if (t_lo < a.N) store2(dx + t_lo * dts + col, d[0], d[1]);
+    if (t_hi < a.N) store2(dx + t_hi * dts + col, d[2], d[3]);
+  }
 }
 
 // 16 warps: warp w owns rows 16 (w % 4) of the chunk and quarter w / 4 of the columns of every product. The
@@ -116,8 +121,13 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
     fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
   };
   auto store_qk = [&](int slice, const Raw<kSlice, NThr>& qr, const Raw<kSlice, NThr>& kr) {
-    store_encoded(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0, slice);
+    store_encoded<T, NThr, 4>(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0,
+                              slice, sm.rates);
   };
+  if (a.lrpe == FalStepSpec::kCosine) {
+    for (int j = threadIdx.x; j < a.D; j += NThr) sm.rates[j] = rate_of(a, h, j);
+    __syncthreads();
+  }
   issue_states(0);
   {  // the first slice's q and k rows load with v, g and dO
     Raw<kSlice, NThr> qr, kr;
@@ -173,7 +183,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
       for (int r = 0; r < 4; ++r) {
         cs[4 * n + r] = 1.0f, sn[4 * n + r] = 0.0f;
         if (a.lrpe != FalStepSpec::kNoLrpe)
-          angle_cs(rate_of(a, h, slice * kSlice + sc0 + Acc<1, NS>::col(n, r)),
+          angle_cs(sm.rates[slice * kSlice + sc0 + Acc<1, NS>::col(n, r)],
                    a.position + t0 + m0 + Acc<1, NS>::row(0, r), cs[4 * n + r], sn[4 * n + r]);
       }
     // dQ = diag(gamma) dY S^T + Bm K, then dK = diag(delta) V R^T + Bm^T Q, each over both halves and folded
@@ -212,21 +222,32 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   T* dv = at_head<T>(a.dv, b, a.sdv_b, h, a.E);
   T* dg = at_head<T>(a.dg, b, a.sdg_b, h, a.E);
 #pragma unroll
-  for (int n = 0; n < NT; ++n)
+  for (int n = 0; n < NT; ++n) {
+    const int e = ec + y.col(n, 0);
+    if (e >= a.E) continue;
+    float gv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, vv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dgv[4], dvv[4];
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {
       const int64_t t = t0 + m0 + y.row(0, r);
-      const int e = ec + y.col(n, r);
-      if (t >= a.N || e >= a.E) continue;
-      float g0, g1, d0, d1, v0, v1;
-      load2(g + t * a.sg_t + e, g0, g1);
-      load2(dout + t * out_ts + e, d0, d1);
-      load2(v + t * a.sv_t + e, v0, v1);
-      store2(dg + t * a.sdg_t + e, act_grad(g0, d0 * y.x[0][n][r], a.act_g),
-             act_grad(g1, d1 * y.x[0][n][r + 1], a.act_g));
-      store2(dv + t * a.sdv_t + e, act_grad(v0, dvo.x[0][n][r], a.act_v),
-             act_grad(v1, dvo.x[0][n][r + 1], a.act_v));
+      float d0 = 0.0f, d1 = 0.0f;
+      if (t < a.N) {
+        load2(g + t * a.sg_t + e, gv[r], gv[r + 1]);
+        load2(dout + t * out_ts + e, d0, d1);
+        load2(v + t * a.sv_t + e, vv[r], vv[r + 1]);
+      }
+      dgv[r] = d0 * y.x[0][n][r], dgv[r + 1] = d1 * y.x[0][n][r + 1];
+      dvv[r] = dvo.x[0][n][r], dvv[r + 1] = dvo.x[0][n][r + 1];
     }
+    act_grad_n(gv, dgv, a.act_g);
+    act_grad_n(vv, dvv, a.act_v);
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int64_t t = t0 + m0 + y.row(0, r);
+      if (t >= a.N) continue;
+      store2(dg + t * a.sdg_t + e, dgv[r], dgv[r + 1]);
+      store2(dv + t * a.sdv_t + e, dvv[r], dvv[r + 1]);
+    }
+  }
 }
 
 template <class T, int EP>

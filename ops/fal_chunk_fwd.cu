@@ -20,6 +20,7 @@ struct StateSmem {
   __align__(16) T xs[2][kC * kLdS];
   __align__(16) T zs[kC * (kEtile + kPad)];
   float scale[kC];
+  float rates[2 * kSlice];  // the head's LRPE rates (D <= 128)
 };
 
 template <class T, bool Reverse>
@@ -59,6 +60,8 @@ __device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& 
   // Each chunk's rows load after the barrier and go straight to shared memory: with three blocks per SM the
   // others hide the latency, and the registers stay with the state tile.
   const int x_act = Reverse ? a.act_q : a.act_k, z_act = Reverse ? a.act_g : a.act_v;
+  if (a.lrpe == FalStepSpec::kCosine)
+    for (int j = threadIdx.x; j < a.D; j += kThreads) sm.rates[j] = rate_of(a, h, j);
   for (int64_t step = 0; step < a.nC; ++step) {
     const int64_t c = Reverse ? a.nC - 1 - step : step, t0 = c * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
@@ -71,7 +74,8 @@ __device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& 
       fetch(a, x, xts, t0, slice * kSlice, a.D, xr);
       fetch(a, z, zts, t0, e0, a.E, zr);
       if (Reverse) fetch(a, dout, dts, t0, e0, a.E, dr);
-      store_encoded<T, kThreads>(a, xr, x_act, xs[0], xs[1], nullptr, 0, nullptr, nullptr, h, t0, slice);
+      store_encoded<T, kThreads, 4>(a, xr, x_act, xs[0], xs[1], nullptr, 0, nullptr, nullptr, h, t0, slice,
+                                    sm.rates);
       store_rows<T, kEtile, kThreads>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, scale, zs);
     }
     if (active) {

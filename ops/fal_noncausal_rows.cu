@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
         for (int u = 0; u < 8; ++u) d[u] = x[u] * (gg[u] - dot);
       } else {
 #pragma unroll
-        for (int u = 0; u < 8; ++u) d[u] = chunk::act_grad(x[u], gg[u], act_x);
+        for (int u = 0; u < 8; ++u) d[u] = gg[u];
+        chunk::act_grad_n(x, d, act_x);
       }
       if (t < a.N) chunk::store8(dx + t * dx_ts + c8, d);
     }
