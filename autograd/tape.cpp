@@ -52,7 +52,9 @@ void accumulate_leaf(TensorImpl& leaf, const Tensor& g) {
     leaf.grad = own.impl_ptr();
     return;
   }
-  accumulate_(Tensor(leaf.grad), g.dtype() == leaf.dtype ? g : g.to(leaf.dtype));
+  // A float32 leaf adds a 16-bit gradient in one pass (parameters used through their compute copy).
+  const bool direct = g.dtype() == leaf.dtype || (leaf.dtype == DType::F32 && is_float16(g.dtype()));
+  accumulate_(Tensor(leaf.grad), direct ? g : g.to(leaf.dtype));
 }
 
 [[noreturn]] void fail_released(const Node& n) {

@@ -147,6 +147,7 @@ TrainSetup make_train_setup(const TrainBenchOptions& o) {
   s.model->set_compute_dtype(o.compute_dtype.value_or(default_compute_dtype(o.device)));
   s.params = s.model->parameter_count();
   s.optimizer = std::make_unique<AdamW>(*s.model);
+  s.optimizer->keep_compute_copy(s.model->compute_dtype());
   std::mt19937_64 rng(0);
   std::uniform_int_distribution<int64_t> token(0, c.vocab_size - 1);
   for (int i = 0; i < 2; ++i) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include "device.h"
+#include "dtype.h"
 
 namespace lintape {
 
@@ -26,6 +27,12 @@ struct Storage {
   size_t bytes = 0;  // requested size
   Device device;
   uint64_t version = 0;  // bumped by in-place writes; caches keyed on a tensor's contents check it
+  // A copy of these values in another dtype, element for element, kept by whoever writes both (AdamW keeps
+  // the 16-bit compute copy of the flat parameters with each update); Tensor::to(copy_dtype) reads it instead
+  // of converting while copy_version == version.
+  std::shared_ptr<Storage> copy;
+  DType copy_dtype = DType::F32;
+  uint64_t copy_version = 0;
   Storage(size_t bytes, Device device);
   ~Storage();
   Storage(const Storage&) = delete;

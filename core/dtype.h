@@ -64,6 +64,7 @@ inline const char* dtype_name(DType t) {
 DType dtype_from_name(const std::string& name);  // "f32", "bf16", ...; throws on an unknown name
 
 inline bool is_floating(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F64; }
+inline bool is_float16(DType t) { return t == DType::BF16 || t == DType::F16; }  // the 16-bit floats
 
 template <class T> struct dtype_of;
 template <> struct dtype_of<float> { static constexpr DType value = DType::F32; };

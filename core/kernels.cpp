@@ -87,23 +87,30 @@ void arange_cpu(const Tensor& dst, int64_t start) {
   });
 }
 
-void accumulate_cpu(const Tensor& dst, const Tensor& src) {
-  int64_t n = dst.numel();
+namespace {
+template <class T, class S>
+void accumulate_typed(const Tensor& dst, const Tensor& src) {
+  const int64_t n = dst.numel();
+  T* d = static_cast<T*>(dst.data());
+  const S* s = static_cast<const S*>(src.data());
+  if (dst.is_contiguous() && src.is_contiguous()) {
+    for (int64_t i = 0; i < n; ++i) d[i] = T(to_double(d[i]) + to_double(s[i]));
+    return;
+  }
   StridedIndex di(dst), si(src);
-  LT_DISPATCH_ALL(dst.dtype(), "accumulate", T, {
-    T* d = static_cast<T*>(dst.data());
-    const T* s = static_cast<const T*>(src.data());
-    if (dst.is_contiguous() && src.is_contiguous()) {
-      for (int64_t i = 0; i < n; ++i) d[i] = T(to_double(d[i]) + to_double(s[i]));
-    } else {
-      for_each_run(di, &si, n, [&](int64_t doff, int64_t soff, int64_t count, int64_t dstep, int64_t sstep) {
-        for (int64_t k = 0; k < count; ++k) {
-          T& out = d[doff + k * dstep];
-          out = T(to_double(out) + to_double(s[soff + k * sstep]));
-        }
-      });
+  for_each_run(di, &si, n, [&](int64_t doff, int64_t soff, int64_t count, int64_t dstep, int64_t sstep) {
+    for (int64_t k = 0; k < count; ++k) {
+      T& out = d[doff + k * dstep];
+      out = T(to_double(out) + to_double(s[soff + k * sstep]));
     }
   });
+}
+}  // namespace
+
+void accumulate_cpu(const Tensor& dst, const Tensor& src) {
+  if (src.dtype() == DType::BF16 && dst.dtype() == DType::F32) return accumulate_typed<float, bf16>(dst, src);
+  if (src.dtype() == DType::F16 && dst.dtype() == DType::F32) return accumulate_typed<float, f16>(dst, src);
+  LT_DISPATCH_ALL(dst.dtype(), "accumulate", T, { accumulate_typed<T, T>(dst, src); });
 }
 
 }  // namespace lintape::core_kernels
@@ -111,8 +118,9 @@ void accumulate_cpu(const Tensor& dst, const Tensor& src) {
 namespace lintape {
 
 void accumulate_(const Tensor& dst, const Tensor& src) {
-  LT_CHECK(dst.shape() == src.shape() && dst.dtype() == src.dtype() && dst.device() == src.device(),
-           "[accumulate] expected equal shape, dtype and device; got ", shape_str(dst.shape()), " ",
+  const bool dtypes = dst.dtype() == src.dtype() || (dst.dtype() == DType::F32 && is_float16(src.dtype()));
+  LT_CHECK(dst.shape() == src.shape() && dtypes && dst.device() == src.device(),
+           "[accumulate] expected equal shape and device, and equal dtypes or f32 += bf16/f16; got ", shape_str(dst.shape()), " ",
            dtype_name(dst.dtype()), " ", dst.device().name(), " += ", shape_str(src.shape()), " ",
            dtype_name(src.dtype()), " ", src.device().name());
   dst.storage().version++;

@@ -34,8 +34,8 @@ __global__ void arange_kernel(T* dst, int64_t n, int64_t start) {
     dst[i] = from_double<T>(double(start + i));
 }
 
-template <class T>
-__global__ void accumulate_kernel(T* dst, const T* src, int64_t n, StridedIndex di, StridedIndex si, bool flat) {
+template <class T, class S>
+__global__ void accumulate_kernel(T* dst, const S* src, int64_t n, StridedIndex di, StridedIndex si, bool flat) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     T& out = dst[flat ? i : di.offset(i)];
     out = from_double<T>(to_double(out) + to_double(src[flat ? i : si.offset(i)]));
@@ -150,10 +150,22 @@ void accumulate_cuda(const Tensor& dst, const Tensor& src) {
   if (n == 0) return;
   const JointLayout j = merge_dims(dst, src);
   const bool flat = dst.is_contiguous() && src.is_contiguous();
-  LT_DISPATCH_ALL_CUDA(dst.dtype(), "accumulate", T, {
-    accumulate_kernel<T><<<blocks_for(n), kThreads, 0, stream(dst.device().index)>>>(
-        static_cast<T*>(dst.data()), static_cast<const T*>(src.data()), n, j.index_a(), j.index_b(), flat);
-  });
+  cudaStream_t st = stream(dst.device().index);
+  if (src.dtype() != dst.dtype()) {  // f32 += a 16-bit float (accumulate_ allows no other pair)
+    float* d = static_cast<float*>(dst.data());
+    if (src.dtype() == DType::BF16)
+      accumulate_kernel<<<blocks_for(n), kThreads, 0, st>>>(d, static_cast<const __nv_bfloat16*>(src.data()), n,
+                                                            j.index_a(), j.index_b(), flat);
+    else
+      accumulate_kernel<<<blocks_for(n), kThreads, 0, st>>>(d, static_cast<const __half*>(src.data()), n,
+                                                            j.index_a(), j.index_b(), flat);
+  } else {
+    LT_DISPATCH_ALL_CUDA(dst.dtype(), "accumulate", T, {
+      accumulate_kernel<<<blocks_for(n), kThreads, 0, st>>>(static_cast<T*>(dst.data()),
+                                                            static_cast<const T*>(src.data()), n, j.index_a(),
+                                                            j.index_b(), flat);
+    });
+  }
   LT_CUDA_CHECK_LAUNCH();
 }
 

@@ -11,7 +11,7 @@ void copy_cpu(const Tensor& dst, const Tensor& src);
 void fill_cpu(const Tensor& dst, double value);
 void random_cpu(const Tensor& dst, uint64_t seed, bool normal);  // dst contiguous
 void arange_cpu(const Tensor& dst, int64_t start);               // dst contiguous
-void accumulate_cpu(const Tensor& dst, const Tensor& src);       // dst += src, same dtype and shape
+void accumulate_cpu(const Tensor& dst, const Tensor& src);       // dst += src, same shape; f32 += bf16/f16 too
 
 #if LINTAPE_WITH_CUDA
 void copy_cuda(const Tensor& dst, const Tensor& src);

@@ -133,7 +133,7 @@ Tensor shared_b_grad(const Tensor& a, const Tensor& dc, bool ta, bool tb) {
 Dims checked_output(const Tensor& a, const Tensor& b, const Tensor& c, bool ta, bool tb, bool f32_for_16_bit) {
   check_inputs(a, b, ta, tb);
   Dims d = dims_of(a, b, ta, tb);
-  const bool wide = f32_for_16_bit && (a.dtype() == DType::BF16 || a.dtype() == DType::F16);
+  const bool wide = f32_for_16_bit && is_float16(a.dtype());
   LT_CHECK(c.shape() == d.out && (c.dtype() == a.dtype() || (wide && c.dtype() == DType::F32)) &&
                c.device() == a.device() && c.is_contiguous(),
            "[matmul] the output must be a contiguous ", shape_str(d.out), " tensor of ", dtype_name(a.dtype()),

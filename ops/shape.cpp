@@ -162,9 +162,26 @@ Tensor Tensor::to(Device d) const {
 
 Tensor Tensor::to(DType t) const {
   if (t == dtype()) return *this;
-  Tensor out = copy_to(*this, t, device());
-  DType from = dtype();
-  record("to_dtype", {*this}, {out}, [from](const Grads& g) -> Grads { return {g[0].to(from)}; });
+  const Storage& s = storage();
+  Tensor out;
+  if (s.copy && s.copy_dtype == t && s.copy_version == s.version) {  // the storage's kept copy: a view of it
+    auto impl = std::make_shared<TensorImpl>();
+    impl->storage = s.copy;
+    impl->shape = shape();
+    impl->strides = strides();
+    impl->offset = offset();
+    impl->dtype = t;
+    out = Tensor(impl);
+  } else {
+    out = copy_to(*this, t, device());
+  }
+  const DType from = dtype();
+  // A float32 leaf (a parameter) takes a 16-bit gradient as it is: the leaf's accumulation converts it in the
+  // same pass.
+  const bool leaf_accumulates = impl()->grad_fn == nullptr && from == DType::F32 && is_float16(t);
+  record("to_dtype", {*this}, {out}, [from, leaf_accumulates](const Grads& g) -> Grads {
+    return {leaf_accumulates ? g[0] : g[0].to(from)};
+  });
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include "helpers.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
+#include "core/kernels.h"
 #include "ops/shape.h"
 
 using namespace lintape;
@@ -128,6 +129,21 @@ TEST_CASE("autograd leaf grads accumulate across two backward calls") {
   x.set_grad(Tensor());  // zeroing is the caller's job
   backward(total(x));
   CHECK(x.grad().to_vector<double>() == filled(3, 1.0));
+}
+
+TEST_CASE("autograd a float32 leaf used in bf16 and f16 gets float32 gradients, accumulated in one pass") {
+  for (DType half : {DType::BF16, DType::F16}) {
+    CAPTURE(dtype_name(half));
+    Tensor x = randn({3}, DType::F32, Device::cpu(), 4).requires_grad_();
+    backward(total(scale(x.to(half), 3.0)));
+    CHECK(x.grad().dtype() == DType::F32);
+    CHECK(x.grad().to_vector<double>() == filled(3, 3.0));
+    backward(total(scale(x.to(half), 0.5)));  // f32 += the 16-bit gradient
+    CHECK(x.grad().to_vector<double>() == filled(3, 3.5));
+  }
+  // accumulate_ takes f32 += bf16/f16 and equal dtypes only.
+  const Tensor h = zeros({3}, DType::F16, Device::cpu()), f = ones({3}, DType::F32, Device::cpu());
+  CHECK_THROWS_WITH(accumulate_(h, f), doctest::Contains("equal dtypes or f32 += bf16/f16"));
 }
 
 TEST_CASE("autograd leaf grads never alias a tensor the caller holds") {

@@ -158,6 +158,27 @@ TEST_CASE("cuda AdamW and gradient clip: steps equal the CPU optimizer" * LT_CUD
   CHECK(clip_grad_norm(gpu_model, 1e9) == first);
 }
 
+TEST_CASE("cuda AdamW writes the bf16 compute copy with the update" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  LanguageModel model(micro_model(), 31);
+  model.to(gpu());
+  model.flatten_parameters();
+  AdamW optimizer(model);
+  optimizer.keep_compute_copy(DType::BF16);
+  const int64_t n = model.flat_gradients().numel();
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    model.flat_gradients().detach().copy_(randn({n}, DType::F32, Device::cpu(), 50 + uint64_t(step)));
+    optimizer.step(1e-2);
+    Storage& s = model.flat_parameters().storage();
+    REQUIRE(s.copy != nullptr);
+    CHECK(s.copy_version == s.version);
+    const Tensor through = model.flat_parameters().to(DType::BF16);
+    CHECK(through.impl()->storage == s.copy);
+    CHECK(through.to_vector<double>() == model.flat_parameters().clone().to(DType::BF16).to_vector<double>());
+  }
+}
+
 TEST_CASE("cuda training: steps in f32 equal the CPU's" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   TempDir dir("cuda_steps");

@@ -108,6 +108,39 @@ TEST_CASE("one training step equals the same step by hand with primitive ops") {
   }
 }
 
+// AdamW keeps the parameters' bf16 copy: Tensor::to(bf16) on a parameter is a view of it while it is current,
+// equal to converting the parameter, and converts afresh once the parameter changed behind the optimizer.
+TEST_CASE("AdamW's compute copy: current after every update, never used once stale") {
+  const TrainConfig c = micro_train_config("mqar");
+  MqarData data(c.batch, c.model.seq_len, 3);
+  LanguageModel model(c.model, 5);
+  model.flatten_parameters();
+  AdamW optimizer(model);
+  optimizer.keep_compute_copy(DType::BF16);
+  const Storage* copy = model.flat_parameters().storage().copy.get();
+  REQUIRE(copy != nullptr);
+  auto check_current = [&](bool expect_copy) {
+    for (auto& [name, p] : model.named_parameters()) {
+      CAPTURE(name);
+      const Tensor through = p->detach().to(DType::BF16);
+      CHECK((through.impl()->storage.get() == copy) == expect_copy);
+      CHECK(through.to_vector<double>() == p->detach().clone().to(DType::BF16).to_vector<double>());
+    }
+  };
+  check_current(true);
+  for (int step = 0; step < 2; ++step) {
+    const Batch b = data.next_train();
+    model.zero_grad();
+    backward(model.loss(b.tokens, b.targets));
+    optimizer.step(1e-2);
+    check_current(true);
+  }
+  model.named_parameters()[0].second->detach().fill_(0.25);  // behind the optimizer's back
+  check_current(false);
+  optimizer.keep_compute_copy(DType::F32);  // drops it
+  CHECK(model.flat_parameters().storage().copy == nullptr);
+}
+
 TEST_CASE("gradient buckets: each starts during backward once its parameters' gradients are final") {
   const TrainConfig c = micro_train_config("mqar");
   MqarData data(c.batch, c.model.seq_len, 3);

@@ -41,11 +41,33 @@ Tensor AdamW::slice(const Tensor& flat) const {
   return flat.narrow(0, n * comm_->rank(), n);
 }
 
+void AdamW::keep_compute_copy(DType dtype) {
+  Storage& storage = module_.flat_parameters().storage();
+  if (!is_float16(dtype) || comm_) {
+    compute_copy_ = Tensor();
+    if (storage.copy) storage.copy.reset();
+    return;
+  }
+  const Tensor& flat = module_.flat_parameters();
+  compute_copy_ = empty(flat.shape(), dtype, flat.device());
+  compute_copy_.copy_(flat);
+  attach_compute_copy();
+}
+
+// Hands the flat parameters' storage the copy written with their current values.
+void AdamW::attach_compute_copy() {
+  Storage& storage = module_.flat_parameters().storage();
+  storage.copy = compute_copy_.impl()->storage;
+  storage.copy_dtype = compute_copy_.dtype();
+  storage.copy_version = storage.version;
+}
+
 void AdamW::shard(Communicator& comm) {
   const int64_t total = module_.flat_parameters().numel();
   LT_CHECK(total % comm.size() == 0, "[AdamW] ZeRO-1: the flat buffers' ", total, " elements do not split into ",
            comm.size(), " equal slices; flatten the parameters with multiple_of = ", comm.size());
   comm_ = &comm;
+  keep_compute_copy(DType::F32);  // an update writes this rank's slice only: the model converts its weights
   m_ = slice(m_).clone();  // the full moments are freed here: only this rank's slice stays
   v_ = slice(v_).clone();
   decay_mask_ = slice(decay_mask_).clone();
@@ -74,8 +96,10 @@ void AdamW::step(double lr) {
   if (params.is_cuda()) {
     cuda_train::adamw_step_cuda(params, grads, m_, v_, decay_mask_,
                                 {float(lr), float(lr * options_.weight_decay), float(options_.beta1),
-                                 float(options_.beta2), float(options_.eps), bias1, bias2});
+                                 float(options_.beta2), float(options_.eps), bias1, bias2},
+                                compute_copy_);
     if (comm_) comm_->all_gather_in_place(all_params);
+    if (compute_copy_.defined()) attach_compute_copy();
     return;
   }
 #endif
@@ -95,6 +119,10 @@ void AdamW::step(double lr) {
   }
   params.storage().version++;
   if (comm_) comm_->all_gather_in_place(all_params);
+  if (compute_copy_.defined()) {
+    compute_copy_.copy_(all_params);
+    attach_compute_copy();
+  }
 }
 
 std::map<std::string, Tensor> AdamW::state_dict() const {

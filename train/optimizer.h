@@ -39,14 +39,22 @@ class AdamW {
   // this rank's slice of the parameters and all-gathers them.
   void shard(Communicator& comm);
   bool sharded() const { return comm_ != nullptr; }
+
+  // Keeps the parameters also in `dtype` (bf16 or f16; anything else drops the copy), rewritten with each
+  // update: Tensor::to(dtype) on a parameter then returns a view of it instead of converting, so the model's
+  // weights reach their compute dtype without a pass of their own. numel x 2 bytes. Not kept when sharded
+  // (shard() drops it).
+  void keep_compute_copy(DType dtype);
   double reduce_and_clip_gradients(double max_norm);
 
  private:
   Tensor slice(const Tensor& flat) const;  // this rank's slice of a flat buffer (all of it unsharded)
+  void attach_compute_copy();
   Module& module_;
   AdamWOptions options_;
   // Flat like the parameters (this rank's slice when sharded); decay_mask_ is 1 where weight decay applies.
   Tensor m_, v_, decay_mask_;
+  Tensor compute_copy_;  // see keep_compute_copy; undefined when none
   int64_t steps_ = 0;
   Communicator* comm_ = nullptr;
 };

@@ -13,8 +13,11 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxNormBlocks = 1024;
 
+// copy (or null): the updated parameters rounded to C as well.
+template <class C>
 __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                             float* __restrict__ v, const float* __restrict__ decay, int64_t n, AdamWScalars s) {
+                             float* __restrict__ v, const float* __restrict__ decay, C* __restrict__ copy, int64_t n,
+                             AdamWScalars s) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float pi = p[i];
     const float gi = g[i];
@@ -25,6 +28,7 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
     m[i] = mi;
     v[i] = vi;
     p[i] = pi;
+    if (copy) copy[i] = from_acc<C>(pi);
   }
 }
 
@@ -77,16 +81,28 @@ unsigned elementwise_blocks(int64_t n) { return unsigned(std::clamp<int64_t>((n 
 }  // namespace
 
 void adamw_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
-                     const Tensor& decay_mask, const AdamWScalars& s) {
+                     const Tensor& decay_mask, const AdamWScalars& s, const Tensor& copy) {
   check_flat(params, params, "parameters");
   check_flat(grads, params, "gradients");
   check_flat(m, params, "first moment");
   check_flat(v, params, "second moment");
   check_flat(decay_mask, params, "decay mask");
   const int64_t n = params.numel();
-  adamw_kernel<<<elementwise_blocks(n), kThreads, 0, stream(params.device().index)>>>(
-      params.data_ptr<float>(), grads.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-      decay_mask.data_ptr<float>(), n, s);
+  LT_CHECK(!copy.defined() || (copy.is_contiguous() && copy.numel() == n && copy.device() == params.device() &&
+                               is_float16(copy.dtype())),
+           "[AdamW] the compute copy must be a contiguous bf16/f16 buffer like the parameters");
+  const unsigned blocks = elementwise_blocks(n);
+  cudaStream_t st = stream(params.device().index);
+  float* p = params.data_ptr<float>();
+  const float* g = grads.data_ptr<float>();
+  if (copy.defined() && copy.dtype() == DType::F16)
+    adamw_kernel<<<blocks, kThreads, 0, st>>>(p, g, m.data_ptr<float>(), v.data_ptr<float>(),
+                                              decay_mask.data_ptr<float>(), static_cast<__half*>(copy.data()), n, s);
+  else
+    adamw_kernel<<<blocks, kThreads, 0, st>>>(p, g, m.data_ptr<float>(), v.data_ptr<float>(),
+                                              decay_mask.data_ptr<float>(),
+                                              copy.defined() ? static_cast<__nv_bfloat16*>(copy.data()) : nullptr,
+                                              n, s);
   LT_CUDA_CHECK_LAUNCH();
   params.storage().version++;
 }

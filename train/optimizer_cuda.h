@@ -11,9 +11,10 @@ struct AdamWScalars {
   float lr, shrink, beta1, beta2, eps, bias1, bias2;  // shrink = lr * weight_decay; bias_i = 1 - beta_i^t
 };
 
-// One fused pass: p, m, v updated in place from g; decay_mask is 1 where weight decay applies.
+// One fused pass: p, m, v updated in place from g; decay_mask is 1 where weight decay applies. copy, when
+// defined (a bf16/f16 buffer like params), receives the updated parameters rounded to its dtype.
 void adamw_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
-                     const Tensor& decay_mask, const AdamWScalars& s);
+                     const Tensor& decay_mask, const AdamWScalars& s, const Tensor& copy = Tensor());
 
 // The global L2 norm of grads, reduced on the device in float64 in a fixed order (deterministic); when it
 // is finite and above max_norm, grads are scaled by max_norm / (norm + 1e-6) on the device, reading the

@@ -163,6 +163,8 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
   }
   LT_CHECK(options_.zero == 0 || options_.zero == 1, "[train] --zero must be 0 or 1; got ", options_.zero);
   if (options_.zero == 1) optimizer_->shard(comm);
+  else
+    optimizer_->keep_compute_copy(model_->compute_dtype());  // the weights' bf16 copy comes with each update
   LT_CHECK(options_.bucket_mib >= 0, "[train] --bucket-mib must be >= 0; got ", options_.bucket_mib);
   // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
   if (comm.distributed() && options_.zero == 0)
