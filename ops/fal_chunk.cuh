@@ -24,6 +24,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <type_traits>
+#include "core/cuda_async.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/fal_cuda.h"
 
@@ -70,7 +71,11 @@ struct Args {
 // ---------------------------------------------------------------------------------------------------
 // Tensor-core helpers.
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+using cuda::cp_async16;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
+using cuda::cp_async_wait_all;
+using cuda::smem_addr;
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -454,14 +459,6 @@ __device__ __forceinline__ void store_rows(const Args& a, const Raw<W, NThr>& r,
     store8(tile + i * (W + kPad) + c8, y);
   }
 }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int Pending>  // wait until at most Pending of this thread's committed groups are in flight
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory"); }
 
 // Rows [p0, p0 + kSlice) of a chunk's stored state (P x E in T, row stride E) into a kSlice x EP tile (leading
 // dimension EP + kPad) through cp.async (wait with cp_async_wait_all); columns past E are zeros.

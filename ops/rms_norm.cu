@@ -11,6 +11,7 @@
 // and normalises it; the backward adds the residual stream's gradient to dx before its one rounding.
 #include <cstdint>
 #include <type_traits>
+#include "core/cuda_async.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/rms_norm_cuda.h"
 
@@ -118,12 +119,14 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ re
 // dx may be null (not wanted); dres (the residual stream's gradient, added to dx) is null for rms_norm
 // alone; dw_part (gridDim.x, C) is null when dweight is not wanted. Shared memory
 // holds the block's dweight partial, element (j, k) of pack j at k * packs + j so that the lanes of a
-// warp add into consecutive banks.
+// warp add into consecutive banks. With `stage` (held rows of 16-byte packs) it also holds two rows per
+// row group of dy, x and dres: each lane copies its packs of the group's next row by cp.async while it works
+// on the current one, and reads back only what it copied (no barrier).
 template <class T, int V, int L>
 __global__ void __launch_bounds__(kThreads, 2)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ dres, const T* __restrict__ x,
                     const T* __restrict__ w, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-                    acc_t<T>* __restrict__ dw_part, int64_t rows, int64_t cols) {
+                    acc_t<T>* __restrict__ dw_part, int64_t rows, int64_t cols, bool stage) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
   constexpr int64_t kChunk = int64_t(L) * kHeld<V>;
@@ -139,14 +142,39 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   A dw_held[kHeld<V>][V] = {};  // held rows: this lane's columns, summed over its rows
   const P* wr = reinterpret_cast<const P*>(w);
+  const int64_t row_step = int64_t(gridDim.x) * kGroups;
+  // The staged rows: this group's two buffers of [dy | x | dres] packs, after the dweight partial.
+  P* staged = reinterpret_cast<P*>(smem_raw + (dw_part ? (cols * sizeof(A) + 15) / 16 * 16 : 0)) +
+              (threadIdx.x / L) * 6 * packs;
+  auto stage_row = [&](int64_t row, int buf) {
+    if (row < rows) {
+      P* b = staged + buf * 3 * packs;
+#pragma unroll
+      for (int h = 0; h < kHeld<V>; ++h) {
+        const int64_t j = pack_index<L>(0, h);
+        if (j >= packs) continue;
+        cp_async16(b + j, dy + row * cols + j * V);
+        cp_async16(b + packs + j, x + row * cols + j * V);
+        if (dres) cp_async16(b + 2 * packs + j, dres + row * cols + j * V);
+      }
+    }
+    cp_async_commit();  // empty past the last row: the count of groups stays the same for every lane
+  };
+  if (stage) stage_row(blockIdx.x * int64_t(kGroups) + threadIdx.x / L, 0);
   // The loop bound is uniform over the block: every thread reaches each group_sum.
-  for (int64_t row0 = blockIdx.x * int64_t(kGroups); row0 < rows; row0 += int64_t(gridDim.x) * kGroups) {
+  int it = 0;
+  for (int64_t row0 = blockIdx.x * int64_t(kGroups); row0 < rows; row0 += row_step, ++it) {
     const int64_t row = row0 + threadIdx.x / L;
     const bool active = row < rows;
     const P* gr = reinterpret_cast<const P*>(dy + row * cols);
     const P* xr = reinterpret_cast<const P*>(x + row * cols);
     const A r = active ? rstd[row] : A(0);
     const P* dr = dres ? reinterpret_cast<const P*>(dres + row * cols) : nullptr;
+    const P* sb = staged + (it & 1) * 3 * packs;
+    if (stage) {
+      stage_row(row + row_step, (it + 1) & 1);
+      cp_async_wait<1>();  // this row's copies have landed
+    }
     P g[kHeld<V>], xv[kHeld<V>], dv[kHeld<V>];
     A s = 0;
     for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
@@ -154,9 +182,9 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int h = 0; h < kHeld<V>; ++h) {
         const int64_t j = pack_index<L>(c0, h);
         if (active && j < packs) {
-          g[h] = gr[j];
-          xv[h] = xr[j];
-          if (dr && held) dv[h] = dr[j];  // in flight with the others, used after the row's sum
+          g[h] = stage ? sb[j] : gr[j];
+          xv[h] = stage ? sb[packs + j] : xr[j];
+          if (dr && held) dv[h] = stage ? sb[2 * packs + j] : dr[j];  // used after the row's sum
         }
       }
 #pragma unroll
@@ -293,23 +321,27 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
   unsigned grid = unsigned(blocks < cap ? blocks : cap);
   size_t smem = 0;
   Tensor part;
+  // Rows held in registers with 16-byte packs are staged (two rows of dy, x, dres per row group).
+  const bool stage = sizeof(T) * V == 16 && cols / V <= int64_t(L) * kHeld<V>;
+  const size_t stage_bytes = stage ? size_t(kThreads / L) * 6 * size_t(cols) * sizeof(T) : 0;
   if (dweight.defined()) {
-    smem = size_t(cols) * sizeof(A);
+    smem = (size_t(cols) * sizeof(A) + 15) / 16 * 16;
     int max_smem = 0;
     LT_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     LT_CHECK(smem + kWarps * sizeof(A) <= size_t(max_smem), "[rms_norm] C = ", cols,
              " is too large for the weight gradient's per-block sum (", smem,
              " bytes of shared memory; this device has ", max_smem, ")");
-    if (smem > 40 * 1024)
-      LT_CUDA_CHECK(
-          cudaFuncSetAttribute(backward_kernel<T, V, L>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     part = empty({int64_t(grid), cols}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
   }
+  smem += stage_bytes;
+  if (smem > 40 * 1024)
+    LT_CUDA_CHECK(
+        cudaFuncSetAttribute(backward_kernel<T, V, L>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   backward_kernel<T, V, L><<<grid, kThreads, smem, s>>>(
       static_cast<const T*>(dy.data()), data_or_null<T>(dres), static_cast<const T*>(x.data()),
       static_cast<const T*>(w.data()),
       static_cast<const A*>(rstd.data()), dx.defined() ? static_cast<T*>(dx.data()) : nullptr,
-      part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols);
+      part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols, stage);
   LT_CUDA_CHECK_LAUNCH();
   if (!dweight.defined()) return;
   reduce_partials_kernel<T><<<unsigned((cols + kReduceLanes - 1) / kReduceLanes), dim3(kReduceLanes, kReduceLanes), 0,

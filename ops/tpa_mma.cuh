@@ -1,4 +1,4 @@
-// Internal to the TPA family's CUDA kernels: asynchronous global-to-shared copies, ldmatrix and the
+// Internal to the TPA family's CUDA kernels: ldmatrix and the
 // m16n8k16 tensor-core multiply-add (16-bit inputs, f32 accumulation), as inline PTX for sm_80 and up.
 //
 // Fragment layout of mma m16n8k16 (lane l, g = l / 4, c = 2 * (l % 4)):
@@ -9,24 +9,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include "core/cuda_async.cuh"
 
 namespace lintape::tpa_cuda {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1; zero-filled when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int Pending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
-}
+using cuda::cp_async16;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
+using cuda::smem_addr;
 
 // Four 8 x 8 matrices of 16-bit elements; lane l gives the row address of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
