@@ -121,6 +121,26 @@ struct Acc {
   __device__ __forceinline__ static int col(int n, int r) { return 8 * n + 2 * (threadIdx.x & 3) + (r & 1); }
 };
 
+// A fragment of rows m (16) at column kk of A (M x K): stored [m][k] (ATrans false) or [k][m].
+template <bool ATrans, class T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* A, int lda, int m, int kk) {
+  const int lane = threadIdx.x & 31;
+  if (!ATrans)
+    ldsm_x4(a, A + (m + (lane & 15)) * lda + kk + (lane >> 4) * 8);
+  else
+    ldsm_x4_t(a, A + (kk + (lane & 7) + ((lane >> 4) << 3)) * lda + m + ((lane >> 3) & 1) * 8);
+}
+// B fragments of two n-tiles (columns n .. n + 15) at row kk of B (K x N): stored [n][k] (BTrans false) or
+// [k][n].
+template <bool BTrans, class T>
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const T* B, int ldb, int n, int kk) {
+  const int lane = threadIdx.x & 31;
+  if (!BTrans)
+    ldsm_x4(b, B + (n + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
+  else
+    ldsm_x4_t(b, B + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + n + (lane >> 4) * 8);
+}
+
 // acc += A B over k in [0, K) (K a multiple of 16) for the warp's tile at (m0, n0). A is (M x K): stored [m][k]
 // (ATrans false) or [k][m]; B is (K x N): stored [n][k] (BTrans false) or [k][n]; shared memory, leading
 // dimensions in elements (rows 16-byte aligned). NT is even.
@@ -128,28 +148,41 @@ template <class T, bool ATrans, bool BTrans, int MT, int NT>
 __device__ __forceinline__ void warp_mma(Acc<MT, NT>& acc, const T* A, int lda, int m0, const T* B, int ldb, int n0,
                                          int K) {
   static_assert(NT % 2 == 0, "B fragments load in pairs of n-tiles");
-  const int lane = threadIdx.x & 31;
   for (int kk = 0; kk < K; kk += 16) {
     uint32_t a[MT][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      if (!ATrans)
-        ldsm_x4(a[m], A + (m0 + 16 * m + (lane & 15)) * lda + kk + (lane >> 4) * 8);
-      else
-        ldsm_x4_t(a[m], A + (kk + (lane & 7) + ((lane >> 4) << 3)) * lda + m0 + 16 * m + ((lane >> 3) & 1) * 8);
-    }
+    for (int m = 0; m < MT; ++m) load_a<ATrans>(a[m], A, lda, m0 + 16 * m, kk);
 #pragma unroll
     for (int n = 0; n < NT; n += 2) {
       uint32_t b[4];
-      if (!BTrans)
-        ldsm_x4(b, B + (n0 + 8 * n + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
-      else
-        ldsm_x4_t(b, B + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + n0 + 8 * n + (lane >> 4) * 8);
+      load_b<BTrans>(b, B, ldb, n0 + 8 * n, kk);
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         mma16816<T>(acc.x[m][n], a[m], b[0], b[1]);
         mma16816<T>(acc.x[m][n + 1], a[m], b[2], b[3]);
       }
+    }
+  }
+}
+
+// acc0 += A B0 and acc1 += A B1 (B0, B1 laid out alike): A's fragments load once, and the two products are
+// independent chains for the tensor cores.
+template <class T, bool ATrans, bool BTrans, int NT>
+__device__ __forceinline__ void warp_mma2(Acc<1, NT>& acc0, Acc<1, NT>& acc1, const T* A, int lda, int m0,
+                                          const T* B0, const T* B1, int ldb, int n0, int K) {
+  static_assert(NT % 2 == 0, "B fragments load in pairs of n-tiles");
+  for (int kk = 0; kk < K; kk += 16) {
+    uint32_t a[4];
+    load_a<ATrans>(a, A, lda, m0, kk);
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+      uint32_t b0[4], b1[4];
+      load_b<BTrans>(b0, B0, ldb, n0 + 8 * n, kk);
+      load_b<BTrans>(b1, B1, ldb, n0 + 8 * n, kk);
+      mma16816<T>(acc0.x[0][n], a, b0[0], b0[1]);
+      mma16816<T>(acc1.x[0][n], a, b1[0], b1[1]);
+      mma16816<T>(acc0.x[0][n + 1], a, b0[2], b0[3]);
+      mma16816<T>(acc1.x[0][n + 1], a, b1[2], b1[3]);
     }
   }
 }

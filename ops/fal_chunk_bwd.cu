@@ -190,21 +190,33 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
     // through the transposed LRPE into the raw rows' gradient (one of them live at a time).
     const int col0 = slice * kSlice + sc0;
     for (int which = 0; which < 2; ++which) {
-      Acc<1, NS> gx;
+      const T* left = which == 0 ? sm.ys : sm.vs;    // dY or V
+      const T* state = which == 0 ? sm.ss : sm.rs;   // S_c or R_(c+1)
+      const T* rows = which == 0 ? sm.ks : sm.qs;    // K or Q, by halves
+      const int base = which == 0 ? 1 : cl - 1, sign = which == 0 ? 1 : -1;
+      Acc<1, NS> gx, d0, d1;
       gx.zero();
-      for (int hf = 0; hf < halves; ++hf) {
-        Acc<1, NS> d;
-        d.zero();
-        if (which == 0) {
-          warp_mma<T, false, false>(d, sm.ys, ldE, m0, half_tile(sm.ss, hf, kSlice, ldE), ldE, sc0, EP);
-          scale_rows(d, m0, log2_lam, 1, 1);
-          warp_mma<T, false, true>(d, sm.bm, kLdC, m0, sm.ks + hf * kC * kLdS, kLdS, sc0, kC);
-        } else {
-          warp_mma<T, false, false>(d, sm.vs, ldE, m0, half_tile(sm.rs, hf, kSlice, ldE), ldE, sc0, EP);
-          scale_rows(d, m0, log2_lam, cl - 1, -1);
-          warp_mma<T, true, true>(d, sm.bm, kLdC, m0, sm.qs + hf * kC * kLdS, kLdS, sc0, kC);
-        }
-        fold(gx, d, cs, sn, hf);
+      d0.zero();
+      d1.zero();
+      if (halves == 2) {  // both halves at once: two independent chains
+        warp_mma2<T, false, false>(d0, d1, left, ldE, m0, half_tile(state, 0, kSlice, ldE),
+                                   half_tile(state, 1, kSlice, ldE), ldE, sc0, EP);
+        scale_rows(d0, m0, log2_lam, base, sign);
+        scale_rows(d1, m0, log2_lam, base, sign);
+        if (which == 0)
+          warp_mma2<T, false, true>(d0, d1, sm.bm, kLdC, m0, rows, rows + kC * kLdS, kLdS, sc0, kC);
+        else
+          warp_mma2<T, true, true>(d0, d1, sm.bm, kLdC, m0, rows, rows + kC * kLdS, kLdS, sc0, kC);
+        fold(gx, d0, cs, sn, 0);
+        fold(gx, d1, cs, sn, 1);
+      } else {
+        warp_mma<T, false, false>(d0, left, ldE, m0, half_tile(state, 0, kSlice, ldE), ldE, sc0, EP);
+        scale_rows(d0, m0, log2_lam, base, sign);
+        if (which == 0)
+          warp_mma<T, false, true>(d0, sm.bm, kLdC, m0, rows, kLdS, sc0, kC);
+        else
+          warp_mma<T, true, true>(d0, sm.bm, kLdC, m0, rows, kLdS, sc0, kC);
+        fold(gx, d0, cs, sn, 0);
       }
       if (which == 0)
         store_raw_grad(a, gx, q, a.sq_t, at_head<T>(a.dq, b, a.sdq_b, h, a.D), a.sdq_t, t0, m0, col0, a.act_q);
@@ -212,7 +224,21 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
         store_raw_grad(a, gx, k, a.sk_t, at_head<T>(a.dk, b, a.sdk_b, h, a.D), a.sdk_t, t0, m0, col0, a.act_k);
     }
   }
-  // The intra-chunk terms: Y += Am V, dV = diag(delta) K R + Am^T dY.
+  // The raw g, dO and v values of this thread's dg and dv elements load while the intra-chunk terms multiply:
+  // Y += Am V, dV = diag(delta) K R + Am^T dY.
+  uint32_t graw[NT][2], draw[NT][2], vraw[NT][2];
+  const bool v_act = a.act_v != FalStepSpec::kNone;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const int64_t t = t0 + m0 + y.row(0, r);
+      const int e = ec + y.col(n, 0);
+      const bool in = t < a.N && e < a.E;
+      graw[n][r / 2] = in ? *reinterpret_cast<const uint32_t*>(g + t * a.sg_t + e) : 0u;
+      draw[n][r / 2] = in ? *reinterpret_cast<const uint32_t*>(dout + t * out_ts + e) : 0u;
+      vraw[n][r / 2] = in && v_act ? *reinterpret_cast<const uint32_t*>(v + t * a.sv_t + e) : 0u;
+    }
   store_masked(sc, sm.am, m0, sc0, log2_lam);
   scale_rows(y, m0, log2_lam, 1, 1);
   scale_rows(dvo, m0, log2_lam, cl - 1, -1);
@@ -225,19 +251,15 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   for (int n = 0; n < NT; ++n) {
     const int e = ec + y.col(n, 0);
     if (e >= a.E) continue;
-    float gv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, vv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dgv[4], dvv[4];
+    float gv[4], vv[4], dov[4], dgv[4], dvv[4];
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {
-      const int64_t t = t0 + m0 + y.row(0, r);
-      float d0 = 0.0f, d1 = 0.0f;
-      if (t < a.N) {
-        load2(g + t * a.sg_t + e, gv[r], gv[r + 1]);
-        load2(dout + t * out_ts + e, d0, d1);
-        load2(v + t * a.sv_t + e, vv[r], vv[r + 1]);
-      }
-      dgv[r] = d0 * y.x[0][n][r], dgv[r + 1] = d1 * y.x[0][n][r + 1];
-      dvv[r] = dvo.x[0][n][r], dvv[r + 1] = dvo.x[0][n][r + 1];
+      load2(reinterpret_cast<const T*>(&graw[n][r / 2]), gv[r], gv[r + 1]);
+      load2(reinterpret_cast<const T*>(&draw[n][r / 2]), dov[r], dov[r + 1]);
+      load2(reinterpret_cast<const T*>(&vraw[n][r / 2]), vv[r], vv[r + 1]);
     }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) dgv[r] = dov[r] * y.x[0][n][r], dvv[r] = dvo.x[0][n][r];
     act_grad_n(gv, dgv, a.act_g);
     act_grad_n(vv, dvv, a.act_v);
 #pragma unroll
