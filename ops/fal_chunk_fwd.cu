@@ -204,16 +204,22 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
   auto state_row = [&](int s, int r) { return half * D + s * kSlice + s_m0 + Acc<1, ST>::row(0, r); };
 
   Acc<1, ST> st[Slices];
+  // f(value, its index in a (B, H, P, E) f32 state) for each of this thread's state values within E.
+  auto each_state = [&](auto&& f) {
+    if (!owns_state) return;
 #pragma unroll
-  for (int s = 0; s < Slices; ++s)
+    for (int s = 0; s < Slices; ++s)
 #pragma unroll
-    for (int n = 0; n < ST; ++n)
+      for (int n = 0; n < ST; ++n)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int e = s_n0 + st[s].col(n, r);
-        st[s].x[0][n][r] =
-            a.S0 && owns_state && e < a.E ? a.S0[bh * PE + size_t(state_row(s, r)) * a.E + e] : 0.0f;
-      }
+        for (int r = 0; r < 4; ++r) {
+          const int e = s_n0 + st[s].col(n, r);
+          if (e < a.E) f(st[s].x[0][n][r], bh * PE + size_t(state_row(s, r)) * a.E + e);
+        }
+  };
+#pragma unroll
+  for (int s = 0; s < Slices; ++s) st[s].zero();
+  if (a.S0) each_state([&](float& x, size_t i) { x = a.S0[i]; });
 
   auto stage_chunk = [&](int64_t t0) {
     const int bo = opaque(int(b)), ho = opaque(h);
@@ -327,16 +333,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
       }
     }
   }
-  if (a.S_final && owns_state)
-#pragma unroll
-    for (int s = 0; s < Slices; ++s)
-#pragma unroll
-      for (int n = 0; n < ST; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int e = s_n0 + st[s].col(n, r);
-          if (e < a.E) a.S_final[bh * PE + size_t(state_row(s, r)) * a.E + e] = st[s].x[0][n][r];
-        }
+  if (a.S_final) each_state([&](float& x, size_t i) { a.S_final[i] = x; });
 }
 
 template <class T>
