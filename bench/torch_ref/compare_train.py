@@ -39,12 +39,12 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--modes", default="eager,compile", help="the PyTorch runs: eager, compile or both")
+    ap.add_argument("--modes", default="eager,compile", help="the PyTorch runs: eager, compile or eager,compile (both)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds allowed to each command (default: no limit)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not set(args.modes.split(",")) <= {"eager", "compile"}:
-        ap.error(f"--modes takes eager, compile or both; got {args.modes}")
+        ap.error(f"--modes takes eager, compile or eager,compile; got {args.modes}")
     shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
