@@ -74,6 +74,8 @@ class Tensor {
   Tensor narrow(int64_t dim, int64_t start, int64_t length) const;  // a view: a slice of one dim
   Tensor contiguous() const;
   Tensor to(Device d) const;
+  // A converted copy; or, while the storage keeps a current copy in t (Storage::copy, e.g. AdamW's bf16 copy
+  // of the parameters), a view of that copy, which must then not be written.
   Tensor to(DType t) const;
   Tensor clone() const;
   Tensor detach() const;  // shares storage, no autograd history
