@@ -13,14 +13,19 @@ int64_t wrap_dim(int64_t dim, int64_t rank, const char* op) {
 }
 
 namespace {
-Tensor alias(const Tensor& t, const Shape& shape, const Shape& strides, int64_t offset) {
+// A tensor over `storage` read as `dtype` with the given layout.
+Tensor alias(const std::shared_ptr<Storage>& storage, DType dtype, const Shape& shape, const Shape& strides,
+             int64_t offset) {
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = t.impl()->storage;
+  impl->storage = storage;
   impl->shape = shape;
   impl->strides = strides;
   impl->offset = offset;
-  impl->dtype = t.dtype();
+  impl->dtype = dtype;
   return Tensor(impl);
+}
+Tensor alias(const Tensor& t, const Shape& shape, const Shape& strides, int64_t offset) {
+  return alias(t.impl()->storage, t.dtype(), shape, strides, offset);
 }
 
 Shape infer_shape(const Shape& shape, int64_t numel, const char* op) {
@@ -163,18 +168,8 @@ Tensor Tensor::to(Device d) const {
 Tensor Tensor::to(DType t) const {
   if (t == dtype()) return *this;
   const Storage& s = storage();
-  Tensor out;
-  if (s.copy && s.copy_dtype == t && s.copy_version == s.version) {  // the storage's kept copy: a view of it
-    auto impl = std::make_shared<TensorImpl>();
-    impl->storage = s.copy;
-    impl->shape = shape();
-    impl->strides = strides();
-    impl->offset = offset();
-    impl->dtype = t;
-    out = Tensor(impl);
-  } else {
-    out = copy_to(*this, t, device());
-  }
+  const bool kept = s.copy && s.copy_dtype == t && s.copy_version == s.version;  // a view of the kept copy
+  Tensor out = kept ? alias(s.copy, t, shape(), strides(), offset()) : copy_to(*this, t, device());
   const DType from = dtype();
   // A float32 leaf (a parameter) takes a 16-bit gradient as it is: the leaf's accumulation converts it in the
   // same pass.
