@@ -3,15 +3,12 @@
 // probabilities and the accumulators stay in registers (an S accumulator pair is the next multiply's A
 // fragment); online softmax in f32, base 2 (scale log2 e folded in, lse stored in base 2).
 //
-// k and v never exist in global memory, q only as a workspace of the backward (for a third of the batch at
-// a time) and never saved: a tile is built in shared memory from its factors,
-// x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :] in f32, rounded once (ops/tpa_attention_parts.cuh). The
-// repeated tiles are pipelined: the next tile's basis rows (contiguous over tokens, shared by all heads)
-// go global -> shared by cp.async and its mixing values into registers while the current tile is
-// multiplied; ranks too large for the stage area build straight from global memory.
-//   forward (this file): query tile of 128 rows; per key tile of 64: S = Q K^T, online softmax,
-//            O = alpha O + P V. It keeps two K, V pairs and builds tile j + 1 between the products of
-//            tile j, so the builds overlap the tensor-core work.
+// q, k and v are never saved: x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :] in f32, rounded once, is built
+// from the factors where it is used (ops/tpa_attention_parts.cuh). The tile a block owns is built in
+// shared memory; the repeated tiles are built once per launch into a workspace that lives for that launch
+// (a part of the batch at a time: see batch_launches) and copied tile by tile by cp.async.
+//   forward (this file): K and V built; query tile of 128 rows; per key tile of 64: S = Q K^T, online
+//            softmax, O = alpha O + P V.
 //   backward (ops/tpa_attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
 //            of 128.
 #include "ops/tpa_attention_parts.cuh"
@@ -21,100 +18,14 @@ namespace lintape::tpa_cuda {
 namespace {
 using namespace attention_parts;
 
-// The repeated K and V tiles of the forward: staged (prefetch, then build) or built from
-// global memory. Shared memory: mix_s (kMixMax f32), stage, and two K, V pairs (kv).
-template <class T, int HD>
-struct KvTiles {
-  static constexpr int LD = HD + 8, SLOTS = kMixMax / kThreads;
-  T* kv;  // two K, V pairs
-  float* mix_s;
-  T* stage;
-  float mix[SLOTS];
-  // What each of this thread's mixing slots (slot thread + s kThreads of mix_s) stages, the same for every
-  // tile: K's value (row, rank) = (slot / R_k, slot % R_k) below kSmall R_k, then V's; its row (kSmall: none)
-  // and offset from the tile's first value; bit s of mix_v: a V value.
-  int mix_row[SLOTS], mix_off[SLOTS];
-  uint32_t mix_v;
-  Pair<T> k, v;
-  int64_t bb;
-  int h, H;
-  bool staged;
-
-  __device__ void prefetch(int j) {
-    const int row0 = j * kSmall, valid = min(kSmall, k.L - row0);
-    stage_basis<T, HD, kSmall>(stage, k, bb, row0);
-    stage_basis<T, HD, kSmall>(stage + kSmall * k.R * HD, v, bb, row0);
-    cp_async_commit();
-    const T* ka = k.a + ((bb * k.L + row0) * H + h) * k.R;
-    const T* va = v.a + ((bb * v.L + row0) * H + h) * v.R;
-#pragma unroll
-    for (int q = 0; q < SLOTS; ++q)
-      mix[q] = mix_row[q] < valid ? to_acc(((mix_v >> q) & 1 ? va : ka)[mix_off[q]]) : 0.f;
-  }
-  // Waits for the staged tile and publishes its mixing values (block-wide: ends in a barrier).
-  __device__ void arrive() {
-    cp_async_wait<0>();
-#pragma unroll
-    for (int q = 0; q < SLOTS; ++q) mix_s[threadIdx.x + q * kThreads] = mix[q];
-    __syncthreads();
-  }
-  // Builds tile j into kd, vd: from the stage area (after arrive) or from global memory.
-  __device__ void build(int j, T* kd, T* vd) {
-    if (staged) {
-      const int valid = min(kSmall, k.L - j * kSmall);
-      build_tile<T, HD, kSmall>(kd, stage, mix_s, k.R, k.R, k.inv_r, valid);
-      build_tile<T, HD, kSmall>(vd, stage + kSmall * k.R * HD, mix_s + kSmall * k.R, v.R, v.R, v.inv_r, valid);
-    } else {
-      build_global<T, HD, kSmall>(kd, k, bb, h, H, j * kSmall);
-      build_global<T, HD, kSmall>(vd, v, bb, h, H, j * kSmall);
-    }
-  }
-  __device__ void start() {
-    mix_v = 0;
-#pragma unroll
-    for (int q = 0; q < SLOTS; ++q) {
-      mix[q] = 0.f;
-      int slot = int(threadIdx.x) + q * kThreads, R = k.R;
-      if (slot >= kSmall * k.R) {
-        slot -= kSmall * k.R;
-        R = v.R;
-        mix_v |= 1u << q;
-      }
-      mix_row[q] = slot < kSmall * R ? slot / R : kSmall;
-      mix_off[q] = slot < kSmall * R ? (slot / R) * H * R + slot % R : 0;
-    }
-    if (staged) prefetch(0);
-  }
-  // Tile j lives in pair j % 2, and tile j + 1 is built while tile j is multiplied, so the build's
-  // loads and arithmetic overlap the tensor-core work. Per tile j: the products that read K_j and V_j
-  // first, build_next(j), the rest, finish(j).
-  __device__ T* k_tile(int j) const { return kv + (j & 1) * 2 * kSmall * LD; }
-  __device__ T* v_tile(int j) const { return k_tile(j) + kSmall * LD; }
-  __device__ void begin(int tiles) {
-    start();
-    if (staged) arrive();
-    build(0, k_tile(0), v_tile(0));
-    __syncthreads();
-    if (staged && tiles > 1) prefetch(1);
-  }
-  // Pair (j + 1) % 2 is free: its last readers finished tile j - 1 before finish(j - 1)'s barrier.
-  __device__ void build_next(int j, int tiles) {
-    if (staged) arrive();
-    if (j + 1 < tiles) build(j + 1, k_tile(j + 1), v_tile(j + 1));
-  }
-  // Tile j + 1 is built and the stage area free: start staging tile j + 2.
-  __device__ void finish(int j, int tiles) {
-    __syncthreads();
-    if (staged && j + 2 < tiles) prefetch(j + 2);
-  }
-};
-
 // ---------------------------------------------------------------------------------------------------
-// Forward: a block per (query tile of kBig rows, head, batch entry); causal tiles heaviest first.
+// Forward: a block per (query tile of kBig rows, head, batch entry); causal tiles heaviest first. K and V
+// of the launch's batch entries are built beforehand (build_rows); their tiles of kSmall rows are
+// double-buffered: tile j + 1 is copied by cp.async while tile j is multiplied, one barrier a tile.
 
 template <int HD>
 constexpr size_t fwd_smem() {
-  return size_t(kBig + 4 * kSmall) * (HD + 8) * 2 + kMixMax * 4 + kStageBytes;
+  return size_t(kBig + 4 * kSmall) * (HD + 8) * 2;  // Q, then two K, V pairs
 }
 
 template <class T, int HD>
@@ -122,28 +33,27 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   constexpr int LD = HD + 8;
   extern __shared__ __align__(128) unsigned char smem[];
   T* qs = reinterpret_cast<T*>(smem);
-  KvTiles<T, HD> kv;
-  kv.kv = qs + kBig * LD;
-  kv.mix_s = reinterpret_cast<float*>(kv.kv + 4 * kSmall * LD);
-  kv.stage = reinterpret_cast<T*>(kv.mix_s + kMixMax);
+  T* kv = qs + kBig * LD;  // pair s: K at kv + 2 s kSmall LD, V after it
   const int nq = (p.N + kBig - 1) / kBig;
   const int qt = p.causal ? nq - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
-  const int64_t bb = blockIdx.z;
+  const int64_t bb = p.b0 + blockIdx.z;
   const int q0 = qt * kBig;
-  kv.k = {p.ak, p.bk, p.M, p.Rk, p.inv_rk};
-  kv.v = {p.av, p.bv, p.M, p.Rv, p.inv_rv};
-  kv.bb = bb;
-  kv.h = h;
-  kv.H = p.H;
-  kv.staged = p.stage_kv;
+  const int kv_all = (p.M + kSmall - 1) / kSmall;
+  const int tiles = p.causal ? min(kv_all, (q0 + kBig + kSmall - 1) / kSmall) : kv_all;
+  auto prefetch = [&](int j) {
+    T* kt = kv + 2 * (j & 1) * kSmall * LD;
+    copy_rows_async<T, HD, kSmall>(kt, p.k, blockIdx.z, h, p.H, p.M, j * kSmall);
+    copy_rows_async<T, HD, kSmall>(kt + kSmall * LD, p.v, blockIdx.z, h, p.H, p.M, j * kSmall);
+    cp_async_commit();
+  };
+  if (tiles > 0) prefetch(0);
   // Q carries the scale's sign, so the scores times |scale log2 e| are the logits and their row maxima
   // can be taken before scaling.
   build_global<T, HD, kBig>(qs, Pair<T>{p.aq, p.bq, p.N, p.Rq, p.scale < 0 ? -p.inv_rq : p.inv_rq}, bb, h, p.H, q0);
   const float sl2 = fabsf(p.sl2);
-  const int kv_all = (p.M + kSmall - 1) / kSmall;
-  const int tiles = p.causal ? min(kv_all, (q0 + kBig + kSmall - 1) / kSmall) : kv_all;
-  kv.begin(tiles);  // its barriers also publish Q
+  cp_async_wait<0>();
+  __syncthreads();  // Q and the first K, V tiles published
   const int row_a = q0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
   float o[HD / 8][4];
   zero<HD>(o);
@@ -152,9 +62,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) load_a<LD>(qf[kk], qs, warp * 16, kk * 16);
   for (int j = 0; j < tiles; ++j) {
+    if (j > 0) {
+      cp_async_wait<0>();
+      __syncthreads();  // tile j published; every warp is done with tile j - 1, whose pair is free
+    }
+    if (j + 1 < tiles) prefetch(j + 1);
+    const T* ks = kv + 2 * (j & 1) * kSmall * LD;
     float s[8][4];
-    frags_times_rows_t<T, HD>(s, qf, kv.k_tile(j));
-    kv.build_next(j, tiles);
+    frags_times_rows_t<T, HD>(s, qf, ks);
     const int k0 = j * kSmall;
     const bool mask = k0 + kSmall > p.M || (p.causal && k0 + kSmall - 1 > q0 + warp * 16);
     if (mask)
@@ -191,8 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
         o[e][2 * rr + 1] *= alpha;
       }
     }
-    probs_times_rows<T, HD>(o, s, kv.v_tile(j));
-    kv.finish(j, tiles);
+    probs_times_rows<T, HD>(o, s, ks + kSmall * LD);
   }
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
@@ -210,18 +124,41 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Launcher.
+// Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
+// factors into a workspace, then the attention over them.
 
 template <class T, int HD>
 void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   Params<T> p = make_params<T>(a);
   p.out = static_cast<T*>(out.data());
   p.lse = lse.data_ptr<float>();
-  const dim3 grid(unsigned((p.N + kBig - 1) / kBig), unsigned(p.H), unsigned(a.aq.size(0)));
+  const Device dev = a.aq.device();
+  cudaStream_t st = stream(dev.index);
+  const int64_t B = a.aq.size(0), kv_len = int64_t(p.M) * p.H * HD, query_tiles = (p.N + kBig - 1) / kBig;
+  const int64_t launches =
+      batch_launches(B, 2 * kv_len * int64_t(sizeof(T)), B * p.N * p.H * HD * int64_t(sizeof(T)), query_tiles * p.H,
+                     dev.index);
+  const int64_t chunk = (B + launches - 1) / launches;
+  Tensor kv = empty({2 * chunk * kv_len}, a.aq.dtype(), dev);
+  T* k = static_cast<T*>(kv.data());
+  T* v = k + chunk * kv_len;
+  p.k = k;
+  p.v = v;
   static bool configured = false;
   allow_smem(attention_fwd<T, HD>, fwd_smem<HD>(), configured);
-  attention_fwd<T, HD><<<grid, kThreads, fwd_smem<HD>(), stream(a.aq.device().index)>>>(p);
-  LT_CUDA_CHECK_LAUNCH();
+  for (int64_t l = 0, b0 = 0; l < launches; ++l) {
+    const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.M;
+    p.b0 = b0;
+    const unsigned build_blocks = grid_for(tokens * (HD / 8), kThreads);
+    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.ak, p.bk, k, b0 * p.M, tokens, p.H, p.Rk, p.inv_rk);
+    LT_CUDA_CHECK_LAUNCH();
+    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.av, p.bv, v, b0 * p.M, tokens, p.H, p.Rv, p.inv_rv);
+    LT_CUDA_CHECK_LAUNCH();
+    const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
+    attention_fwd<T, HD><<<grid, kThreads, fwd_smem<HD>(), st>>>(p);
+    LT_CUDA_CHECK_LAUNCH();
+    b0 += n;
+  }
 }
 
 }  // namespace

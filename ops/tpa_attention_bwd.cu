@@ -29,40 +29,6 @@ __global__ void attention_delta(const T* __restrict__ out, const T* __restrict__
   if (lane == 0) delta[row] = s;
 }
 
-// Q of a launch's batch entries, (entries, N, H, HD), from its factors: q[t, h] = inv_r sum_r aq[t, h, r]
-// bq[t, r] in f32, rounded once (the arithmetic of build_tile). A thread per (token, 8 columns), all heads;
-// its basis chunks stay in L1 across the heads. Every key block of the backward reads its query tiles from
-// here instead of rebuilding them.
-template <class T, int HD>
-__global__ void attention_build_q(const T* __restrict__ aq, const T* __restrict__ bq, T* __restrict__ q,
-                                  int64_t t0, int64_t tokens, int H, int R, float inv_r) {
-  constexpr int CH = HD / 8;
-  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x, w = idx / CH;
-  if (w >= tokens) return;
-  const int c8 = int(idx % CH);
-  const int64_t t = t0 + w;
-  for (int h = 0; h < H; ++h) {
-    float acc[8] = {};
-    for (int r = 0; r < R; ++r) {
-      const float a = to_acc(aq[(t * H + h) * R + r]);
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(bq + (t * R + r) * HD + c8 * 8));
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = unpack2<T>(u[e]);
-        acc[2 * e] += a * f.x;
-        acc[2 * e + 1] += a * f.y;
-      }
-    }
-    uint4 o;
-    o.x = pack2<T>(acc[0] * inv_r, acc[1] * inv_r);
-    o.y = pack2<T>(acc[2] * inv_r, acc[3] * inv_r);
-    o.z = pack2<T>(acc[4] * inv_r, acc[5] * inv_r);
-    o.w = pack2<T>(acc[6] * inv_r, acc[7] * inv_r);
-    *reinterpret_cast<uint4*>(q + (w * H + h) * HD + c8 * 8) = o;
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Backward: a block per (key tile of kBig rows, head, batch entry), over the query tiles of kSmall rows
 // that see it. Per query tile: S^T = K Q^T and dP^T = V dO^T (a warp per 16 keys), P and
@@ -266,19 +232,6 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const T* 
 // ---------------------------------------------------------------------------------------------------
 // Launcher.
 
-// Backward launches. A launch's workspaces (f32 dQ and basis gradients, Q) stay within the bytes of dout
-// (about a third of the batch: dQ alone is twice dout), as long as the launch still fills the device twice
-// over; the launches share the batch evenly (their sizes differ by at most one entry).
-int64_t backward_launches(int64_t B, int64_t ws_entry_bytes, int64_t dout_entry_bytes, int64_t entry_blocks,
-                          int device) {
-  int sms = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t by_memory = std::max<int64_t>(1, dout_entry_bytes * B / ws_entry_bytes);
-  const int64_t to_fill = (2 * int64_t(sms) + entry_blocks - 1) / entry_blocks;
-  const int64_t chunk = std::min(B, std::max(by_memory, to_fill));
-  return (B + chunk - 1) / chunk;
-}
-
 template <class T, int HD>
 void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                     FactorGrads& g) {
@@ -302,7 +255,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.Rk * HD,
                 dbv_len = int64_t(p.M) * p.Rv * HD, key_tiles = (p.M + kBig - 1) / kBig;
   const int64_t launches =
-      backward_launches(B, (dq_len + dbk_len + dbv_len) * 4 + dq_len * 2, dq_len * 2, key_tiles * p.H, dev.index);
+      batch_launches(B, (dq_len + dbk_len + dbv_len) * 4 + dq_len * 2, B * dq_len * 2, key_tiles * p.H, dev.index);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * (dq_len + dbk_len + dbv_len)}, DType::F32, dev);
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
@@ -316,7 +269,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.dbk = p.dq + n * dq_len;
     p.dbv = p.dbk + n * dbk_len;
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * (dq_len + dbk_len + dbv_len)) * 4, st));
-    attention_build_q<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
+    build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
         p.aq, p.bq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H, p.Rq, p.inv_rq);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));

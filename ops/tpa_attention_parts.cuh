@@ -18,8 +18,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBig = 16 * kWarps;  // the rows a block owns: queries (forward) or keys (backward)
 constexpr int kSmall = 64;         // the rows of each repeated tile
-constexpr int kStageBytes = 96 * 1024;  // basis rows of the next repeated tile
-constexpr int kMixMax = 4 * kThreads;  // mixing values staged per tile (64 rows x the ranks)
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <class T>
@@ -33,10 +31,11 @@ struct Params {
   float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles
   const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
-  int64_t b0;                // a backward launch's first batch entry: where its workspaces start
+  const T *k, *v;            // K and V of the forward launch's batch entries (M, H, HD each), built once
+  int64_t b0;                // a launch's first batch entry: where its workspaces start
   int N, M, H, Rq, Rk, Rv;
   float inv_rq, inv_rk, inv_rv, scale, sl2;  // sl2 = scale log2(e)
-  bool causal, stage_kv;  // whether the forward's K, V basis rows fit the stage area
+  bool causal;
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -59,15 +58,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-__device__ __forceinline__ float load_f(const float* p) { return *p; }
-template <class T>
-__device__ __forceinline__ float load_f(const T* p) { return to_acc(*p); }
-
 // dst[i, :] = inv_r sum_r a[i * a_stride + r] b[(i R + r) HD + :] for i < valid, 0 for the other rows up to
-// ROWS. b and a point at global memory or at a staged copy (a staged as f32). Each thread owns PER
-// 16-byte chunks and issues the loads of G of them together, rank by rank (G < PER saves registers).
-template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class A>
-__device__ void build_tile(T* dst, const T* b, const A* a, int a_stride, int R, float inv_r, int valid) {
+// ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank
+// (G < PER saves registers).
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
+__device__ void build_tile(T* dst, const T* b, const T* a, int a_stride, int R, float inv_r, int valid) {
   constexpr int LD = HD + 8, CH = HD / 8, PER = ROWS * CH / kThreads;
   static_assert(ROWS * CH % kThreads == 0 && PER % G == 0, "whole chunks per thread and per group");
 #pragma unroll 1
@@ -82,7 +77,7 @@ __device__ void build_tile(T* dst, const T* b, const A* a, int a_stride, int R, 
       for (int k = 0; k < G; ++k) {
         const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
         if (i < valid) {
-          const float w = load_f(a + size_t(i) * a_stride + r);
+          const float w = to_acc(a[size_t(i) * a_stride + r]);
           const uint4 v = *reinterpret_cast<const uint4*>(b + (size_t(i) * R + r) * HD + c8 * 8);
           const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -124,22 +119,37 @@ __device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int H,
                           min(ROWS, f.L - row0));
 }
 
-// Starts staging a pair's basis rows for tile rows row0.. (one contiguous block) by cp.async into `stage`,
-// zero past the end: ROWS HD / 8 chunks a rank, G a thread, copied a rank at a time.
-template <class T, int HD, int ROWS>
-__device__ __forceinline__ void stage_basis(T* stage, const Pair<T>& f, int64_t bb, int row0) {
-  constexpr int G = ROWS * HD / 8 / kThreads, PASS = G * kThreads;
-  static_assert(ROWS * HD / 8 % kThreads == 0, "whole chunks a thread for every rank");
-  const int valid = max(0, min(ROWS, f.L - row0));
-  const T* src = f.b + (bb * f.L + row0) * f.R * HD;
-  const int chunks = ROWS * f.R * HD / 8, valid_chunks = valid * f.R * HD / 8;
-  for (int c0 = int(threadIdx.x); c0 < chunks; c0 += PASS)
+// x (entries, L, H, HD) of a launch's batch entries from a pair's factors: x[t, h] = inv_r sum_r a[t, h, r]
+// b[t, r] in f32, rounded once (the arithmetic of build_tile), for tokens t0.. (t0 = first entry L). A
+// thread per (token, 8 columns), all heads; its basis chunks stay in L1 across the heads.
+template <class T, int HD>
+__global__ void build_rows(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ x, int64_t t0,
+                           int64_t tokens, int H, int R, float inv_r) {
+  constexpr int CH = HD / 8;
+  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x, w = idx / CH;
+  if (w >= tokens) return;
+  const int c8 = int(idx % CH);
+  const int64_t t = t0 + w;
+  for (int h = 0; h < H; ++h) {
+    float acc[8] = {};
+    for (int r = 0; r < R; ++r) {
+      const float ar = to_acc(a[(t * H + h) * R + r]);
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(b + (t * R + r) * HD + c8 * 8));
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int k = 0; k < G; ++k) {
-      const int c = c0 + k * kThreads;
-      const bool ok = c < valid_chunks;
-      cp_async16(stage + c * 8, src + (ok ? c * 8 : 0), ok);
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = unpack2<T>(u[e]);
+        acc[2 * e] += ar * f.x;
+        acc[2 * e + 1] += ar * f.y;
+      }
     }
+    uint4 o;
+    o.x = pack2<T>(acc[0] * inv_r, acc[1] * inv_r);
+    o.y = pack2<T>(acc[2] * inv_r, acc[3] * inv_r);
+    o.z = pack2<T>(acc[4] * inv_r, acc[5] * inv_r);
+    o.w = pack2<T>(acc[6] * inv_r, acc[7] * inv_r);
+    *reinterpret_cast<uint4*>(x + (w * H + h) * HD + c8 * 8) = o;
+  }
 }
 
 // Copies rows row0.. of x (B, L, H, HD) for head h into a padded tile by cp.async, zero past L. A thread
@@ -347,9 +357,23 @@ Params<T> make_params(const AttentionArgs& a) {
   p.scale = float(a.scale);
   p.sl2 = float(a.scale) * kLog2e;
   p.causal = a.causal;
-  const int64_t D = a.bq.size(3);
-  p.stage_kv = int64_t(kSmall) * (p.Rk + p.Rv) * D * 2 <= kStageBytes;
   return p;
+}
+
+// Launches over the batch for kernels with per-launch workspaces. A launch's workspace stays within
+// max(budget_bytes, kWorkspaceFloor), budget_bytes being the output's (or its gradient's) bytes, as long as
+// the launch still fills the device twice over; the launches share the batch evenly (their sizes differ by
+// at most one entry). Below the floor one launch costs less than the memory it saves: the model's shape
+// (B = 16, H = 6, N = 2048) ran its backward 10% faster in one launch than in four.
+constexpr int64_t kWorkspaceFloor = int64_t(256) << 20;
+inline int64_t batch_launches(int64_t B, int64_t ws_entry_bytes, int64_t budget_bytes, int64_t entry_blocks,
+                              int device) {
+  int sms = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t by_memory = std::max<int64_t>(1, std::max(budget_bytes, kWorkspaceFloor) / ws_entry_bytes);
+  const int64_t to_fill = (2 * int64_t(sms) + entry_blocks - 1) / entry_blocks;
+  const int64_t chunk = std::min(B, std::max(by_memory, to_fill));
+  return (B + chunk - 1) / chunk;
 }
 
 // Raises a kernel's dynamic shared memory limit once per process.
