@@ -103,8 +103,9 @@ std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position) const
   const std::vector<Tensor> as = split(fa, {rank_q, rank_k, rank_v}, 3), bs = split(fb, {rank_q, rank_k, rank_v}, 2);
   LrpeOptions at;
   at.offset = position;
-  const Tensor bq = lrpe_rotate(bs[0].contiguous(), theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
-  return {as[0].contiguous(), bq, as[1].contiguous(), bs[1].contiguous(), as[2].contiguous(), bs[2].contiguous()};
+  // Views of the two projections: the fused ops read them in place.
+  const Tensor bq = lrpe_rotate(bs[0], theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
+  return {as[0], bq, as[1], bs[1], as[2], bs[2]};
 }
 
 // Causal attention over the tokens of x alone (B, N) and the output projection.

@@ -360,6 +360,20 @@ std::string fused_attention_unsupported(const Factors& f) {
 #endif
 }
 
+#if LINTAPE_WITH_CUDA
+// The fused attention reads a factor in place when its batch and token dims merge and each token's values
+// sit as the kernels index them: a (B, L, H, R) with unit rank stride, b (B, L, R, D) with rows of D at
+// stride D, 16-byte aligned. Views of a wider projection qualify (the TPA mixer's split of its two
+// projections); anything else is copied.
+Tensor factor_in_place(const Tensor& t, bool basis) {
+  const Shape& st = t.strides();
+  const int64_t bytes = int64_t(dtype_size(t.dtype()));
+  bool ok = st[3] == 1 && (t.size(0) == 1 || st[0] == t.size(1) * st[1]);
+  if (basis) ok = ok && st[2] == t.size(3) && st[1] * bytes % 16 == 0 && reinterpret_cast<uintptr_t>(t.data()) % 16 == 0;
+  return ok ? t : t.contiguous();
+}
+#endif
+
 // Fused attention: forward saves the detached factors, the output and the log-sum-exp; the backward
 // kernels return the six factor gradients (dq, dk, dv are contracted on chip).
 Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
@@ -369,12 +383,12 @@ Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
   LT_CHECK(why.empty(), "[", op, "] Impl::Fused needs ", why, "; use Impl::Auto or Composed");
 #if LINTAPE_WITH_CUDA
   tpa_cuda::AttentionArgs a;
-  a.aq = f.aq.detach().contiguous();
-  a.bq = f.bq.detach().contiguous();
-  a.ak = f.ak.detach().contiguous();
-  a.bk = f.bk.detach().contiguous();
-  a.av = f.av.detach().contiguous();
-  a.bv = f.bv.detach().contiguous();
+  a.aq = factor_in_place(f.aq.detach(), false);
+  a.bq = factor_in_place(f.bq.detach(), true);
+  a.ak = factor_in_place(f.ak.detach(), false);
+  a.bk = factor_in_place(f.bk.detach(), true);
+  a.av = factor_in_place(f.av.detach(), false);
+  a.bv = factor_in_place(f.bv.detach(), true);
   a.causal = causal;
   a.scale = scale;
   const Device dev = f.aq.device();

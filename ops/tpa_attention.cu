@@ -50,7 +50,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   if (tiles > 0) prefetch(0);
   // Q carries the scale's sign, so the scores times |scale log2 e| are the logits and their row maxima
   // can be taken before scaling.
-  build_global<T, HD, kBig>(qs, Pair<T>{p.aq, p.bq, p.N, p.Rq, p.scale < 0 ? -p.inv_rq : p.inv_rq}, bb, h, p.H, q0);
+  Pair<T> fq = p.fq;
+  if (p.scale < 0) fq.inv_r = -fq.inv_r;
+  build_global<T, HD, kBig>(qs, fq, bb, h, q0);
   const float sl2 = fabsf(p.sl2);
   cp_async_wait<0>();
   __syncthreads();  // Q and the first K, V tiles published
@@ -150,9 +152,9 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.M;
     p.b0 = b0;
     const unsigned build_blocks = grid_for(tokens * (HD / 8), kThreads);
-    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.ak, p.bk, k, b0 * p.M, tokens, p.H, p.Rk, p.inv_rk);
+    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fk, k, b0 * p.M, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
-    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.av, p.bv, v, b0 * p.M, tokens, p.H, p.Rv, p.inv_rv);
+    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fv, v, b0 * p.M, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
     attention_fwd<T, HD><<<grid, kThreads, fwd_smem<HD>(), st>>>(p);

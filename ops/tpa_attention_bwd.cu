@@ -71,7 +71,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
             c = (lane & 3) * 2;
   const int64_t bb = p.b0 + blockIdx.y;
   const int k0 = kt * kBig;
-  const Pair<T> fk{p.ak, p.bk, p.M, p.Rk, p.inv_rk}, fv{p.av, p.bv, p.M, p.Rv, p.inv_rv};
   const int first = p.causal ? k0 / kSmall : 0, last = (p.N + kSmall - 1) / kSmall;
   float stat = 0.f;  // lse (threads < kSmall) or Delta (the next kSmall) of the next query tile's rows
   auto prefetch = [&](int i) {
@@ -85,8 +84,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
                                                : 0.f;
   };
   if (first < last) prefetch(first);
-  build_global<T, HD, kBig>(ks, fk, bb, h, p.H, k0);
-  build_global<T, HD, kBig>(vs, fv, bb, h, p.H, k0);
+  build_global<T, HD, kBig>(ks, p.fk, bb, h, k0);
+  build_global<T, HD, kBig>(vs, p.fv, bb, h, k0);
 
   float dk[HD / 8][4], dv[HD / 8][4];
   zero<HD>(dk);
@@ -183,30 +182,30 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   float* fs = reinterpret_cast<float*>(qdo);  // the f32 results go through the Q, dO buffers
   store_acc<HD>(fs, dk, warp * 16, p.scale);
   __syncthreads();
-  factor_grads<T, HD>(fs, fk, p.dak, p.dbk, bb, p.b0, h, p.H, k0);
+  factor_grads<T, HD>(fs, p.fk, p.dak, p.dbk, bb, p.b0, h, p.H, k0);
   __syncthreads();
   store_acc<HD>(fs, dv, warp * 16, 1.f);
   __syncthreads();
-  factor_grads<T, HD>(fs, fv, p.dav, p.dbv, bb, p.b0, h, p.H, k0);
+  factor_grads<T, HD>(fs, p.fv, p.dav, p.dbv, bb, p.b0, h, p.H, k0);
 }
 
 // dQ (f32 dQ / scale, batch entries from t0 / N) to its factors, a warp per token, every value written once:
 // daq[t, h, r] = mul dq[t, h] . bq[t, r] and dbq[t, r, :] = mul sum_h aq[t, h, r] dq[t, h, :], mul = scale / R.
 // The token's dq rows are read once per rank; after the first they come from L1.
 template <class T, int HD>
-__global__ void attention_q_factor_grads(const float* __restrict__ dq, const T* __restrict__ aq,
-                                         const T* __restrict__ bq, T* __restrict__ daq, T* __restrict__ dbq,
-                                         int64_t t0, int64_t tokens, int H, int R, float mul) {
+__global__ void attention_q_factor_grads(const float* __restrict__ dq, const Pair<T> fq, T* __restrict__ daq,
+                                         T* __restrict__ dbq, int64_t t0, int64_t tokens, int H, float mul) {
   constexpr int E = HD / 32;
   const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= tokens) return;
   const int lane = threadIdx.x % 32;
   const int64_t t = t0 + w;
+  const int R = fq.R;
   for (int r = 0; r < R; ++r) {
     float b[E], db[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      b[e] = to_acc(bq[(t * R + r) * HD + lane + 32 * e]);
+      b[e] = to_acc(fq.b_at(t)[r * HD + lane + 32 * e]);
       db[e] = 0.f;
     }
     for (int h = 0; h < H; ++h) {
@@ -220,7 +219,7 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const T* 
       for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       const int64_t ai = (t * H + h) * R + r;
       if (lane == 0) daq[ai] = from_acc<T>(dot * mul);
-      const float wr = to_acc(aq[ai]) * mul;
+      const float wr = to_acc(fq.a_at(t, h)[r]) * mul;
 #pragma unroll
       for (int e = 0; e < E; ++e) db[e] += wr * x[e];
     }
@@ -252,8 +251,8 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   // Per launch of up to `chunk` batch entries: a zeroed f32 workspace, dQ (N H HD a batch entry, summed
   // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
   // g.bv; and Q (N H HD in T a batch entry).
-  const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.Rk * HD,
-                dbv_len = int64_t(p.M) * p.Rv * HD, key_tiles = (p.M + kBig - 1) / kBig;
+  const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.fk.R * HD,
+                dbv_len = int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig;
   const int64_t launches =
       batch_launches(B, (dq_len + dbk_len + dbv_len) * 4 + dq_len * 2, B * dq_len * 2, key_tiles * p.H, dev.index);
   const int64_t chunk = (B + launches - 1) / launches;
@@ -270,13 +269,13 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.dbv = p.dbk + n * dbk_len;
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * (dq_len + dbk_len + dbv_len)) * 4, st));
     build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
-        p.aq, p.bq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H, p.Rq, p.inv_rq);
+        p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     attention_bwd<T, HD><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
     attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
-        p.dq, p.aq, p.bq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.Rq, p.inv_rq * p.scale);
+        p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
     LT_CUDA_CHECK_LAUNCH();
     Tensor dbk = g.bk.narrow(0, b0, n), dbv = g.bv.narrow(0, b0, n);
     dbk.copy_(ws.narrow(0, n * dq_len, n * dbk_len).view(dbk.shape()));

@@ -20,9 +20,24 @@ constexpr int kBig = 16 * kWarps;  // the rows a block owns: queries (forward) o
 constexpr int kSmall = 64;         // the rows of each repeated tile
 constexpr float kLog2e = 1.4426950408889634f;
 
+// One factor pair: a (B, L, H, R) and b (B, L, R, HD), read in place through token strides (the mixer's
+// views of its two projections): a[t, h, r] at a + t a_tok + h a_head + r and b[t, r, :] at
+// b + t b_tok + r HD, t = entry L + row.
+template <class T>
+struct Pair {
+  const T* a;
+  const T* b;
+  int L, R;
+  float inv_r;
+  int64_t a_tok, b_tok;
+  int a_head;
+  __device__ __forceinline__ const T* a_at(int64_t t, int h) const { return a + t * a_tok + h * a_head; }
+  __device__ __forceinline__ const T* b_at(int64_t t) const { return b + t * b_tok; }
+};
+
 template <class T>
 struct Params {
-  const T *aq, *bq, *ak, *bk, *av, *bv;
+  Pair<T> fq, fk, fv;
   T* out;
   float* lse;
   const T* dout;
@@ -33,8 +48,8 @@ struct Params {
   const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
   const T *k, *v;            // K and V of the forward launch's batch entries (M, H, HD each), built once
   int64_t b0;                // a launch's first batch entry: where its workspaces start
-  int N, M, H, Rq, Rk, Rv;
-  float inv_rq, inv_rk, inv_rv, scale, sl2;  // sl2 = scale log2(e)
+  int N, M, H;
+  float scale, sl2;  // sl2 = scale log2(e)
   bool causal;
 };
 
@@ -58,11 +73,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// dst[i, :] = inv_r sum_r a[i * a_stride + r] b[(i R + r) HD + :] for i < valid, 0 for the other rows up to
-// ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank
+// dst[i, :] = inv_r sum_r a[i a_stride + r] b[i b_stride + r HD + :] for i < valid, 0 for the other rows up
+// to ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank
 // (G < PER saves registers).
 template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
-__device__ void build_tile(T* dst, const T* b, const T* a, int a_stride, int R, float inv_r, int valid) {
+__device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int64_t b_stride, int R, float inv_r,
+                           int valid) {
   constexpr int LD = HD + 8, CH = HD / 8, PER = ROWS * CH / kThreads;
   static_assert(ROWS * CH % kThreads == 0 && PER % G == 0, "whole chunks per thread and per group");
 #pragma unroll 1
@@ -77,8 +93,8 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int a_stride, int R, 
       for (int k = 0; k < G; ++k) {
         const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
         if (i < valid) {
-          const float w = to_acc(a[size_t(i) * a_stride + r]);
-          const uint4 v = *reinterpret_cast<const uint4*>(b + (size_t(i) * R + r) * HD + c8 * 8);
+          const float w = to_acc(a[i * a_stride + r]);
+          const uint4 v = *reinterpret_cast<const uint4*>(b + i * b_stride + r * HD + c8 * 8);
           const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
@@ -102,29 +118,18 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int a_stride, int R, 
   }
 }
 
-// One factor pair of one (batch entry, head): a (B, L, H, R), b (B, L, R, HD).
-template <class T>
-struct Pair {
-  const T* a;
-  const T* b;
-  int L, R;
-  float inv_r;
-};
-
 // Builds rows row0.. of a pair's tile straight from global memory.
 template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
-__device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int H, int row0) {
+__device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int row0) {
   const int64_t t0 = bb * f.L + row0;
-  build_tile<T, HD, ROWS, G>(dst, f.b + t0 * f.R * HD, f.a + (t0 * H + h) * f.R, H * f.R, f.R, f.inv_r,
-                          min(ROWS, f.L - row0));
+  build_tile<T, HD, ROWS, G>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r, min(ROWS, f.L - row0));
 }
 
 // x (entries, L, H, HD) of a launch's batch entries from a pair's factors: x[t, h] = inv_r sum_r a[t, h, r]
 // b[t, r] in f32, rounded once (the arithmetic of build_tile), for tokens t0.. (t0 = first entry L). A
 // thread per (token, 8 columns), all heads; its basis chunks stay in L1 across the heads.
 template <class T, int HD>
-__global__ void build_rows(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ x, int64_t t0,
-                           int64_t tokens, int H, int R, float inv_r) {
+__global__ void build_rows(const Pair<T> f, T* __restrict__ x, int64_t t0, int64_t tokens, int H) {
   constexpr int CH = HD / 8;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x, w = idx / CH;
   if (w >= tokens) return;
@@ -132,9 +137,9 @@ __global__ void build_rows(const T* __restrict__ a, const T* __restrict__ b, T* 
   const int64_t t = t0 + w;
   for (int h = 0; h < H; ++h) {
     float acc[8] = {};
-    for (int r = 0; r < R; ++r) {
-      const float ar = to_acc(a[(t * H + h) * R + r]);
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(b + (t * R + r) * HD + c8 * 8));
+    for (int r = 0; r < f.R; ++r) {
+      const float ar = to_acc(f.a_at(t, h)[r]);
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(f.b_at(t) + r * HD + c8 * 8));
       const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -144,10 +149,10 @@ __global__ void build_rows(const T* __restrict__ a, const T* __restrict__ b, T* 
       }
     }
     uint4 o;
-    o.x = pack2<T>(acc[0] * inv_r, acc[1] * inv_r);
-    o.y = pack2<T>(acc[2] * inv_r, acc[3] * inv_r);
-    o.z = pack2<T>(acc[4] * inv_r, acc[5] * inv_r);
-    o.w = pack2<T>(acc[6] * inv_r, acc[7] * inv_r);
+    o.x = pack2<T>(acc[0] * f.inv_r, acc[1] * f.inv_r);
+    o.y = pack2<T>(acc[2] * f.inv_r, acc[3] * f.inv_r);
+    o.z = pack2<T>(acc[4] * f.inv_r, acc[5] * f.inv_r);
+    o.w = pack2<T>(acc[6] * f.inv_r, acc[7] * f.inv_r);
     *reinterpret_cast<uint4*>(x + (w * H + h) * HD + c8 * 8) = o;
   }
 }
@@ -305,10 +310,10 @@ __device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db
       float bv[U][E], w[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const T* br = f.b + (t[u] * f.R + r) * HD;
+        const T* br = f.b_at(t[u]) + r * HD;
 #pragma unroll
         for (int e = 0; e < E; ++e) bv[u][e] = ok[u] ? to_acc(br[lane + 32 * e]) : 0.f;
-        w[u] = ok[u] ? to_acc(f.a[(t[u] * H + h) * f.R + r]) * f.inv_r : 0.f;
+        w[u] = ok[u] ? to_acc(f.a_at(t[u], h)[r]) * f.inv_r : 0.f;
       }
       float dot[U];
 #pragma unroll
@@ -337,23 +342,28 @@ __device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db
 // Launchers.
 
 template <class T>
+Pair<T> make_pair(const Tensor& a, const Tensor& b) {
+  Pair<T> f;
+  f.a = static_cast<const T*>(a.data());
+  f.b = static_cast<const T*>(b.data());
+  f.L = int(a.size(1));
+  f.R = int(a.size(3));
+  f.inv_r = 1.f / float(f.R);
+  f.a_tok = a.strides()[1];
+  f.a_head = int(a.strides()[2]);
+  f.b_tok = b.strides()[1];
+  return f;
+}
+
+template <class T>
 Params<T> make_params(const AttentionArgs& a) {
   Params<T> p{};
-  p.aq = static_cast<const T*>(a.aq.data());
-  p.bq = static_cast<const T*>(a.bq.data());
-  p.ak = static_cast<const T*>(a.ak.data());
-  p.bk = static_cast<const T*>(a.bk.data());
-  p.av = static_cast<const T*>(a.av.data());
-  p.bv = static_cast<const T*>(a.bv.data());
+  p.fq = make_pair<T>(a.aq, a.bq);
+  p.fk = make_pair<T>(a.ak, a.bk);
+  p.fv = make_pair<T>(a.av, a.bv);
   p.N = int(a.aq.size(1));
   p.M = int(a.ak.size(1));
   p.H = int(a.aq.size(2));
-  p.Rq = int(a.aq.size(3));
-  p.Rk = int(a.ak.size(3));
-  p.Rv = int(a.av.size(3));
-  p.inv_rq = 1.f / float(p.Rq);
-  p.inv_rk = 1.f / float(p.Rk);
-  p.inv_rv = 1.f / float(p.Rv);
   p.scale = float(a.scale);
   p.sl2 = float(a.scale) * kLog2e;
   p.causal = a.causal;

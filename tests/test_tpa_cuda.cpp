@@ -5,6 +5,7 @@
 #include <vector>
 #include "core/allocator.h"
 #include "helpers.h"
+#include "ops/shape.h"
 #include "ops/tpa.h"
 #include "ops/tpa_cuda.h"
 
@@ -186,9 +187,7 @@ std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factors, cons
 TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // Odd N, causal and not, N != M (more keys than a tile), ranks (6, 2, 2), (1, 1, 1) and up to 16,
-  // D = 64 and 128, several query and key tiles; ranks whose basis rows fit the stage area (K, V: at the
-  // limit with (4, 2) at D = 128) and ranks that build straight from global memory (K, V: (8, 8) and
-  // (16, 16); Q in the backward: 16).
+  // D = 64 and 128, several query and key tiles.
   const AttnShape shapes[] = {{2, 77, 77, 3, 6, 2, 2, 64, true},     {2, 77, 77, 3, 6, 2, 2, 64, false},
                               {1, 130, 130, 2, 1, 1, 1, 128, true},  {1, 45, 70, 2, 3, 2, 4, 128, false},
                               {1, 201, 201, 2, 16, 16, 16, 64, true}, {1, 300, 300, 2, 6, 2, 2, 128, true},
@@ -235,6 +234,33 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
       }
 #endif
     }
+}
+
+TEST_CASE("cuda tpa attention fused reads views of wider projections in place" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // The TPA mixer's factors: splits of its two projections, (B, N, H, 10) and (B, N, 10, D).
+  const int64_t B = 2, N = 150, H = 3, D = 128;
+  const Tensor fa = randn({B, N, H, 10}, DType::BF16, gpu(), 31), fb = randn({B, N, 10, D}, DType::BF16, gpu(), 32);
+  const std::vector<Tensor> as = split(fa, {6, 2, 2}, 3), bs = split(fb, {6, 2, 2}, 2);
+  const std::vector<Tensor> views{as[0], bs[0], as[1], bs[1], as[2], bs[2]};
+  std::vector<Tensor> copies;
+  for (const Tensor& v : views) copies.push_back(v.contiguous());
+  TpaOptions o;
+  o.causal = true;
+  const Tensor w = randn({B, N, H, D}, DType::F32, Device::cpu(), 33);
+  const std::vector<Tensor> from_views = attention_and_grads(views, o, Impl::Fused, w);
+  const std::vector<Tensor> from_copies = attention_and_grads(copies, o, Impl::Fused, w);
+  // The same arithmetic: the output to the bit; the gradients to rounding (f32 atomics sum in any order).
+  CHECK(from_views[0].to_vector<double>() == from_copies[0].to_vector<double>());
+  for (size_t i = 1; i < 7; ++i) {
+    CAPTURE(i);
+    CHECK_CLOSE_TENSOR(from_views[i], from_copies[i], DType::BF16);
+  }
+  // Read in place: a copy of bq alone would add twice the output.
+  reset_peak_memory(gpu());
+  const size_t before = memory_stats(gpu()).in_use;
+  const Tensor out = tpa_attention(views[0], views[1], views[2], views[3], views[4], views[5], o, Impl::Fused);
+  CHECK(memory_stats(gpu()).peak - before <= 3 * out.nbytes() + size_t(B * N * H) * 4 + 4096);
 }
 
 TEST_CASE("cuda tpa attention fused keeps no q, k, v or scores" * LT_CUDA_CASE) {
