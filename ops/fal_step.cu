@@ -2,11 +2,15 @@
 //
 // A block handles one (b, h) and a tile of kColumns state columns e. It first issues the loads of its part of
 // the state, then loads the token's q, k, v and g rows, applies the acts (softmax over the feature dim reduces
-// across the block) and the LRPE, all in shared memory, then updates its columns: thread (e, p-group) walks
-// rows p, p + kRowGroups, ... and the p-groups' partial products are summed in a fixed order. The state is read
-// and written once: the step is bound by the state's memory traffic.
+// across the block) and the LRPE, all in shared memory, then updates its columns. A thread owns VEC adjacent
+// columns (16-byte loads when E allows, else one): a warp covers VEC rows of the tile, warp w walks rows
+// VEC w, VEC w + VEC kRowGroups, ..., and the partial products are summed in a fixed order (over the warp's
+// rows by shuffles, then over the warps). The state is read and written once: the step is bound by the
+// state's memory traffic.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 #include "core/cuda_types.cuh"
 #include "ops/fal_cuda.h"
 
@@ -15,10 +19,10 @@ using namespace lintape::cuda;
 
 namespace {
 
-constexpr int kColumns = 32;   // state columns per block (one warp wide: coalesced rows of the state)
-constexpr int kRowGroups = 8;  // groups of state rows, one warp each
-constexpr int kThreads = kColumns * kRowGroups;
-constexpr int kPrefetchRows = 32;  // state rows per thread held in registers: all of them up to P = 256
+constexpr int kColumns = 32;   // state columns per block (128-byte rows of the tile)
+constexpr int kRowGroups = 8;  // warps, each a group of state rows
+constexpr int kThreads = 32 * kRowGroups;
+constexpr int kPrefetchValues = 32;  // state values per thread held in registers: all of them up to P = 256
 
 struct StepGeo {
   int H, D, E, P;
@@ -98,10 +102,12 @@ __device__ void rows_lrpe(const float* xq, const float* xk, float* qb, float* kb
   }
 }
 
-template <class T>
+template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     step_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ gate,
                 const float* __restrict__ S_in, float* __restrict__ S_out, T* __restrict__ out, StepGeo g) {
+  using V = std::conditional_t<VEC == 4, float4, float>;
+  constexpr int kLanesPerRow = kColumns / VEC, kRowsPerPass = kRowGroups * VEC, kPasses = kPrefetchValues / VEC;
   extern __shared__ float smem[];
   const int D = g.D, E = g.E, P = g.P;
   float* qb = smem;                               // P
@@ -115,16 +121,19 @@ __global__ void __launch_bounds__(kThreads)
 
   const int64_t bh = blockIdx.x;  // b * H + h: the token's row in (B, 1, H, .)
   const int h = int(bh % g.H);
-  const int lane = threadIdx.x % kColumns, group = threadIdx.x / kColumns;
-  const int e = blockIdx.y * kColumns + lane;
-  const float* src = S_in + bh * P * E + e;
-  // The state is loaded before the token's prologue, so that its latency hides behind it: rows group, group +
-  // kRowGroups, ... up to kPrefetchRows of them; the rest stream afterwards.
-  float pre[kPrefetchRows];
+  const int lane = threadIdx.x % 32, group = threadIdx.x / 32;
+  const int e0 = blockIdx.y * kColumns + (lane % kLanesPerRow) * VEC;  // this thread's first column
+  const int row0 = group * VEC + lane / kLanesPerRow;                  // and row; then every kRowsPerPass
+  const bool cols_ok = e0 < E;  // E is a multiple of VEC
+  const float* src = S_in + bh * P * E + e0;
+  auto at = [&](const float* base, int p) { return reinterpret_cast<const V*>(base + int64_t(p) * E); };
+  // The state is loaded before the token's prologue, so that its latency hides behind it: up to
+  // kPrefetchValues values a thread; the rest stream afterwards.
+  V pre[kPasses];
 #pragma unroll
-  for (int i = 0; i < kPrefetchRows; ++i) {
-    const int p = group + i * kRowGroups;
-    pre[i] = e < E && p < P ? src[int64_t(p) * E] : 0.0f;
+  for (int i = 0; i < kPasses; ++i) {
+    const int p = row0 + i * kRowsPerPass;
+    if (cols_ok && p < P) pre[i] = *at(src, p);
   }
   for (int i = threadIdx.x; i < D; i += kThreads) {
     xq[i] = to_acc(q[bh * D + i]);
@@ -143,28 +152,39 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   const float lam = g.decay ? g.decay[h] : 1.0f;
-  float y = 0;
-  if (e < E) {
-    const float ve = vb[e];
-    float* dst = S_out + bh * P * E + e;
+  float y[VEC] = {};
+  if (cols_ok) {
+    float ve[VEC];
 #pragma unroll
-    for (int i = 0; i < kPrefetchRows; ++i) {
-      const int p = group + i * kRowGroups;
-      if (p < P) {
-        const float s = lam * pre[i] + kb[p] * ve;
-        dst[int64_t(p) * E] = s;
-        y += qb[p] * s;
+    for (int c = 0; c < VEC; ++c) ve[c] = vb[e0 + c];
+    float* dst = S_out + bh * P * E + e0;
+    auto update = [&](V in, int p) {
+      float* sv = reinterpret_cast<float*>(&in);
+      const float kp = kb[p], qp = qb[p];
+#pragma unroll
+      for (int c = 0; c < VEC; ++c) {
+        sv[c] = lam * sv[c] + kp * ve[c];
+        y[c] += qp * sv[c];
       }
+      *reinterpret_cast<V*>(dst + int64_t(p) * E) = in;
+    };
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int p = row0 + i * kRowsPerPass;
+      if (p < P) update(pre[i], p);
     }
-#pragma unroll 8
-    for (int p = group + kPrefetchRows * kRowGroups; p < P; p += kRowGroups) {
-      const float s = lam * src[int64_t(p) * E] + kb[p] * ve;
-      dst[int64_t(p) * E] = s;
-      y += qb[p] * s;
-    }
+#pragma unroll 4
+    for (int p = row0 + kPasses * kRowsPerPass; p < P; p += kRowsPerPass) update(*at(src, p), p);
   }
-  part[group * kColumns + lane] = y;
+  // Sum over the warp's rows (lanes kLanesPerRow apart), then over the warps in order.
+#pragma unroll
+  for (int c = 0; c < VEC; ++c)
+    for (int o = kLanesPerRow; o < 32; o *= 2) y[c] += __shfl_xor_sync(0xffffffffu, y[c], o);
+  if (lane < kLanesPerRow)
+#pragma unroll
+    for (int c = 0; c < VEC; ++c) part[group * kColumns + lane * VEC + c] = y[c];
   __syncthreads();
+  const int e = blockIdx.y * kColumns + lane;
   if (group == 0 && e < E) {
     float sum = 0;
     for (int r = 0; r < kRowGroups; ++r) sum += part[r * kColumns + lane];
@@ -197,12 +217,16 @@ void step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, co
   cudaStream_t st = stream(q.device().index);
   auto launch = [&](auto type_tag) {
     using T = decltype(type_tag);
+    // 16-byte state loads when every row of the state starts 16-byte aligned.
+    const bool wide = E % 4 == 0 && reinterpret_cast<uintptr_t>(state_in.data()) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(state_out.data()) % 16 == 0;
+    auto kernel = wide ? step_kernel<T, 4> : step_kernel<T, 1>;
     if (smem > 48 * 1024)
-      LT_CUDA_CHECK(cudaFuncSetAttribute(step_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    step_kernel<T><<<grid, kThreads, smem, st>>>(static_cast<const T*>(q.data()), static_cast<const T*>(k.data()),
-                                                 static_cast<const T*>(v.data()), static_cast<const T*>(g.data()),
-                                                 state_in.data_ptr<float>(), state_out.data_ptr<float>(),
-                                                 static_cast<T*>(out.data()), geo);
+      LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<grid, kThreads, smem, st>>>(static_cast<const T*>(q.data()), static_cast<const T*>(k.data()),
+                                         static_cast<const T*>(v.data()), static_cast<const T*>(g.data()),
+                                         state_in.data_ptr<float>(), state_out.data_ptr<float>(),
+                                         static_cast<T*>(out.data()), geo);
     LT_CUDA_CHECK_LAUNCH();
   };
   switch (q.dtype()) {

@@ -56,6 +56,7 @@ const std::vector<StepConfig> kStepConfigs = {
     {"cosine D 64 E 80 softmax q, relu v", FalLrpe::Cosine, 64, 80, kSoft, kSilu, kRelu, kSigmoid, true},
     {"rotate D 128 E 64 softmax k and g", FalLrpe::Rotate, 128, 64, kSilu, kSoft, kNone, kSoft, false},
     {"none D 64 E 64 no acts", FalLrpe::None, 64, 64, kNone, kNone, kNone, kNone, true},
+    {"rotate D 64 E 37 (one column a thread)", FalLrpe::Rotate, 64, 37, kSilu, kSilu, kNone, kSilu, true},
 };
 
 }  // namespace
