@@ -37,9 +37,11 @@ void decode_tensor_cores(const DecodeArgs& args, Tensor& out);
 
 namespace lintape::tpa_cuda {
 
-// Fused attention (ops/tpa_attention.cu), already checked: the six factors contiguous and 4-D
-// (aq (B, N, H, Rq), bq (B, N, Rq, D), ak (B, M, H, Rk), bk (B, M, Rk, D), av (B, M, H, Rv),
-// bv (B, M, Rv, E)), bf16 or f16, D == E in {64, 128}, ranks 1..16, causal only with N == M.
+// Fused attention (ops/tpa_attention.cu), already checked: the six factors 4-D (aq (B, N, H, Rq),
+// bq (B, N, Rq, D), ak (B, M, H, Rk), bk (B, M, Rk, D), av (B, M, H, Rv), bv (B, M, Rv, E)), bf16 or
+// f16, D == E in {64, 128}, ranks 1..16, causal only with N == M. Read through their token strides:
+// each factor's batch and token dims merge, a's rank stride is 1, b's rows of D are packed at stride D
+// and 16-byte aligned (ops/tpa.cpp copies a factor that is not).
 struct AttentionArgs {
   Tensor aq, bq, ak, bk, av, bv;
   bool causal = true;
@@ -62,7 +64,7 @@ struct FactorGrads {
 // and dk, dv never reach global memory: the kernel contracts its f32 dk and dv tiles to the factors (the
 // basis gradients summed over heads in f32); dq is summed over key tiles in f32 and contracted by a
 // second kernel. Their workspace, (N H + M R_k + M R_v) D floats a batch entry, covers the batch
-// entries of one launch.
+// entries of one launch. The forward's workspace is K and V (2 M H D values a batch entry) of a launch.
 void attention_backward(const AttentionArgs& args, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         FactorGrads& g);
 
