@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ops/fal.h"
+#include "ops/matmul.h"
 #include "ops/lrpe.h"
 #include "ops/shape.h"
 #include "ops/tpa.h"
@@ -97,15 +98,23 @@ TpaMixer::TpaMixer(int64_t width, int64_t heads, int64_t head_dim, int64_t rank_
 }
 
 std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position) const {
-  const int64_t B = x.size(0), N = x.size(1), R = rank_q + rank_k + rank_v;
-  const Tensor fa = a.forward(x).view({B, N, heads, R});
-  const Tensor fb = b.forward(x).view({B, N, R, head_dim});
-  const std::vector<Tensor> as = split(fa, {rank_q, rank_k, rank_v}, 3), bs = split(fb, {rank_q, rank_k, rank_v}, 2);
+  const int64_t B = x.size(0), N = x.size(1), R = rank_q + rank_k + rank_v, D = head_dim, Ra = heads * R;
+  // One product for both projections, its rows [b; a; zero padding]: every token's row, and in it each
+  // factor's basis rows, start 16-byte aligned, so the fused ops read the factors in place (views).
+  const int64_t per16 = 16 / int64_t(dtype_size(x.dtype())), pad = (per16 - (R * D + Ra) % per16) % per16;
+  std::vector<Tensor> rows{weight_as(b.weight, x), weight_as(a.weight, x)};
+  std::vector<int64_t> widths{rank_q * D, rank_k * D, rank_v * D, Ra};
+  if (pad > 0) {
+    rows.push_back(zeros({pad, x.size(2)}, x.dtype(), x.device()));
+    widths.push_back(pad);
+  }
+  const std::vector<Tensor> y = split(matmul(x, cat(rows, 0), false, true), widths, -1);
+  const std::vector<Tensor> as = split(y[3].view({B, N, heads, R}), {rank_q, rank_k, rank_v}, 3);
   LrpeOptions at;
   at.offset = position;
-  // Views of the two projections: the fused ops read them in place.
-  const Tensor bq = lrpe_rotate(bs[0], theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
-  return {as[0], bq, as[1], bs[1], as[2], bs[2]};
+  const Impl rotate_impl = impl == Impl::Composed ? Impl::Composed : Impl::Auto;
+  const Tensor bq = lrpe_rotate(y[0].view({B, N, rank_q, D}), theta, at, rotate_impl);
+  return {as[0], bq, as[1], y[1].view({B, N, rank_k, D}), as[2], y[2].view({B, N, rank_v, D})};
 }
 
 // Causal attention over the tokens of x alone (B, N) and the output projection.

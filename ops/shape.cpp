@@ -264,15 +264,18 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
   const Tensor like = x.detach();
   record("split", {x}, pieces, [like, d, sizes, starts](const Grads& g) -> Grads {
     if (Tensor joined = side_by_side(g, like, d, starts); joined.defined()) return {joined};
-    bool all = true;
     const Tensor* any = nullptr;
-    for (const Tensor& gi : g) {
-      all = all && gi.defined();
+    for (const Tensor& gi : g)
       if (gi.defined() && !any) any = &gi;
+    // Each slice written once: a piece's gradient, or zeros for a piece without one.
+    Tensor full = empty(like.shape(), any->dtype(), any->device());
+    for (size_t i = 0; i < g.size(); ++i) {
+      Tensor slice = full.detach().narrow(d, starts[i], sizes[i]);
+      if (g[i].defined())
+        slice.copy_(g[i]);
+      else
+        slice.zero_();
     }
-    Tensor full = all ? empty(like.shape(), any->dtype(), any->device()) : zeros(like.shape(), any->dtype(), any->device());
-    for (size_t i = 0; i < g.size(); ++i)
-      if (g[i].defined()) full.detach().narrow(d, starts[i], sizes[i]).copy_(g[i]);
     return {full};
   });
   return pieces;
