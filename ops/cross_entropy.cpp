@@ -69,8 +69,10 @@ void check_targets(const char* op, const Tensor& targets, int64_t rows, const ch
            like.device().name(), "; got ", targets.device().name());
 }
 
-// Logits of this many bytes at most per chunk of rows.
-constexpr int64_t kChunkLogitBytes = int64_t(256) << 20;
+// Logits of this many bytes at most per chunk of rows. At the small model's head (32768 rows x 32768
+// classes, bf16) 512 MiB (8192 rows) ran the op in 8.98 ms against 9.17 ms at 256 MiB, without raising the
+// step's peak (the activations held for the backward are larger); 1 GiB gained 0.2 ms more for 0.5 GiB.
+constexpr int64_t kChunkLogitBytes = int64_t(512) << 20;
 
 }  // namespace
 

@@ -16,7 +16,7 @@ namespace lintape {
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
 
 // cross_entropy(x @ weight^T, targets, ignore_index) without the (T, V) logits in memory: x (T, C),
-// weight (V, C) of x's dtype. The rows go in chunks (chunk_rows of them; 0 picks about 256 MiB of logits);
+// weight (V, C) of x's dtype. The rows go in chunks (chunk_rows of them; 0 picks about 512 MiB of logits);
 // while a chunk's logits exist, its terms of dx and dweight are computed, so the op saves only dx (T, C)
 // and dweight (V, C, summed in f32; f64 for f64) instead of the logits, and its backward scales them by
 // dloss. The same three products as cross_entropy(matmul(x, weight, false, true)) and its backward,
