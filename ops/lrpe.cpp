@@ -323,7 +323,8 @@ Tensor run_composed(const Tensor& x, const LrpeSpec& spec) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Fused: the CUDA kernels.
+// Fused: the CUDA kernels. They read x in place where they can (a contiguous x, or a view such as a
+// narrow over heads: lrpe_cuda::reads_in_place), else a contiguous copy.
 
 #if LINTAPE_WITH_CUDA
 // md cached mode: the (2, P, H, D) cos/sin table, kept per (grid, L, H, D, theta's storage, offset and
@@ -357,17 +358,18 @@ Tensor cached_table(const LrpeSpec& spec, const Tensor& theta, int64_t H, int64_
 }
 #endif
 
-Tensor run_fused(const Tensor& x, LrpeSpec spec, const Tensor& theta, bool cache_angles) {
+Tensor run_fused(const Tensor& x_in, LrpeSpec spec, const Tensor& theta, bool cache_angles) {
   const char* op = spec.name();
-  LT_CHECK(x.is_cuda(), "[", op, "] Impl::Fused needs x on a CUDA device; got x on ", x.device().name());
-  LT_CHECK(x.dtype() != DType::F64, "[", op, "] Impl::Fused supports f32, bf16 and f16; got f64");
+  LT_CHECK(x_in.is_cuda(), "[", op, "] Impl::Fused needs x on a CUDA device; got x on ", x_in.device().name());
+  LT_CHECK(x_in.dtype() != DType::F64, "[", op, "] Impl::Fused supports f32, bf16 and f16; got f64");
 #if LINTAPE_WITH_CUDA
+  const Tensor x = lrpe_cuda::reads_in_place(x_in) ? x_in : x_in.contiguous();
   spec.theta = theta.detach().to(DType::F32).contiguous();
   if (cache_angles) spec.table = cached_table(spec, theta, x.size(2), x.size(3));
   Tensor out = empty(spec.out_shape(x.shape()), x.dtype(), x.device());
   Tensor stats = spec.seq_softmax() ? empty({x.size(0), x.size(2), x.size(3)}, DType::F32, x.device()) : Tensor();
   lrpe_cuda::forward(x, spec, out, stats);
-  Tensor xs = x.detach();
+  Tensor xs = x.detach();  // a view stays one: backward reads it in place too
   record(op, {x, nondiff(theta, "theta")}, {out}, [xs, spec, stats](const Grads& g) -> Grads {
     Tensor dout = g[0].to(xs.dtype()).contiguous();
     Tensor dx = empty_like(xs);
@@ -388,8 +390,8 @@ Tensor run(const Tensor& x_in, const LrpeSpec& spec, Impl impl, bool cache_angle
   if (impl == Impl::Auto)
     impl = !x_in.is_cuda() ? Impl::Reference : x_in.dtype() == DType::F64 ? Impl::Composed : Impl::Fused;
   if (impl == Impl::Composed) return run_composed(x_in, spec);
+  if (impl == Impl::Fused) return run_fused(x_in, spec, spec.theta, cache_angles);
   const Tensor x = x_in.contiguous();
-  if (impl == Impl::Fused) return run_fused(x, spec, spec.theta, cache_angles);
   LT_CHECK(!x.is_cuda(), "[", op, "] Impl::Reference runs on the CPU; got x on ", x.device().name());
   return run_reference(x, spec, spec.theta);
 }

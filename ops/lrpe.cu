@@ -1,11 +1,12 @@
 // Fused LRPE kernels: act + positional encoding forward, and its backward, in one pass over memory.
 //
-// Layout: x is (B, N, H, D) contiguous, seen as rows of D features, one row per (b, t, h). A group of
-// `lpr` lanes (a power of two <= 32) handles one (t, h) with vectors of VEC elements (16 bytes when D
-// allows) for a group of g.bchunk batch rows: the angles depend on (t, h, feature) only, so each lane
-// computes its cos/sin once and reuses them for every b of its group. A lane's "unit" is VEC
-// consecutive angle indices j: for the cosine kinds x[j] -> out[j], out[D + j]; for rotate the pair
-// x[j], x[D/2 + j] -> out[j], out[D/2 + j]. The kernels are memory-bound; the row kernels are kept within
+// Layout: x is (B, N, H, D), seen as rows of D features, one row per (b, t, h); it may be a view with
+// packed features (Geo's batch, token and head strides), read in place; out, dout and dx are contiguous.
+// A group of `lpr` lanes (a power of two <= 32) handles one (t, h) with vectors of VEC elements (16 bytes
+// when D and x's strides allow) for a group of g.bchunk batch rows: the angles depend on (t, h, feature)
+// only, so each lane computes its cos/sin once and reuses them for every b of its group. A lane's "unit"
+// is VEC consecutive angle indices j: for the cosine kinds x[j] -> out[j], out[D + j]; for rotate the
+// pair x[j], x[D/2 + j] -> out[j], out[D/2 + j]. The kernels are memory-bound; the row kernels are kept within
 // 64 to 80 registers, so that 24 to 32 warps per SM keep enough loads in flight.
 //
 // Softmax over the feature dim reduces across a row's lanes with shuffles. Softmax over the sequence is
@@ -41,7 +42,10 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
-    for (int64_t b = b0; b < b1; b += BT) {
+    // The lane's x and out in batch row b, stepped per tile (fewer registers than indexing each row).
+    const T* xb = x + x_row(g, b0, t, h) + lane * VEC;
+    T* ob = out + (b0 * rows + row) * g.out_row + lane * VEC;
+    for (int64_t b = b0; b < b1; b += BT, xb += BT * g.x_batch, ob += BT * rows * g.out_row) {
       // x of batch rows b .. b + BT - 1 (those below b1), every unit.
       Vec<T, VEC> raw[BT][NV][P];
 #pragma unroll
@@ -51,8 +55,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 #pragma unroll
           for (int p = 0; p < P; ++p)
             if (ok[i] && b + k < b1)
-              raw[k][i][p] = load_raw<VEC>(x + (((b + k) * g.N + t) * g.H + h) * g.D + p * g.half +
-                                           (lane + i * lpr) * VEC);
+              raw[k][i][p] = load_raw<VEC>(xb + k * g.x_batch + p * g.half + i * lpr * VEC);
 #pragma unroll
       for (int k = 0; k < BT; ++k) {
         if (b + k >= b1) break;
@@ -77,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
                 for (int e = 0; e < VEC; ++e) v[i][p][e] = act_forward<A.value>(v[i][p][e]);
           });
         }
-        T* orow = out + (((b + k) * g.N + t) * g.H + h) * g.out_row;
+        T* orow = ob + k * rows * g.out_row;
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           if (!ok[i]) continue;
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
               o1[e] = v[i][0][e] * s[i][e];
             }
           }
-          T* o = orow + (lane + i * lpr) * VEC;
+          T* o = orow + i * lpr * VEC;
           store<VEC>(o, o0);
           store<VEC>(o + g.out_half, o1);
         }
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT
         Vec<T, VEC> rx[P];
         if (need_x)
 #pragma unroll
-          for (int p = 0; p < P; ++p) rx[p] = load_raw<VEC>(x + r * g.D + p * g.half + j0);
+          for (int p = 0; p < P; ++p) rx[p] = load_raw<VEC>(x + x_row(g, b, t, h) + p * g.half + j0);
         float d0[VEC], d1[VEC];
         to_float(r0, d0);
         to_float(r1, d1);
@@ -230,6 +233,9 @@ Geo make_geo(const Shape& xs, const LrpeSpec& spec) {
            "] the kernels need theta as a contiguous f32 CUDA tensor (H or 1, E)");
   Geo g{};
   g.B = xs[0], g.N = xs[1], g.H = xs[2], g.D = xs[3];
+  g.x_batch = g.N * g.H * g.D;
+  g.x_tok = g.H * g.D;
+  g.x_head = g.D;
   g.A = spec.rotate() ? g.D / 2 : g.D;
   g.half = g.D / 2;
   g.out_row = spec.rotate() ? g.D : 2 * g.D;
@@ -259,10 +265,21 @@ void check_tensor(const Tensor& t, const Shape& shape, DType dtype, Device devic
                        : std::string("an undefined tensor"));
 }
 
+// x's features are packed (stride 1); its other strides may be anything.
+bool packed(const Tensor& x) { return x.dim() == 4 && (x.size(3) == 1 || x.strides()[3] == 1); }
+
 void check_x(const Tensor& x, const char* op) {
-  LT_CHECK(x.dim() == 4 && x.is_cuda() && x.is_contiguous(), "[", op,
-           "] the kernels need x (B, N, H, D) contiguous on a CUDA device; got ", shape_str(x.shape()),
-           x.is_contiguous() ? "" : " strided", " on ", x.device().name());
+  LT_CHECK(packed(x) && x.is_cuda(), "[", op,
+           "] the kernels need x (B, N, H, D) on a CUDA device with packed features (stride 1); got ",
+           shape_str(x.shape()), " strides ", shape_str(x.strides()), " on ", x.device().name());
+}
+
+// x's batch, token and head strides into g; 0 for a dim of size 1, whose stride may be anything.
+void set_x_strides(Geo& g, const Tensor& x) {
+  const Shape& st = x.strides();
+  g.x_batch = g.B > 1 ? st[0] : 0;
+  g.x_tok = g.N > 1 ? st[1] : 0;
+  g.x_head = g.H > 1 ? st[2] : 0;
 }
 
 int sm_count(int device) {
@@ -271,11 +288,13 @@ int sm_count(int device) {
   return n;
 }
 
-// The widest vector (16 bytes at most) that divides `width` and keeps every pointer aligned.
+// The widest vector (16 bytes at most) that divides every width (and stride) and keeps every pointer
+// aligned.
 template <class T>
-int pick_vec(int64_t width, std::initializer_list<const void*> ptrs) {
+int pick_vec(std::initializer_list<int64_t> widths, std::initializer_list<const void*> ptrs) {
   for (int vec = int(16 / sizeof(T)); vec > 1; vec /= 2) {
-    bool fits = width % vec == 0;
+    bool fits = true;
+    for (int64_t w : widths) fits = fits && w % vec == 0;
     for (const void* p : ptrs) fits = fits && reinterpret_cast<uintptr_t>(p) % (vec * sizeof(T)) == 0;
     if (fits) return vec;
   }
@@ -375,7 +394,7 @@ template <class T>
 void seq_stats_forward(const T* x, const Geo& g, int64_t forced_chunk, const Tensor& lse, Device dev, int sms,
                        cudaStream_t st) {
   const int64_t HD = g.H * g.D;
-  const int vec = pick_vec<T>(g.D, {x});
+  const int vec = pick_vec<T>({g.D, g.x_batch, g.x_tok, g.x_head}, {x});
   const int64_t gx = (HD / vec + 31) / 32;
   Tensor part;
   int64_t C = 0;
@@ -385,7 +404,7 @@ void seq_stats_forward(const T* x, const Geo& g, int64_t forced_chunk, const Ten
     C = stat_chunks(gx * g.B, g.N, int64_t(sms) * blocks_per_sm<kernel>(32 * kStatRows), forced_chunk, chunk);
     part = empty({2, g.B, C, HD}, DType::F32, dev);
     const dim3 grid{unsigned(gx), unsigned(C), unsigned(g.B)}, block{32, kStatRows};
-    kernel<<<grid, block, 0, st>>>(x, part.data_ptr<float>(), g.N, HD, chunk);
+    kernel<<<grid, block, 0, st>>>(x, part.data_ptr<float>(), g, chunk);
     LT_CUDA_CHECK_LAUNCH();
   });
   const dim3 fgrid{unsigned((HD + 31) / 32), unsigned(g.B)}, fblock{32, kStatRows};
@@ -414,6 +433,15 @@ void seq_stats_backward(const T* x, const T* dout, const Geo& g, int64_t forced_
 
 }  // namespace
 
+bool reads_in_place(const Tensor& x) {
+  if (x.is_contiguous()) return true;
+  if (!packed(x)) return false;
+  const int64_t es = int64_t(dtype_size(x.dtype()));
+  bool aligned = reinterpret_cast<uintptr_t>(x.data()) % 16 == 0;
+  for (int d = 0; d < 3; ++d) aligned = aligned && (x.size(d) == 1 || x.strides()[size_t(d)] * es % 16 == 0);
+  return aligned;
+}
+
 void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Tensor& stats) {
   const char* op = spec.name();
   check_x(x, op);
@@ -421,6 +449,7 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
   check_tensor(out, spec.out_shape(x.shape()), x.dtype(), dev, op, "out");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
   Geo g = make_geo(x.shape(), spec);
+  set_x_strides(g, x);
   if (x.numel() == 0) return;
   const int sms = sm_count(dev.index);
   cudaStream_t st = stream(dev.index);
@@ -434,7 +463,7 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
         seq_stats_forward<T>(xp, g, spec.stat_chunk, stats, dev, sms, st);
         g.lse = stats.data_ptr<float>();
       }
-      const int vec = pick_vec<T>(g.A, {xp, op_});
+      const int vec = pick_vec<T>({g.A, g.x_batch, g.x_tok, g.x_head}, {xp, op_});
       const int nv = row_lanes(g, vec, op);
       with_row_shape<T>(vec, nv, g.act, [&](auto V, auto NV, auto CLS) {
         if (spec.rotate())
@@ -454,6 +483,7 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
   check_tensor(dx, x.shape(), x.dtype(), dev, op, "dx");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
   Geo g = make_geo(x.shape(), spec);
+  set_x_strides(g, x);
   if (x.numel() == 0) return;
   const int sms = sm_count(dev.index);
   cudaStream_t st = stream(dev.index);
@@ -464,7 +494,7 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
       const T* xp = static_cast<const T*>(x.data());
       const T* dp = static_cast<const T*>(dout.data());
       T* dxp = static_cast<T*>(dx.data());
-      const int vec = pick_vec<T>(g.A, {xp, dp, dxp});
+      const int vec = pick_vec<T>({g.A, g.x_batch, g.x_tok, g.x_head}, {xp, dp, dxp});
       Tensor q;
       if (spec.seq_softmax()) {
         g.lse = stats.data_ptr<float>();

@@ -1,6 +1,8 @@
 // The LRPE family: lrpe_cosine, lrpe_rotate (1-D positions) and md_lrpe_cosine (2-D/3-D/4-D token
 // grids with extra unencoded tokens in front). Math, shapes and backward: see docs/ARCHITECTURE.md and
-// the op comments below. x is (B, N, H, D) contiguous. theta is a fixed buffer: no gradient flows to it.
+// the op comments below. x is (B, N, H, D), any layout: the fused path reads a view such as a narrow
+// over heads in place (packed features, data pointer and strides multiples of 16 bytes) and copies other
+// layouts. theta is a fixed buffer: no gradient flows to it.
 //
 // A theta of one column ((H, 1) or (1, 1)) gives each head one rate for all features in the 1-D ops.
 // theta may have any float dtype; the fused kernels use an f32 copy and compute each angle's product and

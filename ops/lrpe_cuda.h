@@ -38,13 +38,20 @@ struct LrpeSpec {
 #if LINTAPE_WITH_CUDA
 namespace lrpe_cuda {
 
-// x (B, N, H, D) contiguous f32/bf16/f16 -> out (B, N, H, 2D) for the cosine kinds, (B, N, H, D) for
-// rotate, same dtype, contiguous. For softmax over the sequence it also writes stats (B, H, D) f32: the
-// log-sum-exp of x over N per (b, h, d), which backward needs; otherwise pass an undefined stats.
+// x (B, N, H, D) f32/bf16/f16 -> out (B, N, H, 2D) for the cosine kinds, (B, N, H, D) for rotate, same
+// dtype, contiguous. x may be a view with packed features (stride 1) and any other strides. For softmax
+// over the sequence it also writes stats (B, H, D) f32: the log-sum-exp of x over N per (b, h, d), which
+// backward needs; otherwise pass an undefined stats.
 void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Tensor& stats);
 
-// dx (B, N, H, D) from dout (the shape of out) and x; stats as forward wrote them.
+// dx (B, N, H, D) contiguous from dout (the shape of out, contiguous) and x (as for forward); stats as
+// forward wrote them.
 void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const Tensor& stats, const Tensor& dx);
+
+// Whether forward and backward should read x where it lies: x is contiguous, or a view with packed
+// features whose data pointer and strides are multiples of 16 bytes (so that it keeps the widest
+// vectors; the kernels narrow them for a misaligned view). Otherwise the caller passes a contiguous copy.
+bool reads_in_place(const Tensor& x);
 
 // md cached mode: fills table (2, P, H, D) f32 with cos and sin of the grid tokens' angles.
 void build_table(const LrpeSpec& spec, int64_t H, int64_t D, const Tensor& table);

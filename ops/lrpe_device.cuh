@@ -36,6 +36,7 @@ enum ActClass : int { kNoAct, kElementwise, kFeature, kSequence, kAnyAct };
 // The layout and the angle rule, passed by value to every kernel.
 struct Geo {
   int64_t B, N, H, D;
+  int64_t x_batch, x_tok, x_head;  // x's strides (x may be a view; out, dout, dx are contiguous)
   int64_t A;         // angle width: D for the cosine kinds, D/2 for rotate
   int64_t half;      // offset of x's second half for rotate (D/2)
   int64_t out_row;   // 2D for the cosine kinds, D for rotate
@@ -56,6 +57,11 @@ struct Geo {
   const float* lse;      // (B, H, D) log-sum-exp over N (softmax over the sequence)
   const float* q;        // (B, H, D) sum over N of y * dy (its backward)
 };
+
+// Where row (b, t, h) of x starts.
+__device__ __forceinline__ int64_t x_row(const Geo& g, int64_t b, int64_t t, int64_t h) {
+  return b * g.x_batch + t * g.x_tok + h * g.x_head;
+}
 
 template <int CLS>
 __device__ __forceinline__ bool has_act(int act) {

@@ -11,12 +11,15 @@ namespace {
 // once per value.
 template <class T, int VEC>
 __global__ void __launch_bounds__(32 * kStatRows, 3)
-    seq_stats_forward_kernel(const T* __restrict__ x, float* __restrict__ part, int64_t N, int64_t HD, int64_t chunk) {
+    seq_stats_forward_kernel(const T* __restrict__ x, float* __restrict__ part, Geo g, int64_t chunk) {
   constexpr int kStep = 4;
   __shared__ float sm[2 * VEC][kStatRows][32];  // [value][token lane][column]: no bank conflicts
   const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x, b = blockIdx.z, B = gridDim.z, C = gridDim.y;
+  const int64_t N = g.N, HD = g.H * g.D;
   const int64_t t0 = blockIdx.y * chunk, t1 = min(N, t0 + chunk);
   const bool ok = col < HD / VEC;
+  // The column's vector in token 0 (vectors never straddle heads: VEC divides D).
+  const T* xc = x + b * g.x_batch + col * VEC / g.D * g.x_head + col * VEC % g.D;
   float m[VEC], s[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) m[e] = -INFINITY, s[e] = 0.f;
@@ -25,7 +28,7 @@ __global__ void __launch_bounds__(32 * kStatRows, 3)
       Vec<T, VEC> raw[kStep];
 #pragma unroll
       for (int i = 0; i < kStep; ++i)
-        if (t + i * kStatRows < t1) raw[i] = load_raw<VEC>(x + (b * N + t + i * kStatRows) * HD + col * VEC);
+        if (t + i * kStatRows < t1) raw[i] = load_raw<VEC>(xc + (t + i * kStatRows) * g.x_tok);
       float v[kStep][VEC];
 #pragma unroll
       for (int i = 0; i < kStep; ++i) {
@@ -140,7 +143,7 @@ __global__ void __launch_bounds__(32 * kStatRows, 2)
         raw[bb][0] = load_raw<VEC>(dout + r * g.out_row + j0);
         raw[bb][1] = load_raw<VEC>(dout + r * g.out_row + g.out_half + j0);
 #pragma unroll
-        for (int p = 0; p < P; ++p) raw[bb][2 + p] = load_raw<VEC>(x + r * g.D + p * g.half + j0);
+        for (int p = 0; p < P; ++p) raw[bb][2 + p] = load_raw<VEC>(x + x_row(g, b0 + bb, t, h) + p * g.half + j0);
       }
       if (!stepped || step % kReseed == 0) {
         unit_sincos<VEC>(g, t, h, j0, c, s);

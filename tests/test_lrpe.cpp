@@ -523,6 +523,123 @@ TEST_CASE("cuda lrpe fused forward memory is the output" * LT_CUDA_CASE) {
   CHECK(memory_stats(gpu()).peak - before <= x.nbytes() + 64 * 1024);
 }
 
+namespace {
+
+// Elements where a and b differ, compared as f32 on the CPU (NaN counts as a difference).
+int64_t mismatches(const Tensor& a, const Tensor& b) {
+  const std::vector<float> va = a.to(Device::cpu()).to_vector<float>(), vb = b.to(Device::cpu()).to_vector<float>();
+  REQUIRE(va.size() == vb.size());
+  int64_t n = 0;
+  for (size_t i = 0; i < va.size(); ++i) n += !(va[i] == vb[i]);
+  return n;
+}
+
+struct ViewCase {
+  const char* name;
+  LrpeSpec spec;  // for the launchers (theta set per call)
+  OpFn op;        // the same call through the op
+};
+
+std::vector<ViewCase> view_cases() {
+  auto spec = [](LrpeSpec::Kind kind, Act act, ActDim dim, int64_t offset) {
+    LrpeSpec s;
+    s.kind = kind;
+    s.act = act;
+    s.dim = dim;
+    s.offset = offset;
+    return s;
+  };
+  LrpeSpec md = spec(LrpeSpec::MdCosine, Act::Relu, ActDim::None, 0);
+  md.grid = {4, 9};
+  md.extra_tokens = 1;
+  return {{"rotate none", spec(LrpeSpec::Rotate, Act::None, ActDim::None, 3),
+           rotate_op(opts(Act::None, ActDim::None, 3))},
+          {"rotate silu", spec(LrpeSpec::Rotate, Act::Silu, ActDim::None, 3),
+           rotate_op(opts(Act::Silu, ActDim::None, 3))},
+          {"rotate softmax sequence", spec(LrpeSpec::Rotate, Act::Softmax, ActDim::Sequence, 3),
+           rotate_op(opts(Act::Softmax, ActDim::Sequence, 3))},
+          {"cosine softmax feature", spec(LrpeSpec::Cosine, Act::Softmax, ActDim::Feature, 3),
+           cosine_op(opts(Act::Softmax, ActDim::Feature, 3))},
+          {"cosine softmax sequence", spec(LrpeSpec::Cosine, Act::Softmax, ActDim::Sequence, 3),
+           cosine_op(opts(Act::Softmax, ActDim::Sequence, 3))},
+          {"md relu", md, md_op(md_opts({4, 9}, 1, Act::Relu))}};
+}
+
+// theta for x (B, N, H, D): (H, D/2) for rotate and md (k = 2 grid axes), (H, D) for cosine.
+Tensor view_theta(const LrpeSpec& spec, int64_t H, int64_t D) {
+  return rates({H, spec.kind == LrpeSpec::Cosine ? D : D / 2}, gpu());
+}
+
+#if LINTAPE_WITH_CUDA
+// out and dx of the launchers on poisoned outputs.
+Result launch(LrpeSpec spec, const Tensor& x, const Tensor& theta, const Tensor& dout) {
+  spec.theta = theta;
+  Tensor out = empty(spec.out_shape(x.shape()), x.dtype(), gpu());
+  Tensor stats = spec.seq_softmax() ? empty({x.size(0), x.size(2), x.size(3)}, DType::F32, gpu()) : Tensor();
+  Tensor dx = empty(x.shape(), x.dtype(), gpu());
+  poison_(out);
+  poison_(dx);
+  if (stats.defined()) poison_(stats);
+  lrpe_cuda::forward(x, spec, out, stats);
+  lrpe_cuda::backward(x, dout, spec, stats, dx);
+  return {out, dx};
+}
+#endif
+
+}  // namespace
+
+TEST_CASE("cuda lrpe fused reads a token-strided view in place" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // x: heads 0..5 or 6..7 of (B, N, 10, D), as the TPA mixer's basis views; the same kernels run on it
+  // and on its contiguous copy, so out and dx match bit for bit.
+  const int64_t B = 2, N = 37, D = 64;
+  uint64_t seed = 1300;
+  for (DType dt : {DType::BF16, DType::F32})
+    for (const ViewCase& c : view_cases())
+      for (const auto& [h0, H] : {std::pair<int64_t, int64_t>{0, 6}, {6, 2}}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(c.name);
+        CAPTURE(h0);
+        Tensor wide = randn({B, N, 10, D}, dt, gpu(), seed++);
+        wide.requires_grad_();
+        const Tensor x = wide.narrow(2, h0, H), theta = view_theta(c.spec, H, D);
+        REQUIRE(!x.is_contiguous());
+        const Tensor dout = randn(c.spec.out_shape(x.shape()), dt, gpu(), seed++);
+        Tensor out = c.op(x, theta, Impl::Fused);
+        backward(out, dout);
+        const Result ref = run(c.op, x.detach().contiguous(), theta, Impl::Fused, dout);
+        CHECK(mismatches(out, ref.out) == 0);
+        CHECK(mismatches(wide.grad().narrow(2, h0, H), ref.dx) == 0);
+#if LINTAPE_WITH_CUDA
+        const Result got = launch(c.spec, x.detach(), theta, dout);
+        CHECK(mismatches(got.out, ref.out) == 0);
+        CHECK(mismatches(got.dx, ref.dx) == 0);
+#endif
+      }
+  // A view off the 16-byte grid: the op copies it; the launchers read it with narrower vectors.
+  for (const ViewCase& c : view_cases()) {
+    CAPTURE(c.name);
+    const Tensor x = randn({B, N, 3, D + 8}, DType::BF16, gpu(), seed++).narrow(3, 1, D);
+    const Tensor theta = view_theta(c.spec, 3, D);
+    const Tensor dout = randn(c.spec.out_shape(x.shape()), DType::BF16, gpu(), seed++);
+    const Result ref = run(c.op, x.contiguous(), theta, Impl::Fused, dout);
+    const Result got = run(c.op, x, theta, Impl::Fused, dout);
+    CHECK(mismatches(got.out, ref.out) == 0);
+    CHECK(mismatches(got.dx, ref.dx) == 0);
+#if LINTAPE_WITH_CUDA
+    const Result narrow = launch(c.spec, x, theta, dout);
+    CHECK_CLOSE_TENSOR(narrow.out.to(Device::cpu()), ref.out, DType::BF16);
+    CHECK_CLOSE_TENSOR(narrow.dx.to(Device::cpu()), ref.dx, DType::BF16);
+#endif
+  }
+  // Read in place: the forward allocates its output (and the small statistics) only, not a copy of x.
+  Tensor wide = randn({B, 129, 10, 128}, DType::BF16, gpu(), seed++);
+  wide.requires_grad_();
+  check_fused_peak(rotate_op(opts(Act::None)), wide.narrow(2, 0, 6), rates({6, 64}, gpu()), 0);
+  check_fused_peak(cosine_op(opts(Act::Softmax, ActDim::Sequence)), wide.narrow(2, 6, 2), rates({2, 128}, gpu()),
+                   size_t(B * 2 * 128) * 4);
+}
+
 TEST_CASE("cuda lrpe composed matches reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   check_against_reference(cosine_op(opts(Act::Silu, ActDim::None, 3)), randn({2, 37, 3, 64}, DType::F32, gpu(), 71),
