@@ -90,28 +90,41 @@ Geo make_geo(const DecodeArgs& a) {
   return g;
 }
 
-// cp.async of a tile's rows: rows * per_token rows of `width` elements, contiguous in global memory,
-// `dst_stride` apart in shared memory; rows of tokens at or past `valid` are zero-filled. When the
-// 16-byte chunks of a row divide the block, a thread keeps one column and steps over rows (no division
-// per chunk); this is the case for the usual dims.
+// One array's share of a tile copy for this thread: rows of `width` elements, contiguous in global
+// memory, `dst_stride` apart in shared memory. When the 16-byte chunks of a row divide the block (the
+// usual dims), a thread keeps one column and steps over rows: worked out once, so a tile's copy does no
+// division.
+struct CopyPlan {
+  int width, dst_stride, rows, chunks, ch, first, step;
+  bool fast;
+};
+
+__device__ __forceinline__ CopyPlan copy_plan(int width, int dst_stride, int rows) {
+  CopyPlan p{width, dst_stride, rows, width / 8, 0, 0, 0, false};
+  p.fast = kThreads % p.chunks == 0;
+  if (p.fast) {
+    p.ch = int(threadIdx.x) % p.chunks;
+    p.first = int(threadIdx.x) / p.chunks;
+    p.step = kThreads / p.chunks;
+  }
+  return p;
+}
+
+// cp.async of a tile's rows; rows at or past `valid_rows` are zero-filled.
 template <class T>
-__device__ __forceinline__ void copy_rows(unsigned char* dst, const T* src, int width, int dst_stride, int rows,
-                                          int per_token, int valid) {
-  const int chunks = width / 8;
-  rows *= per_token;
-  if (kThreads % chunks == 0) {
-    const int ch = threadIdx.x % chunks, step = kThreads / chunks;
-    for (int row = threadIdx.x / chunks; row < rows; row += step) {
-      const bool ok = (per_token == 1 ? row : row / per_token) < valid;
-      cp_async16(dst + (row * dst_stride + ch * 8) * int(sizeof(T)),
-                 ok ? src + int64_t(row) * width + ch * 8 : src, ok);
+__device__ __forceinline__ void copy_rows(unsigned char* dst, const T* src, const CopyPlan& p, int valid_rows) {
+  if (p.fast) {
+    for (int row = p.first; row < p.rows; row += p.step) {
+      const bool ok = row < valid_rows;
+      cp_async16(dst + (row * p.dst_stride + p.ch * 8) * int(sizeof(T)),
+                 ok ? src + int64_t(row) * p.width + p.ch * 8 : src, ok);
     }
     return;
   }
-  for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
-    const int row = i / chunks, ch = i - row * chunks;
-    const bool ok = row / per_token < valid;
-    cp_async16(dst + (row * dst_stride + ch * 8) * int(sizeof(T)), ok ? src + int64_t(row) * width + ch * 8 : src,
+  for (int i = threadIdx.x; i < p.rows * p.chunks; i += kThreads) {
+    const int row = i / p.chunks, ch = i - row * p.chunks;
+    const bool ok = row < valid_rows;
+    cp_async16(dst + (row * p.dst_stride + ch * 8) * int(sizeof(T)), ok ? src + int64_t(row) * p.width + ch * 8 : src,
                ok);
   }
 }
@@ -160,16 +173,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_tc(const T* __restrict__ a
   const T* avb = av + int64_t(b) * g.av_b;
   const T* bvb = bv + int64_t(b) * g.bv_b;
 
-  auto load_tile = [&](int t) {
-    unsigned char* st = smem + (t % g.stages) * g.stage;
+  const CopyPlan plan_ak = copy_plan(H * Rk, H * Rk, R), plan_bk = copy_plan(D, g.bk_stride, R * Rk),
+                 plan_av = copy_plan(H * Rv, H * Rv, R), plan_bv = copy_plan(E, g.bv_stride, R * Rv);
+  auto load_tile = [&](int t, int stage) {
+    unsigned char* st = smem + stage * g.stage;
     const int r0 = row0 + t * R, valid = min(R, row1 - r0);
-    copy_rows(st + g.st_ak, akb + int64_t(r0) * H * Rk, H * Rk, H * Rk, R, 1, valid);
-    copy_rows(st + g.st_bk, bkb + int64_t(r0) * Rk * D, D, g.bk_stride, R, Rk, valid);
-    copy_rows(st + g.st_av, avb + int64_t(r0) * H * Rv, H * Rv, H * Rv, R, 1, valid);
-    copy_rows(st + g.st_bv, bvb + int64_t(r0) * Rv * E, E, g.bv_stride, R, Rv, valid);
+    copy_rows(st + g.st_ak, akb + int64_t(r0) * H * Rk, plan_ak, valid);
+    copy_rows(st + g.st_bk, bkb + int64_t(r0) * Rk * D, plan_bk, valid * Rk);
+    copy_rows(st + g.st_av, avb + int64_t(r0) * H * Rv, plan_av, valid);
+    copy_rows(st + g.st_bv, bvb + int64_t(r0) * Rv * E, plan_bv, valid * Rv);
   };
   for (int t = 0; t < g.stages - 1; ++t) {
-    if (t < tiles) load_tile(t);
+    if (t < tiles) load_tile(t, t);
     cp_async_commit();
   }
 
@@ -193,14 +208,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_tc(const T* __restrict__ a
     for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // heads h0, h1 (l: this lane's terms)
 
-  for (int t = 0; t < tiles; ++t) {
+  // Tile t sits in stage t % stages; the tile loaded at step t goes to the stage that tile t - 1 used.
+  for (int t = 0, stage = 0, prev = g.stages - 1; t < tiles; ++t, prev = stage, stage = stage + 1 == g.stages ? 0 : stage + 1) {
     cp_async_wait_upto(g.stages - 2);
     __syncthreads();
-    if (t + g.stages - 1 < tiles) load_tile(t + g.stages - 1);
+    if (t + g.stages - 1 < tiles) load_tile(t + g.stages - 1, prev);
     cp_async_commit();
     const int valid = min(R, row1 - (row0 + t * R)) - chunk * 16;  // this warp's rows in the tile
     if (valid <= 0) continue;
-    const unsigned char* st = smem + (t % g.stages) * g.stage;
+    const unsigned char* st = smem + stage * g.stage;
     const T* ak_s = reinterpret_cast<const T*>(st + g.st_ak);
     const T* bk_s = reinterpret_cast<const T*>(st + g.st_bk);
     const T* av_s = reinterpret_cast<const T*>(st + g.st_av);
