@@ -148,8 +148,10 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
   lo = pack2<T>(x - to_acc(h[0]), y - to_acc(h[1]));
 }
 
+// Registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory keeps two resident,
+// and they ran 2-4% faster than at the uncapped 204.
 template <class T, int HG, int NT>
-__global__ void __launch_bounds__(kThreads, 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
+__global__ void __launch_bounds__(kThreads, 3) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
                                                          const T* __restrict__ av, const T* __restrict__ bv,
                                                          const DecodeLengths lengths, T* __restrict__ out,
