@@ -2,9 +2,10 @@
 // row's (ak, bk, av, bv) once, never building k or v.
 //
 // A block (4 warps) takes one sequence b and one split of its cache, in tiles streamed into shared memory
-// by cp.async (2 to 4 tiles in flight, one barrier per tile). Warp w owns 16 heads (head group w % HG)
-// and 16 rows of each tile (row group w / HG), so a tile has 16 * 4 / HG rows. Per tile and warp, all in
-// registers (mma m16n8k16, f32 accumulation):
+// by cp.async (2 to 4 stages, one barrier per tile). Warp w owns 16 heads (head group w % HG) and one or
+// two 16-row chunks of each tile (row group w / HG; two where that still fits two blocks an SM, so that
+// the chunks' chains interleave), so a tile has 16 * 4 / HG rows per chunk a warp. Per chunk and warp, all
+// in registers (mma m16n8k16, f32 accumulation):
 //   C   = bk[rows, rk] bq^T                    (16 rows x 16 ranks of q; R_q padded to 16)
 //   S^T = aq C^T scaled by ak[rows, heads, rk], summed over rk   (16 heads x 16 rows); C's accumulators
 //         are the B operand directly, as a bf16/f16 high part and the rounding rest (f32-accurate scores)
@@ -40,7 +41,7 @@ constexpr int kMaxSharedBytes = 200 * 1024;
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Geo {
-  int H, Rq, Rk, Rv, D, E, rows, stages, splits, split_rows;  // rows: cache rows per tile
+  int H, Rq, Rk, Rv, D, E, chunks, rows, stages, splits, split_rows;  // chunks: 16-row chunks a warp; rows: a tile's
   int64_t ak_b, bk_b, av_b, bv_b;                              // batch strides in elements
   float q_mix;                                                 // scale log2(e) / (R_q R_k): scores in base 2
   float inv_rv;
@@ -52,7 +53,7 @@ struct Geo {
 
 int head_groups(int64_t H) { return H <= 16 ? 1 : H <= 32 ? 2 : 4; }
 
-Geo make_geo(const DecodeArgs& a) {
+Geo make_geo(const DecodeArgs& a, int ch) {
   Geo g{};
   g.H = int(a.aq.size(2));
   g.Rq = int(a.aq.size(3));
@@ -60,7 +61,8 @@ Geo make_geo(const DecodeArgs& a) {
   g.Rv = int(a.av.size(3));
   g.D = int(a.bq.size(3));
   g.E = int(a.bv.size(3));
-  g.rows = 16 * (kWarps / head_groups(g.H));
+  g.chunks = ch;
+  g.rows = 16 * (kWarps / head_groups(g.H)) * ch;
   g.ak_b = a.ak.strides()[0];
   g.bk_b = a.bk.strides()[0];
   g.av_b = a.av.strides()[0];
@@ -79,9 +81,10 @@ Geo make_geo(const DecodeArgs& a) {
   const int merge = kWarps * 16 * (g.o_stride + 2) * 4;  // each warp's acc, max and sum
   const int combine = 2 * kMaxSplits * g.H * 4;
   auto total_for = [&](int stages) { return std::max({stages * g.stage + 16 * g.bq_stride * e2, merge, combine}); };
-  // The deepest pipeline that keeps two blocks per SM, else the deepest that fits.
-  for (int st : {4, 3})
-    if (!g.stages && total_for(st) <= kTwoBlocksBytes) g.stages = st;
+  // The deepest pipeline that keeps two blocks per SM (two stages only with two chunks a warp, whose tiles
+  // are twice as long), else the deepest that fits.
+  for (int st : {4, 3, 2})
+    if (!g.stages && (st >= 3 || ch == 2) && total_for(st) <= kTwoBlocksBytes) g.stages = st;
   for (int st : {4, 3, 2})
     if (!g.stages && total_for(st) <= kMaxSharedBytes) g.stages = st;
   if (!g.stages) g.stages = 2;  // too large: decode_uses_tensor_cores declines it
@@ -150,8 +153,8 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
 
 // Registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory keeps two resident,
 // and they ran 2-4% faster than at the uncapped 204.
-template <class T, int HG, int NT>
-__global__ void __launch_bounds__(kThreads, 3) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
+template <class T, int HG, int NT, int CH>
+__global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
                                                          const T* __restrict__ av, const T* __restrict__ bv,
                                                          const DecodeLengths lengths, T* __restrict__ out,
@@ -161,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_tc(const T* __restrict__ a
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int is_last;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int hg = warp % HG, chunk = warp / HG;  // this warp's heads and rows of each tile
+  const int hg = warp % HG, rg = warp / HG;  // this warp's heads; its rows: chunks rg + c RG of 16
   const int gr = lane / 4, gc = 2 * (lane % 4);
   const int b = blockIdx.y, split = blockIdx.x;
   const int H = g.H, Rq = g.Rq, Rk = g.Rk, Rv = g.Rv, D = g.D, E = g.E, R = g.rows;
@@ -216,55 +219,65 @@ __global__ void __launch_bounds__(kThreads, 3) decode_tc(const T* __restrict__ a
     __syncthreads();
     if (t + g.stages - 1 < tiles) load_tile(t + g.stages - 1, prev);
     cp_async_commit();
-    const int valid = min(R, row1 - (row0 + t * R)) - chunk * 16;  // this warp's rows in the tile
-    if (valid <= 0) continue;
+    const int valid = min(R, row1 - (row0 + t * R));  // rows in the tile
+    if (rg * 16 >= valid) continue;                     // none in this warp's chunks
     const unsigned char* st = smem + stage * g.stage;
     const T* ak_s = reinterpret_cast<const T*>(st + g.st_ak);
     const T* bk_s = reinterpret_cast<const T*>(st + g.st_bk);
     const T* av_s = reinterpret_cast<const T*>(st + g.st_av);
     const T* bv_s = reinterpret_cast<const T*>(st + g.st_bv);
-    const int tok0 = chunk * 16 + gc;  // the tile row of this lane's first score column
+    int tok0[CH];  // the tile row of this lane's first score column in each chunk
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) tok0[ch] = (rg + ch * RG) * 16 + gc;
 
-    // s[j]: S^T for rows j * 8 + gc + (0, 1): elements 0, 1 of head h0, elements 2, 3 of head h1.
-    float s[2][4] = {};
+    // s[ch][j]: S^T for rows j * 8 + gc + (0, 1) of chunk ch: elements 0, 1 of head h0, 2, 3 of head h1.
+    float s[CH][2][4] = {};
     for (int rk = 0; rk < Rk; ++rk) {
-      float c[2][4] = {};
-      const T* arow = bk_s + ((chunk * 16 + lane % 16) * Rk + rk) * g.bk_stride + (lane / 16) * 8;
+      float c[CH][2][4] = {};
       const T* brow = bq_s + ((lane / 16) * 8 + lane % 8) * g.bq_stride + ((lane / 8) % 2) * 8;
+      const T* arow = bk_s + (((rg * 16 + lane % 16) * Rk + rk) * g.bk_stride + (lane / 16) * 8);
       for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a[4], bb[4];
-        ldmatrix_x4(a, arow + k0);
+        uint32_t bb[4];
         ldmatrix_x4(bb, brow + k0);
-        mma16816<T>(c[0], a, bb[0], bb[1]);
-        mma16816<T>(c[1], a, bb[2], bb[3]);
-      }
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        uint32_t b0h, b0l, b1h, b1l;
-        split_pair<T>(c[0][2 * j], c[0][2 * j + 1], b0h, b0l);
-        split_pair<T>(c[1][2 * j], c[1][2 * j + 1], b1h, b1l);
-        float sr[4] = {};
-        mma16816<T>(sr, qa, b0h, b1h);
-        mma16816<T>(sr, qa, b0l, b1l);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = tok0 + j * 8 + e;
-          s[j][e] += sr[e] * to_acc(ak_s[(tok * H + hc0) * Rk + rk]);
-          s[j][2 + e] += sr[2 + e] * to_acc(ak_s[(tok * H + hc1) * Rk + rk]);
+        for (int ch = 0; ch < CH; ++ch) {  // the chunks' chains interleave
+          uint32_t a[4];
+          ldmatrix_x4(a, arow + ch * RG * 16 * Rk * g.bk_stride + k0);
+          mma16816<T>(c[ch][0], a, bb[0], bb[1]);
+          mma16816<T>(c[ch][1], a, bb[2], bb[3]);
         }
       }
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint32_t b0h, b0l, b1h, b1l;
+          split_pair<T>(c[ch][0][2 * j], c[ch][0][2 * j + 1], b0h, b0l);
+          split_pair<T>(c[ch][1][2 * j], c[ch][1][2 * j + 1], b1h, b1l);
+          float sr[4] = {};
+          mma16816<T>(sr, qa, b0h, b1h);
+          mma16816<T>(sr, qa, b0l, b1l);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tok = tok0[ch] + j * 8 + e;
+            s[ch][j][e] += sr[e] * to_acc(ak_s[(tok * H + hc0) * Rk + rk]);
+            s[ch][j][2 + e] += sr[2 + e] * to_acc(ak_s[(tok * H + hc1) * Rk + rk]);
+          }
+        }
     }
 
     // Online softmax in base 2 over this tile's rows; rows past the valid ones weigh 0.
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int ch = 0; ch < CH; ++ch)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool ok = j * 8 + gc + (e & 1) < valid;
-        s[j][e] = ok ? s[j][e] * g.q_mix : -INFINITY;
-        mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
-      }
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool ok = tok0[ch] + j * 8 + (e & 1) < valid;
+          s[ch][j][e] = ok ? s[ch][j][e] * g.q_mix : -INFINITY;
+          mx[e / 2] = fmaxf(mx[e / 2], s[ch][j][e]);
+        }
     float alpha[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -276,13 +289,15 @@ __global__ void __launch_bounds__(kThreads, 3) decode_tc(const T* __restrict__ a
       l_run[i] *= alpha[i];
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int ch = 0; ch < CH; ++ch)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = s[j][e] == -INFINITY ? 0.f : exp2f(s[j][e] - m_run[e / 2]);
-        l_run[e / 2] += p;
-        s[j][e] = p;
-      }
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = s[ch][j][e] == -INFINITY ? 0.f : exp2f(s[ch][j][e] - m_run[e / 2]);
+          l_run[e / 2] += p;
+          s[ch][j][e] = p;
+        }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       acc[nt][0] *= alpha[0];
@@ -291,20 +306,25 @@ __global__ void __launch_bounds__(kThreads, 3) decode_tc(const T* __restrict__ a
       acc[nt][3] *= alpha[1];
     }
 
-    // acc += W bv per rank of v; W (16 heads x 16 rows) = p av is the A operand.
-    for (int rv = 0; rv < Rv; ++rv) {
-      auto w = [&](int j, int e, int hc) { return s[j][e] * to_acc(av_s[((tok0 + j * 8 + (e & 1)) * H + hc) * Rv + rv]); };
-      const uint32_t wa[4] = {pack2<T>(w(0, 0, hc0), w(0, 1, hc0)), pack2<T>(w(0, 2, hc1), w(0, 3, hc1)),
-                              pack2<T>(w(1, 0, hc0), w(1, 1, hc0)), pack2<T>(w(1, 2, hc1), w(1, 3, hc1))};
-      const T* vrow = bv_s + ((chunk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * Rv + rv) * g.bv_stride + (lane / 16) * 8;
+    // acc += W bv per chunk and rank of v; W (16 heads x 16 rows) = p av is the A operand.
+    for (int rv = 0; rv < Rv; ++rv)
 #pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bb[4];
-        ldmatrix_x4_trans(bb, vrow + np * 16);
-        mma16816<T>(acc[2 * np], wa, bb[0], bb[1]);
-        mma16816<T>(acc[2 * np + 1], wa, bb[2], bb[3]);
+      for (int ch = 0; ch < CH; ++ch) {
+        auto w = [&](int j, int e, int hc) {
+          return s[ch][j][e] * to_acc(av_s[((tok0[ch] + j * 8 + (e & 1)) * H + hc) * Rv + rv]);
+        };
+        const uint32_t wa[4] = {pack2<T>(w(0, 0, hc0), w(0, 1, hc0)), pack2<T>(w(0, 2, hc1), w(0, 3, hc1)),
+                                pack2<T>(w(1, 0, hc0), w(1, 1, hc0)), pack2<T>(w(1, 2, hc1), w(1, 3, hc1))};
+        const T* vrow = bv_s + ((((rg + ch * RG) * 16 + lane % 8 + ((lane / 8) % 2) * 8) * Rv + rv) * g.bv_stride +
+                                (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t bb[4];
+          ldmatrix_x4_trans(bb, vrow + np * 16);
+          mma16816<T>(acc[2 * np], wa, bb[0], bb[1]);
+          mma16816<T>(acc[2 * np + 1], wa, bb[2], bb[3]);
+        }
       }
-    }
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -444,9 +464,9 @@ int* split_counters(int device, int64_t B) {
   return ptr[device];
 }
 
-template <class T, int HG, int NT>
+template <class T, int HG, int NT, int CH>
 void launch(const DecodeArgs& a, Geo g, Tensor& out) {
-  auto kernel = decode_tc<T, HG, NT>;
+  auto kernel = decode_tc<T, HG, NT, CH>;
   const Device dev = a.aq.device();
   const int device = dev.index;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
@@ -490,13 +510,19 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   LT_CUDA_CHECK_LAUNCH();
 }
 
-template <class T>
+template <class T, int CH>
 void launch_for_shape(const DecodeArgs& a, const Geo& g, Tensor& out) {
   const int hg = head_groups(g.H);
   const bool wide = g.E == 128;
-  if (hg == 1) wide ? launch<T, 1, 16>(a, g, out) : launch<T, 1, 8>(a, g, out);
-  else if (hg == 2) wide ? launch<T, 2, 16>(a, g, out) : launch<T, 2, 8>(a, g, out);
-  else wide ? launch<T, 4, 16>(a, g, out) : launch<T, 4, 8>(a, g, out);
+  if (hg == 1) wide ? launch<T, 1, 16, CH>(a, g, out) : launch<T, 1, 8, CH>(a, g, out);
+  else if (hg == 2) wide ? launch<T, 2, 16, CH>(a, g, out) : launch<T, 2, 8, CH>(a, g, out);
+  else wide ? launch<T, 4, 16, CH>(a, g, out) : launch<T, 4, 8, CH>(a, g, out);
+}
+
+// Two 16-row chunks a warp (their chains interleave) where that keeps two blocks an SM, else one.
+Geo pick_geo(const DecodeArgs& a) {
+  const Geo two = make_geo(a, 2);
+  return two.total <= kTwoBlocksBytes ? two : make_geo(a, 1);
 }
 
 }  // namespace
@@ -511,15 +537,16 @@ bool decode_uses_tensor_cores(const DecodeArgs& a) {
   if ((H * Rk) % 8 != 0 || (H * Rv) % 8 != 0) return false;
   for (const Tensor* t : {&a.ak, &a.bk, &a.av, &a.bv})
     if (t->strides()[0] % 8 != 0 || reinterpret_cast<uintptr_t>(t->data()) % 16 != 0) return false;
-  return make_geo(a).total <= kMaxSharedBytes;
+  return pick_geo(a).total <= kMaxSharedBytes;
 }
 
 void decode_tensor_cores(const DecodeArgs& a, Tensor& out) {
-  const Geo g = make_geo(a);
+  const Geo g = pick_geo(a);
+  const int ch = g.chunks;
   if (a.aq.dtype() == DType::BF16)
-    launch_for_shape<__nv_bfloat16>(a, g, out);
+    ch == 2 ? launch_for_shape<__nv_bfloat16, 2>(a, g, out) : launch_for_shape<__nv_bfloat16, 1>(a, g, out);
   else
-    launch_for_shape<__half>(a, g, out);
+    ch == 2 ? launch_for_shape<__half, 2>(a, g, out) : launch_for_shape<__half, 1>(a, g, out);
 }
 
 }  // namespace lintape::tpa_cuda
