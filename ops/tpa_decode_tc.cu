@@ -4,8 +4,8 @@
 // A block (4 warps) takes one sequence b and one split of its cache, in tiles streamed into shared memory
 // by cp.async (2 to 4 stages, one barrier per tile). Warp w owns 16 heads (head group w % HG) and one or
 // two 16-row chunks of each tile (row group w / HG; two where that still fits two blocks an SM, so that
-// the chunks' chains interleave), so a tile has 16 * 4 / HG rows per chunk a warp. Per chunk and warp, all
-// in registers (mma m16n8k16, f32 accumulation):
+// the chunks' chains interleave), so a tile has 16 * chunks * 4 / HG rows. Per chunk and warp, all in
+// registers (mma m16n8k16, f32 accumulation):
 //   C   = bk[rows, rk] bq^T                    (16 rows x 16 ranks of q; R_q padded to 16)
 //   S^T = aq C^T scaled by ak[rows, heads, rk], summed over rk   (16 heads x 16 rows); C's accumulators
 //         are the B operand directly, as a bf16/f16 high part and the rounding rest (f32-accurate scores)
@@ -41,9 +41,11 @@ constexpr int kMaxSharedBytes = 200 * 1024;
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Geo {
-  int H, Rq, Rk, Rv, D, E, chunks, rows, stages, splits, split_rows;  // chunks: 16-row chunks a warp; rows: a tile's
-  int64_t ak_b, bk_b, av_b, bv_b;                              // batch strides in elements
-  float q_mix;                                                 // scale log2(e) / (R_q R_k): scores in base 2
+  int H, Rq, Rk, Rv, D, E;
+  int chunks, rows;                // 16-row chunks a warp takes of each tile; rows a tile
+  int stages, splits, split_rows;  // split_rows: cache rows a split
+  int64_t ak_b, bk_b, av_b, bv_b;  // batch strides in elements
+  float q_mix;                     // scale log2(e) / (R_q R_k): scores in base 2
   float inv_rv;
   // Shared memory in bytes: `stages` stages of (ak, bk, av, bv), then bq; the merge of the row groups and
   // the combine of the splits reuse the stages.
