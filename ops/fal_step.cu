@@ -1,8 +1,9 @@
 // Fused FAL decoding step: one token per (b, h), S' = lambda S + kb^T vb and o = gb * (qb S').
 //
-// A block handles one (b, h) and a tile of kColumns state columns e. It first issues the loads of its part of
-// the state, then loads the token's q, k, v and g rows, applies the acts (softmax over the feature dim reduces
-// across the block) and the LRPE, all in shared memory, then updates its columns. A thread owns VEC adjacent
+// A block handles one (b, h) and a tile of kColumns state columns e. It first requests the token's q, k, v and
+// g rows, then its part of the state; while the state arrives it applies the acts (elementwise ones as the rows
+// are stored, softmax over the feature dim across the block) and the LRPE in shared memory, then updates its
+// columns. A thread owns VEC adjacent
 // columns (16-byte loads when E allows, else one): a warp covers VEC rows of the tile, warp w walks rows
 // VEC w, VEC w + VEC kRowGroups, ..., and the partial products are summed in a fixed order (over the warp's
 // rows by shuffles, then over the warps). The state is read and written once: the step is bound by the
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_types.cuh"
+#include "ops/fal_chunk.cuh"
 #include "ops/fal_cuda.h"
 
 namespace lintape::fal_cuda {
@@ -43,38 +45,46 @@ __device__ float warp_sum(float v) {
   return v;
 }
 
-// act over a row of `len` values in shared memory; every thread of the block calls it.
-__device__ void row_act(float* row, int len, int act, float* scratch) {
-  if (act == FalStepSpec::kSoftmaxFeature) {
-    if (threadIdx.x < 32) {
-      float m = -INFINITY;
-      for (int i = threadIdx.x; i < len; i += 32) m = fmaxf(m, row[i]);
-      m = warp_max(m);
-      float s = 0;
-      for (int i = threadIdx.x; i < len; i += 32) s += __expf(row[i] - m);
-      s = warp_sum(s);
-      if (threadIdx.x == 0) {
-        scratch[0] = m;
-        scratch[1] = 1.0f / s;
-      }
-    }
-    __syncthreads();
-    const float m = scratch[0], inv = scratch[1];
-    for (int i = threadIdx.x; i < len; i += blockDim.x) row[i] = __expf(row[i] - m) * inv;
-  } else if (act != FalStepSpec::kNone) {
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-      const float x = row[i];
-      row[i] = act == FalStepSpec::kRelu      ? fmaxf(x, 0.0f)
-               : act == FalStepSpec::kSigmoid ? 1.0f / (1.0f + __expf(-x))
-                                              : x / (1.0f + __expf(-x));
+__device__ __forceinline__ float elementwise_act(float x, int act) {
+  return act == FalStepSpec::kRelu      ? fmaxf(x, 0.0f)
+         : act == FalStepSpec::kSigmoid ? 1.0f / (1.0f + __expf(-x))
+         : act == FalStepSpec::kSilu    ? x / (1.0f + __expf(-x))
+                                        : x;
+}
+
+// Softmax over a row of `len` values in shared memory, in place when act asks for it; every thread of the block
+// calls it. The elementwise acts were applied as the row was loaded.
+__device__ void row_softmax(float* row, int len, int act, float* scratch) {
+  if (act != FalStepSpec::kSoftmaxFeature) return;
+  if (threadIdx.x < 32) {
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < len; i += 32) m = fmaxf(m, row[i]);
+    m = warp_max(m);
+    float s = 0;
+    for (int i = threadIdx.x; i < len; i += 32) s += __expf(row[i] - m);
+    s = warp_sum(s);
+    if (threadIdx.x == 0) {
+      scratch[0] = m;
+      scratch[1] = 1.0f / s;
     }
   }
   __syncthreads();
+  const float m = scratch[0], inv = scratch[1];
+  for (int i = threadIdx.x; i < len; i += blockDim.x) row[i] = __expf(row[i] - m) * inv;
+  __syncthreads();
 }
 
-// xq, xk (D, after the acts) -> qb, kb (P): the LRPE of one token of head h. The angle is formed and reduced
-// modulo 2 pi in double, so that long positions stay f32-accurate.
-__device__ void rows_lrpe(const float* xq, const float* xk, float* qb, float* kb, int h, const StepGeo& g) {
+// The LRPE rate of feature j of head h.
+__device__ __forceinline__ float rate_of(const StepGeo& g, int h, int j) {
+  const float* rate = g.theta + (g.theta_rows == 1 ? 0 : h * g.theta_cols);
+  return g.theta_cols == 1 ? rate[0] : (j < g.theta_cols ? rate[j] : 0.0f);
+}
+
+// xq, xk (D, after the acts) -> qb, kb (P): the LRPE of one token of head h, with the angles of the chunked
+// kernels (chunk::angle_cs), so that a prefill and the steps after it agree. first_rate is this thread's rate
+// for j = threadIdx.x, loaded early by the caller.
+__device__ void rows_lrpe(const float* xq, const float* xk, float* qb, float* kb, int h, const StepGeo& g,
+                          float first_rate) {
   const int D = g.D;
   const int A = g.lrpe == FalStepSpec::kRotate ? D / 2 : D;
   for (int j = threadIdx.x; j < A; j += blockDim.x) {
@@ -83,11 +93,8 @@ __device__ void rows_lrpe(const float* xq, const float* xk, float* qb, float* kb
       kb[j] = xk[j];
       continue;
     }
-    const float* rate = g.theta + (g.theta_rows == 1 ? 0 : h * g.theta_cols);
-    const double r = g.theta_cols == 1 ? rate[0] : (j < g.theta_cols ? rate[j] : 0.0);
-    const double a = double(g.position) * r;
     float s, c;
-    sincosf(float(a - 6.283185307179586 * rint(a * 0.15915494309189535)), &s, &c);
+    chunk::angle_cs(j == int(threadIdx.x) ? first_rate : rate_of(g, h, j), g.position, c, s);
     if (g.lrpe == FalStepSpec::kCosine) {
       qb[j] = xq[j] * c;
       qb[D + j] = xq[j] * s;
@@ -127,31 +134,43 @@ __global__ void __launch_bounds__(kThreads)
   const bool cols_ok = e0 < E;  // E is a multiple of VEC
   const float* src = S_in + bh * P * E + e0;
   auto at = [&](const float* base, int p) { return reinterpret_cast<const V*>(base + int64_t(p) * E); };
-  // The state is loaded before the token's prologue, so that its latency hides behind it: up to
-  // kPrefetchValues values a thread; the rest stream afterwards.
+  // The token's rows are requested first: they head the prologue's chain, which then runs while the state
+  // arrives. Next come up to kPrefetchValues state values a thread (the rest stream afterwards). A thread's first
+  // element of q, k and of v, g waits in registers, unconverted, so that nothing waits on it before the state's
+  // requests are out.
+  // The LRPE rate and the decay join them, as the later steps of the chain.
+  const int i0 = threadIdx.x;
+  T first[4] = {};
+  if (i0 < D) first[0] = q[bh * D + i0], first[1] = k[bh * D + i0];
+  if (i0 < E) first[2] = v[bh * E + i0], first[3] = gate[bh * E + i0];
+  const float first_rate = g.lrpe != FalStepSpec::kNoLrpe && i0 < D ? rate_of(g, h, i0) : 0.0f;
+  const float lam = g.decay ? g.decay[h] : 1.0f;
   V pre[kPasses];
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int p = row0 + i * kRowsPerPass;
     if (cols_ok && p < P) pre[i] = *at(src, p);
   }
-  for (int i = threadIdx.x; i < D; i += kThreads) {
-    xq[i] = to_acc(q[bh * D + i]);
-    xk[i] = to_acc(k[bh * D + i]);
+  // Elementwise acts as the rows are stored; softmax (over the whole row) after the barrier.
+  auto put = [](float* row, int i, float x, int act) {
+    row[i] = act == FalStepSpec::kSoftmaxFeature ? x : elementwise_act(x, act);
+  };
+  for (int i = i0; i < D; i += kThreads) {
+    put(xq, i, to_acc(i == i0 ? first[0] : q[bh * D + i]), g.act_q);
+    put(xk, i, to_acc(i == i0 ? first[1] : k[bh * D + i]), g.act_k);
   }
-  for (int i = threadIdx.x; i < E; i += kThreads) {
-    vb[i] = to_acc(v[bh * E + i]);
-    gb[i] = to_acc(gate[bh * E + i]);
+  for (int i = i0; i < E; i += kThreads) {
+    put(vb, i, to_acc(i == i0 ? first[2] : v[bh * E + i]), g.act_v);
+    put(gb, i, to_acc(i == i0 ? first[3] : gate[bh * E + i]), g.act_g);
   }
   __syncthreads();
-  row_act(xq, D, g.act_q, scratch);
-  row_act(xk, D, g.act_k, scratch);
-  row_act(vb, E, g.act_v, scratch);
-  row_act(gb, E, g.act_g, scratch);
-  rows_lrpe(xq, xk, qb, kb, h, g);
+  row_softmax(xq, D, g.act_q, scratch);
+  row_softmax(xk, D, g.act_k, scratch);
+  row_softmax(vb, E, g.act_v, scratch);
+  row_softmax(gb, E, g.act_g, scratch);
+  rows_lrpe(xq, xk, qb, kb, h, g, first_rate);
   __syncthreads();
 
-  const float lam = g.decay ? g.decay[h] : 1.0f;
   float y[VEC] = {};
   if (cols_ok) {
     float ve[VEC];

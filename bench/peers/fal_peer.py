@@ -7,7 +7,8 @@ causal:    torch.compile for the acts, cosine LRPE and gate around the `chunk_si
 
 Shapes and acts as bench/bench_fal.cpp: B = H = 12, D = E = 128, bf16. Medians of CUDA-event timings
 after a warm-up; backward is timed alone, on a fresh graph per run (an untimed forward before each).
-Usage: python3 bench/peers/fal_peer.py [--quick] [--causal-only] [--json FILE]
+Usage: python3 bench/peers/fal_peer.py [--quick] [--causal-only | --noncausal-only] [--ns N,...] [--shape BxH]
+                                      [--json FILE]
 """
 import argparse
 import json
@@ -72,12 +73,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default="")
-    ap.add_argument("--causal-only", action="store_true", help="skip the noncausal tables")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--causal-only", action="store_true", help="skip the noncausal tables")
+    only.add_argument("--noncausal-only", action="store_true", help="skip the causal table")
+    ap.add_argument("--ns", default="", help="comma-separated sequence lengths replacing the defaults")
+    ap.add_argument("--shape", default="", help="BxH replacing the seeds' 12x12, e.g. 16x6 (the language model)")
     args = ap.parse_args()
+    global B, H
+    if args.shape:
+        B, H = (int(x) for x in args.shape.lower().split("x"))
+    chosen = [int(x) for x in args.ns.split(",") if x]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     th = theta(dev)
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; B = {B}, H = {H}, D = E = {D}")
     rows = []
 
     def report(table, n, provider, mode, ms, extra=""):
@@ -95,7 +104,7 @@ def main():
 
     # -- noncausal
     compiled = torch.compile(fal_noncausal)
-    ns = [1024, 4096, 8192] if args.quick else [256, 1024, 4096, 8192, 16384, 32768]
+    ns = chosen or ([1024, 4096, 8192] if args.quick else [256, 1024, 4096, 8192, 16384, 32768])
     for q_softmax in () if args.causal_only else (False, True):
         table = "fal " + ("q softmax" if q_softmax else "silu")
         for n in ns:
@@ -108,6 +117,8 @@ def main():
                     torch.cuda.empty_cache()
 
     # -- causal
+    if args.noncausal_only:
+        return finish(rows, args)
     try:
         from fla.ops.simple_gla import chunk_simple_gla
     except Exception as e:  # noqa: BLE001
@@ -125,7 +136,7 @@ def main():
     def kernel_only(qb, kb, v):
         return chunk_simple_gla(qb, kb, v, g_gamma=g_gamma, scale=1.0)[0]
 
-    ns = [1024, 4096, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    ns = chosen or ([1024, 4096, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384])
     for n in ns:
         mk = lambda w: torch.randn(B, n, H, w, device=dev, dtype=DT, requires_grad=True)  # noqa: E731
         inputs = [mk(D), mk(D), mk(D), mk(D)]
