@@ -3,11 +3,10 @@
 // A block handles one (b, h) and a tile of kColumns state columns e. It first requests the token's q, k, v and
 // g rows, then its part of the state; while the state arrives it applies the acts (elementwise ones as the rows
 // are stored, softmax over the feature dim across the block) and the LRPE in shared memory, then updates its
-// columns. A thread owns VEC adjacent
-// columns (16-byte loads when E allows, else one): a warp covers VEC rows of the tile, warp w walks rows
-// VEC w, VEC w + VEC kRowGroups, ..., and the partial products are summed in a fixed order (over the warp's
-// rows by shuffles, then over the warps). The state is read and written once: the step is bound by the
-// state's memory traffic.
+// columns. A thread owns VEC adjacent columns (16-byte loads when E allows, else one): a warp covers VEC rows
+// of the tile, warp w walks rows VEC w, VEC w + VEC kRowGroups, ..., and the partial products are summed in a
+// fixed order (over the warp's rows by shuffles, then over the warps). The state is read and written once:
+// the step is bound by the state's memory traffic.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -134,11 +133,10 @@ __global__ void __launch_bounds__(kThreads)
   const bool cols_ok = e0 < E;  // E is a multiple of VEC
   const float* src = S_in + bh * P * E + e0;
   auto at = [&](const float* base, int p) { return reinterpret_cast<const V*>(base + int64_t(p) * E); };
-  // The token's rows are requested first: they head the prologue's chain, which then runs while the state
-  // arrives. Next come up to kPrefetchValues state values a thread (the rest stream afterwards). A thread's first
-  // element of q, k and of v, g waits in registers, unconverted, so that nothing waits on it before the state's
-  // requests are out.
-  // The LRPE rate and the decay join them, as the later steps of the chain.
+  // The token's rows, this thread's LRPE rate and the decay are requested first: they head the prologue's
+  // chain, which then runs while the state arrives. Next come up to kPrefetchValues state values a thread (the
+  // rest stream afterwards). A thread's first element of q, k and of v, g waits in registers, unconverted, so
+  // that nothing waits on it before the state's requests are out.
   const int i0 = threadIdx.x;
   T first[4] = {};
   if (i0 < D) first[0] = q[bh * D + i0], first[1] = k[bh * D + i0];
