@@ -1,8 +1,8 @@
 // Benchmarks of the FAL family. `fal`: the seeds' noncausal configuration (B = H = 12, D = E = 128, cosine
 // LRPE; q, k, g silu, and q softmax over the feature dim with k, g silu), floor and % copy. `fal-causal`:
-// causal with cosine LRPE, silu acts and a per-head decay (B = H = 12, D = E = 128, and the language model's
-// B = 16, H = 6, N = 2048), TFLOP/s of the chunked algorithm and % copy; and the decoding step (B = 8,
-// H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is
+// causal with cosine LRPE, silu acts and a per-head decay (B = H = 12, D = E = 128, the language model's
+// B = 16, H = 6, N = 2048, and B = 1, H = 8 at N = 8192 and 32768), TFLOP/s of the chunked algorithm and
+// % copy; and the decoding step (B = 8, H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is
 // Impl::Composed.
 #include <cmath>
 #include "bench/harness.h"
@@ -109,8 +109,12 @@ std::vector<Config> causal_configs(const RunOptions& o) {
   const Dims d = dims(o);
   std::vector<Config> out;
   out.push_back(causal_config(o, d, pick_sizes(o, powers_of_two(1024, 16384), {1024, 4096, 8192}, {128, 256})));
-  // The language model's mixer: B = 16, H = 6, N = 2048 (D = E = 128).
-  if (o.device.is_cuda()) out.push_back(causal_config(o, Dims{16, 6, 128}, {2048}));
+  // The language model's mixer: B = 16, H = 6, N = 2048 (D = E = 128); and one long sequence over few heads,
+  // where B x H alone would leave most SMs idle and the kernels cut the sequence.
+  if (o.device.is_cuda()) {
+    out.push_back(causal_config(o, Dims{16, 6, 128}, {2048}));
+    out.push_back(causal_config(o, Dims{1, 8, 128}, pick_sizes(o, {8192, 32768}, {8192}, {8192})));
+  }
 
   // One decoding step (B = 8 on CUDA), x = batch.
   Config s;

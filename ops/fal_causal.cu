@@ -1,14 +1,16 @@
 // Fused FAL, causal with decay and state. bf16/f16 calls that ops/fal_chunk.cuh covers run its kernels (they
 // read q, k, v, g in place when each token's heads are contiguous rows, e.g. slices of one projection); the
 // others (f32, softmax over the feature dim, rotate, other head dims) run the chunk sweep
-// of ops/fal_sweep.cuh (16-token chunks on the tensor cores, the f32 state in shared memory). The sequence is
-// cut into G segments so that B x H x G blocks fill the GPU (G = 1 when B x H alone does):
+// of ops/fal_sweep.cuh (16-token chunks on the tensor cores, the f32 state in shared memory). Both cut the
+// sequence into G segments when B x H alone leaves the GPU idle (G = 1 when it does not):
 //   1. each segment's local state, from zero: sum over its tokens of lambda^(end - 1 - t) kb_t^T vb_t;
 //   2. a scan over the segments turns them into the state entering each segment (from S0) and the final state;
 //   3. each segment's outputs from its entering state, inside its chunks the masked, decayed product.
-// Backward: the query sweep (dq, dg) reruns 1-3 forward; the key sweep (dk, dv) runs them the other way on
-// dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The segment states
-// (B, H, G, D', E) in f32 are the only extra memory.
+// Backward: the sweeps' query pass (dq, dg) reruns 1-3 forward; their key pass (dk, dv) runs them the other
+// way on dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The chunk
+// kernels run 1-2 before each of their two state passes, which then write every chunk's state from the
+// segments' entering states. The segment states, (B, H, G, D', E) or (B, H, G - 1, D', E) in f32, are the
+// only extra memory beside the chunk kernels' per-chunk states.
 #include "ops/fal_chunk.cuh"
 #include "ops/fal_sweep.cuh"
 
@@ -18,6 +20,7 @@ namespace {
 
 constexpr int64_t kMinSegmentTokens = 64;
 constexpr int kMaxSegments = 32;
+constexpr int64_t kMaxChunkSegments = 64;
 
 // In place over states (BH, G, n): each segment's local sum in, the state entering it out; forward from start
 // (S0, or zeros when null) through segments 0 ... G-1, reverse from start (dS_final) through G-1 ... 0. last
@@ -39,6 +42,27 @@ __global__ void scan_segments(float* __restrict__ states, const float* __restric
     s = (lam == 1.0f ? 1.0f : powf(lam, float(len))) * s + local;
   }
   if (last) last[i] = s;
+}
+
+// In place over boundary (BH, G - 1, n): each slot's local segment sum in, the state at that boundary out.
+// Forward from start (S0, or zeros when null): slot j = lambda^len(j) slot j-1 + local(j), where slot -1 is the
+// start. Reverse from start (dS_final): slot j = lambda^len(j+1) slot j+1 + local(j+1), where slot G-1 is the
+// start and local(j+1) sits in slot j. len(j) is segment j's token count (only the last may be short).
+__global__ void scan_boundaries(float* __restrict__ boundary, const float* __restrict__ start,
+                                const float* __restrict__ decay, int H, int64_t G, int64_t n, int64_t total,
+                                int64_t tokens, int64_t per, bool reverse) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int64_t bh = i / n, j = i % n;
+  const float lam = decay ? decay[bh % H] : 1.0f;
+  float s = start ? start[i] : 0.0f;
+  for (int64_t step = 0; step < G - 1; ++step) {
+    const int64_t slot = reverse ? G - 2 - step : step, seg = reverse ? slot + 1 : slot;
+    const int64_t len = min(per, tokens - seg * per);
+    float* cell = boundary + (bh * (G - 1) + slot) * n + j;
+    s = (lam == 1.0f ? 1.0f : powf(lam, float(len))) * s + *cell;
+    *cell = s;
+  }
 }
 
 // One causal sweep (rows pass `pass`) over the whole sequence, or over G segments with their entering states
@@ -78,6 +102,41 @@ bool use_chunks(const Tensor& q, const Tensor& v, const FalStepSpec& spec) {
   return causal_chunked(q.dtype(), q.size(3), v.size(3), spec);
 }
 
+// The sweeps' segments: `requested` (0 picks from the shapes) as whole 16-token chunks, none empty.
+int64_t sweep_segments(int64_t BH, int64_t N, int64_t requested, Device dev) {
+  if (requested <= 0) return causal_segments(BH, N, sm_count(dev));
+  const int64_t per = causal_segment_tokens(N, std::max<int64_t>(1, std::min(requested, N)));
+  return (N + per - 1) / per;
+}
+
+// Cuts each (b, h)'s chunks into G segments (requested: 0 picks from the shapes; at most one a chunk) and
+// allocates the boundary states when G > 1.
+Tensor cut_chunks(chunk::Args& a, int64_t BH, int64_t requested, bool fused, Device dev) {
+  const int64_t G = requested > 0 ? requested : chunk_segments({BH, a.nC, a.D, a.P, a.E}, sm_count(dev), fused);
+  a.seg_chunks = (a.nC + std::min(G, a.nC) - 1) / std::min(G, a.nC);
+  a.G = a.nC == 0 ? 1 : (a.nC + a.seg_chunks - 1) / a.seg_chunks;
+  if (a.G == 1) return Tensor();
+  Tensor boundary = empty({BH, a.G - 1, a.P, a.E}, DType::F32, dev);
+  a.boundary = boundary.data_ptr<float>();
+  return boundary;
+}
+
+// The states at the segments' inner boundaries for a pass in direction `reverse`: each segment's local sum
+// (a local state pass), then the scan from S0 (forward) or dS_final (reverse).
+void fill_boundaries(const chunk::Args& a, int64_t BH, bool reverse, DType dtype, cudaStream_t st) {
+  chunk::Args local = a;
+  local.local = true;
+  if (reverse)
+    chunk::state_pass(local, dtype, BH, true, st);
+  else  // the fused forward's local pass: one block per walk, its rows staged ahead (faster than the state pass)
+    chunk::forward(local, dtype, BH, st);
+  const int64_t n = int64_t(a.P) * a.E, total = BH * n;
+  scan_boundaries<<<unsigned((total + 255) / 256), 256, 0, st>>>(a.boundary, reverse ? a.dS_final : a.S0, a.decay,
+                                                                 a.H, a.G, n, total, a.N, a.seg_chunks * chunk::kC,
+                                                                 reverse);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
@@ -92,6 +151,39 @@ int sm_count(Device dev) {
 
 int64_t causal_segment_tokens(int64_t N, int64_t G) {
   return ((N + G - 1) / G + kSweepChunk - 1) / kSweepChunk * kSweepChunk;  // whole chunks
+}
+
+// The chunk kernels' cut, from their times per chunk on an H100 (docs/BENCHMARKS.md): the fused forward about
+// 14 us a chunk for a wave of one block per SM, its local pass (K and V only) 5 us; a state pass about 6 us a
+// chunk for a wave of three blocks per SM (D / 64 x E / 64 blocks per (b, h)), its reverse local pass 5.5 us. A
+// cut adds the local passes over all segments but one (forward: the fused one; backward: one before each
+// state pass), a start-up of about a third of a chunk to every walk, and the boundary states' traffic (each
+// written, scanned and read: four crossings at 2.5 TB/s). It must gain 10%.
+int64_t chunk_segments(const ChunkShape& s, int sms, bool fused) {
+  if (s.nC <= 1 || s.BH <= 0 || sms <= 0) return 1;
+  const int64_t tiles = s.D / 64 * ((s.E + 63) / 64);
+  const double boundary_us = 4.0 * double(s.P * s.E * 4) / 2.5e6;
+  auto waves = [&](int64_t blocks, int64_t per_sm) { return double((blocks + per_sm * sms - 1) / (per_sm * sms)); };
+  auto cost = [&](int64_t per) {
+    const int64_t G = (s.nC + per - 1) / per, cuts = s.BH * (G - 1);
+    const double steps = double(per) + (G > 1 ? 0.3 : 0.0);
+    if (fused) {
+      const double cut = G > 1 ? waves(cuts, 1) * steps * 5.0 + double(cuts) * boundary_us : 0.0;
+      return cut + waves(s.BH * G, 1) * steps * 14.0;
+    }
+    const double cut = G > 1 ? waves(cuts, 1) * steps * 5.0 + waves(cuts * tiles, 3) * steps * 5.5 +
+                                   2.0 * double(cuts) * boundary_us
+                             : 0.0;
+    return cut + 2.0 * waves(s.BH * G * tiles, 3) * steps * 6.0;
+  };
+  int64_t best = s.nC;  // chunks per segment
+  const double whole = cost(s.nC);
+  double best_cost = whole;
+  for (int64_t per = s.nC - 1; per >= 1 && (s.nC + per - 1) / per <= kMaxChunkSegments; --per) {
+    const double c = cost(per);
+    if (c < best_cost) best = per, best_cost = c;
+  }
+  return best_cost < 0.9 * whole ? (s.nC + best - 1) / best : 1;
 }
 
 // One block per SM (the state fills shared memory): the time goes as the waves of blocks times the tokens a
@@ -109,30 +201,33 @@ int64_t causal_segments(int64_t BH, int64_t N, int sms) {
 }
 
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
-                    const Tensor& S0, const Tensor& out, const Tensor& S_final) {
+                    const Tensor& S0, const Tensor& out, const Tensor& S_final, int64_t segments) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0 || v.size(3) == 0) return;
   const Device dev = q.device();
   if (use_chunks(q, v, spec)) {
     const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
     chunk::Args a = over_tokens(chunk_args(qr, kr, vr, gr, spec), q.size(1));
-    a.out = out.data();  // the state stays in registers: no memory beside the output and S_final
+    a.out = out.data();  // the state stays in registers: no memory beside the output, S_final and the boundaries
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
     a.S_final = S_final.data_ptr<float>();
-    chunk::forward(a, q.dtype(), BH, cuda::stream(dev.index));
+    cudaStream_t st = cuda::stream(dev.index);
+    const Tensor boundary = cut_chunks(a, BH, segments, true, dev);
+    if (a.G > 1) fill_boundaries(a, BH, false, q.dtype(), st);
+    chunk::forward(a, q.dtype(), BH, st);
     return;
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
   a.out = out.data();
-  const int64_t G = causal_segments(BH, q.size(1), sm_count(dev));
+  const int64_t G = sweep_segments(BH, q.size(1), segments, dev);
   causal_sweep(a, kForward, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr,
                S_final.data_ptr<float>(), BH, G, q.dtype(), cuda::stream(dev.index), dev);
 }
 
 void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                      const Tensor& S0, const Tensor& dout, const Tensor& dS_final, const Tensor& dq,
-                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0) {
+                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0, int64_t segments) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0) return;
   const Device dev = q.device();
@@ -148,7 +243,12 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
     a.dS_final = dS_final.defined() ? dS_final.data_ptr<float>() : nullptr;
     a.dS0 = dS0.defined() ? dS0.data_ptr<float>() : nullptr;
-    chunk::backward(a, q.dtype(), BH, st);
+    const Tensor boundary = cut_chunks(a, BH, segments, false, dev);  // one buffer for both directions
+    for (bool reverse : {false, true}) {
+      if (a.G > 1) fill_boundaries(a, BH, reverse, q.dtype(), st);
+      chunk::state_pass(a, q.dtype(), BH, reverse, st);
+    }
+    chunk::gradients(a, q.dtype(), BH, st);
     return;
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
@@ -158,7 +258,7 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   a.dk = dk.data();
   a.dv = dv.data();
   a.dg = dg.data();
-  const int64_t G = causal_segments(BH, q.size(1), sm_count(dev));
+  const int64_t G = sweep_segments(BH, q.size(1), segments, dev);
   causal_sweep(a, kQueryGrad, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr, nullptr, BH, G,
                q.dtype(), st, dev);
   causal_sweep(a, kKeyGrad, kReduceDKV, true, dS_final.defined() ? dS_final.data_ptr<float>() : nullptr,

@@ -13,7 +13,9 @@
 // writes only the output and S_final. The backward's state kernels are sequential over chunks and parallel
 // over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32 state tile in registers and writes
 // the state entering every chunk (S_c, then R_(c+1)) once, in the inputs' dtype; its gradient kernel is
-// parallel over (chunk, b, h).
+// parallel over (chunk, b, h). When B x H leaves SMs idle, ops/fal_causal.cu cuts each (b, h)'s chunks into
+// segments (chunk_segments): a local pass sums each segment from zero, a scan turns the sums into the states
+// at the segments' boundaries, and the forward and the state passes then walk the segments side by side.
 //
 // Rows are put through the act and the LRPE as they are loaded into shared memory (never written to global
 // memory), 64 columns of D (an "angle slice") at a time: one slice gives one 64-wide slice of D' (no LRPE) or
@@ -44,6 +46,7 @@ namespace lintape::fal_cuda::chunk {
 
 constexpr int kC = 64;       // tokens per chunk
 constexpr int kSlice = 64;   // columns of an angle slice
+constexpr int kEtile = 64;   // E columns of a state-pass block
 constexpr int kPad = 8;      // a shared row's padding (16 bytes: ldmatrix rows fall on distinct banks)
 constexpr int kLdS = kSlice + kPad;
 constexpr int kLdC = kC + kPad;
@@ -66,7 +69,65 @@ struct Args {
   int64_t N, nC;
   int64_t position;
   int act_q, act_k, act_v, act_g, lrpe;
+  // The causal passes' cut of each (b, h)'s chunks into G segments of seg_chunks (the last may be shorter;
+  // G = 1: none). boundary (B, H, G - 1, D', E) f32 holds the state at each inner boundary: S leaving segment
+  // j forward, R entering segment j from its right in reverse. local: the pass sums each segment from zero into
+  // boundary (forward: segments 0 ... G-2 into slots 0 ... G-2; reverse: 1 ... G-1 into 0 ... G-2) and writes
+  // no per-chunk state.
+  int64_t G = 1, seg_chunks = 0;
+  float* boundary = nullptr;
+  bool local = false;
+  bool walks_in_z = false;  // state passes: grid (E tiles, slices, walks), else (walks, slices, E tiles)
 };
+
+// x, which the compiler must treat as unknown: what is computed from it is computed again where it is used
+// rather than held in registers across a loop.
+__device__ __forceinline__ int64_t opaque_index(int64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+
+// The chunks [c0, c1) that block x of a causal pass walks, and the f32 (D', E) states it starts from and
+// leaves (null: zeros / not written). A pass runs B x H x G blocks, or B x H x (G - 1) when local.
+struct Walk {
+  int64_t bh;
+  int c0, c1;  // chunk indices fit an int (a sequence of 2^37 tokens does not fit memory)
+  const float* start;
+  float* last;
+};
+// The walk over the whole sequence (a.G == 1).
+__device__ __forceinline__ Walk whole_walk(const Args& a, int64_t x, bool reverse) {
+  const size_t PE = size_t(a.P) * a.E;
+  const float* begin = reverse ? a.dS_final : a.S0;
+  float* end = reverse ? a.dS0 : a.S_final;
+  return Walk{x, 0, int(a.nC), begin ? begin + x * PE : nullptr, end ? end + x * PE : nullptr};
+}
+__device__ __forceinline__ Walk walk_of(const Args& a, int64_t x, bool reverse) {
+  const size_t PE = size_t(a.P) * a.E;
+  if (a.G == 1) return whole_walk(a, x, reverse);
+  const int64_t slots = a.G - 1;
+  Walk w;
+  if (a.local) {
+    w.bh = x / slots;
+    const int64_t seg = x % slots + (reverse ? 1 : 0);
+    w.c0 = int(seg * a.seg_chunks);
+    w.c1 = int(min(a.nC, w.c0 + a.seg_chunks));
+    w.start = nullptr;
+    w.last = a.boundary + x * PE;
+    return w;
+  }
+  w.bh = x / a.G;
+  const int64_t seg = x % a.G;
+  w.c0 = int(seg * a.seg_chunks);
+  w.c1 = int(min(a.nC, w.c0 + a.seg_chunks));
+  // Forward walks start at the sequence's first segment from S0; reverse ones at its last from dS_final.
+  const bool first = reverse ? seg == a.G - 1 : seg == 0, final = reverse ? seg == 0 : seg == a.G - 1;
+  const float* begin = reverse ? a.dS_final : a.S0;
+  float* end = reverse ? a.dS0 : a.S_final;
+  w.start = first ? (begin ? begin + w.bh * PE : nullptr) : a.boundary + (w.bh * slots + seg - (reverse ? 0 : 1)) * PE;
+  w.last = final && end ? end + w.bh * PE : nullptr;
+  return w;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Tensor-core helpers.
@@ -314,9 +375,13 @@ __device__ __forceinline__ float reduce_f64(float rate, int64_t pos) {
 __device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
   __sincosf(pos < kF32Positions ? reduce_f32(rate, float(pos)) : reduce_f64(rate, pos), &s, &c);
 }
+// The LRPE rate of feature j of head h from theta (rows 1 or H, cols 1 or more; past its columns: 0).
+__device__ __forceinline__ float theta_rate(const float* theta, int rows, int cols, int h, int j) {
+  const float* r = theta + (rows == 1 ? 0 : h * cols);
+  return cols == 1 ? r[0] : j < cols ? r[j] : 0.0f;
+}
 __device__ __forceinline__ float rate_of(const Args& a, int h, int j) {
-  const float* r = a.theta + (a.theta_rows == 1 ? 0 : h * a.theta_cols);
-  return a.theta_cols == 1 ? r[0] : j < a.theta_cols ? r[j] : 0.0f;
+  return theta_rate(a.theta, a.theta_rows, a.theta_cols, h, j);
 }
 
 // 8 values as 16 bytes.
@@ -512,11 +577,12 @@ __device__ __forceinline__ void load_state_async(const Args& a, const T* __restr
 // True when these kernels take the call: bf16/f16, LRPE none or cosine, D 64 or 128, E a multiple of 8 up to
 // 128, elementwise acts.
 bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
-// The state pass: forward (reverse false) S_c into a.states and S_final from S0; reverse R_(c+1) into
-// a.rstates and dS0 from dS_final.
+// The state pass over the segments a.G: forward (reverse false) S_c into a.states and S_final from S0;
+// reverse R_(c+1) into a.rstates and dS0 from dS_final; with a.local, each segment's sum into a.boundary.
 void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st);
-void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);   // outputs and S_final, one kernel
-void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // both state passes, then the grads
+// The fused forward: outputs and S_final, one kernel; with a.local, each segment's forward sum into a.boundary.
+void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);
+void gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // from a.states and a.rstates
 
 }  // namespace lintape::fal_cuda::chunk
 
@@ -559,6 +625,8 @@ inline chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v,
 inline chunk::Args over_tokens(chunk::Args a, int64_t tokens) {
   a.N = tokens;
   a.nC = (tokens + chunk::kC - 1) / chunk::kC;
+  a.G = 1;
+  a.seg_chunks = a.nC;
   return a;
 }
 

@@ -282,9 +282,7 @@ void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
 
 }  // namespace
 
-void backward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
-  state_pass(a, dtype, BH, false, st);
-  state_pass(a, dtype, BH, true, st);
+void gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   const bool wide = a.E > 64;
   if (dtype == DType::BF16)
     wide ? launch_grad<__nv_bfloat16, 128>(a, BH, st) : launch_grad<__nv_bfloat16, 64>(a, BH, st);

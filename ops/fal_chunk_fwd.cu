@@ -6,14 +6,13 @@ namespace lintape::fal_cuda::chunk {
 
 namespace {
 
-constexpr int kEtile = 64;  // E columns of a state block
-
-
-// Sequential over chunks, one block per (b, h, angle slice, 64 columns of E). Forward: X = K (act_k, LRPE),
-// Z = V (act_v) times delta; reverse: X = Q, Z = dO o gb times gamma. The block's state tile is the rows of
-// D' that the angle slice gives (64 or 128) times 64 columns, a 16 x 64 f32 tile per warp in registers:
-//   forward  store S_c; S <- lambda^cl S + X^T Z       (c = 0 ... nC-1, from S0; S_final after)
-//   reverse  store R_(c+1); R <- lambda^cl R + X^T Z   (c = nC-1 ... 0, from dS_final; dS0 after)
+// Sequential over chunks, one block per (b, h, segment, angle slice, 64 columns of E). Forward: X = K (act_k,
+// LRPE), Z = V (act_v) times delta; reverse: X = Q, Z = dO o gb times gamma. The block's state tile is the rows
+// of D' that the angle slice gives (64 or 128) times 64 columns, a 16 x 64 f32 tile per warp in registers:
+//   forward  store S_c; S <- lambda^cl S + X^T Z       (c = c0 ... c1-1, from S0 or a boundary)
+//   reverse  store R_(c+1); R <- lambda^cl R + X^T Z   (c = c1-1 ... c0, from dS_final or a boundary)
+// and the state past the walk into S_final / dS0 (the sequence's last walk) or a boundary (a local pass,
+// which stores nothing per chunk). Without segments the walk is the whole sequence.
 // The state tiles in shared memory.
 template <class T>
 struct StateSmem {
@@ -23,13 +22,14 @@ struct StateSmem {
   float rates[2 * kSlice];  // the head's LRPE rates (D <= 128)
 };
 
-template <class T, bool Reverse>
-__device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& sm) {
+template <class T, bool Reverse, bool Whole>
+__device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, StateSmem<T>& sm) {
   auto& xs = sm.xs;
   auto& zs = sm.zs;
   auto& scale = sm.scale;
   const int warp = threadIdx.x >> 5;
-  const int64_t bh = blockIdx.x, b = bh / a.H;
+  const Walk w = Whole ? whole_walk(a, walk, Reverse) : walk_of(a, walk, Reverse);
+  const int64_t bh = w.bh, b = bh / a.H;
   const int h = int(bh % a.H), slice = int(blockIdx.y);
   const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
   const int half = warp / 4, m0 = 16 * (warp % 4);
@@ -46,24 +46,23 @@ __device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& 
   const int64_t dts = int64_t(a.H) * a.E;
 
   Acc<1, kEtile / 8> acc;
-  const float* start = Reverse ? a.dS_final : a.S0;
-  float* last = Reverse ? a.dS0 : a.S_final;
 #pragma unroll
   for (int n = 0; n < kEtile / 8; ++n)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
-      acc.x[0][n][r] = start && active && e < a.E ? start[bh * PE + size_t(p) * a.E + e] : 0.0f;
+      acc.x[0][n][r] = w.start && active && e < a.E ? w.start[size_t(p) * a.E + e] : 0.0f;
     }
-  T* states = static_cast<T*>(Reverse ? a.rstates : a.states) + bh * a.nC * PE;
+  T* states = !Whole && a.local ? nullptr : static_cast<T*>(Reverse ? a.rstates : a.states) + bh * a.nC * PE;
 
   // Each chunk's rows load after the barrier and go straight to shared memory: with three blocks per SM the
   // others hide the latency, and the registers stay with the state tile.
   const int x_act = Reverse ? a.act_q : a.act_k, z_act = Reverse ? a.act_g : a.act_v;
   if (a.lrpe == FalStepSpec::kCosine)
     for (int j = threadIdx.x; j < a.D; j += kThreads) sm.rates[j] = rate_of(a, h, j);
-  for (int64_t step = 0; step < a.nC; ++step) {
-    const int64_t c = Reverse ? a.nC - 1 - step : step, t0 = c * kC;
+  for (int step = 0; step < w.c1 - w.c0; ++step) {
+    const int c = Reverse ? w.c1 - 1 - step : w.c0 + step;
+    const int64_t t0 = int64_t(c) * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
     for (int i = threadIdx.x; i < kC; i += kThreads)
       scale[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
@@ -79,14 +78,16 @@ __device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& 
       store_rows<T, kEtile, kThreads>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, scale, zs);
     }
     if (active) {
-      T* dst = states + c * PE;
+      if (Whole || states) {
+        T* dst = states + c * PE;
 #pragma unroll
-      for (int n = 0; n < kEtile / 8; ++n)
+        for (int n = 0; n < kEtile / 8; ++n)
 #pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-          const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
-          if (e < a.E) store2(dst + size_t(p) * a.E + e, acc.x[0][n][r], acc.x[0][n][r + 1]);
-        }
+          for (int r = 0; r < 4; r += 2) {
+            const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
+            if (e < a.E) store2(dst + size_t(p) * a.E + e, acc.x[0][n][r], acc.x[0][n][r + 1]);
+          }
+      }
       const float carry = decay_pow(log2_lam, cl);
 #pragma unroll
       for (int n = 0; n < kEtile / 8; ++n)
@@ -96,24 +97,29 @@ __device__ __forceinline__ void state_body(const Args& a, int e0, StateSmem<T>& 
     __syncthreads();
     if (active) warp_mma<T, true, true>(acc, xs[half], kLdS, m0, zs, kEtile + kPad, 0, kC);
   }
+  // The walk's end, found again: held across the chunk loop, its address would take registers from the state.
+  const int64_t self = opaque_index(walk);
+  float* last = (Whole ? whole_walk(a, self, Reverse) : walk_of(a, self, Reverse)).last;
   if (last && active)
 #pragma unroll
     for (int n = 0; n < kEtile / 8; ++n)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int p = p_row + acc.row(0, r), e = e0 + acc.col(n, r);
-        if (e < a.E) last[bh * PE + size_t(p) * a.E + e] = acc.x[0][n][r];
+        if (e < a.E) last[size_t(p) * a.E + e] = acc.x[0][n][r];
       }
 }
 
-template <class T, bool Reverse>
+template <class T, bool Reverse, bool Whole>
 __global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
   __shared__ StateSmem<T> sm;
-  state_body<T, Reverse>(a, int(blockIdx.z) * kEtile, sm);
+  state_body<T, Reverse, Whole>(a, a.walks_in_z ? blockIdx.z : blockIdx.x,
+                                int(a.walks_in_z ? blockIdx.x : blockIdx.z) * kEtile, sm);
 }
 
-// The forward, fused: one block per (b, h), sequential over chunks with the whole D' x E state in registers
-// (f32). No per-chunk state goes to memory. Per chunk:
+// The forward, fused: one block per (b, h) and segment, sequential over its chunks with the whole D' x E state
+// in registers (f32), from S0 or the boundary state before the segment. No per-chunk state goes to memory.
+// Per chunk:
 //   A. its raw q, k, v rows (staged in shared memory by cp.async while the previous chunk multiplied) go
 //      through the acts and the LRPE into Q, K (C x D'), V and diag(delta) V; the state is copied to shared
 //      memory in T; then the next chunk's rows are requested;
@@ -180,7 +186,9 @@ __device__ __forceinline__ void from_stage(const void* stage, int c0, Raw<W, kFu
   }
 }
 
-template <class T, int EP, int Slices>
+// Local: the local pass of a cut sequence (a.local): only K, diag(delta) V and the state update, each segment's
+// sum from zero into its boundary slot.
+template <class T, int EP, int Slices, bool Local>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
   using Sm = FusedSmem<T, EP, Slices>;
   constexpr int D = Sm::D, ldE = Sm::ldE, SCT = 8 / kColGroups, YT = EP / 8 / kColGroups;
@@ -189,12 +197,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
   const Sm sm(reinterpret_cast<T*>(smem_raw));
   const int warp = threadIdx.x >> 5, m0 = 16 * (warp % 4), sc_n0 = 8 * SCT * (warp / 4), y_n0 = 8 * YT * (warp / 4);
   const int half = warp / (kFusedWarps / 2), s_m0 = m0, s_n0 = 8 * ST * ((warp / 4) % kStateGroups);
-  const int64_t bh = blockIdx.x, b = bh / a.H;
+  const Walk w = walk_of(a, blockIdx.x, false);
+  const int64_t bh = w.bh, b = bh / a.H;
   const int h = int(bh % a.H);
   const int halves = a.lrpe == FalStepSpec::kNoLrpe ? 1 : 2;
   const bool owns_state = half < halves;
   const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
-  const size_t PE = size_t(a.P) * a.E;
   // The rows' addresses are rebuilt where they are used (b and h made opaque): held across the chunk loop,
   // they would push the state out of the registers.
   auto opaque = [](int x) {
@@ -204,7 +212,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
   auto state_row = [&](int s, int r) { return half * D + s * kSlice + s_m0 + Acc<1, ST>::row(0, r); };
 
   Acc<1, ST> st[Slices];
-  // f(value, its index in a (B, H, P, E) f32 state) for each of this thread's state values within E.
+  // f(value, its index in a (P, E) f32 state) for each of this thread's state values within E.
   auto each_state = [&](auto&& f) {
     if (!owns_state) return;
 #pragma unroll
@@ -214,28 +222,27 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int e = s_n0 + st[s].col(n, r);
-          if (e < a.E) f(st[s].x[0][n][r], bh * PE + size_t(state_row(s, r)) * a.E + e);
+          if (e < a.E) f(st[s].x[0][n][r], size_t(state_row(s, r)) * a.E + e);
         }
   };
 #pragma unroll
   for (int s = 0; s < Slices; ++s) st[s].zero();
-  if (a.S0) each_state([&](float& x, size_t i) { x = a.S0[i]; });
+  if (w.start) each_state([&](float& x, size_t i) { x = w.start[i]; });
 
   auto stage_chunk = [&](int64_t t0) {
     const int bo = opaque(int(b)), ho = opaque(h);
-    const T* q = at_head<T>(a.q, bo, a.sq_b, ho, a.D);
     const T* k = at_head<T>(a.k, bo, a.sk_b, ho, a.D);
     const T* v = at_head<T>(a.v, bo, a.sv_b, ho, a.E);
-    stage_rows<T, D>(a, q, a.sq_t, t0, a.D, sm.raw_q);
+    if (!Local) stage_rows<T, D>(a, at_head<T>(a.q, bo, a.sq_b, ho, a.D), a.sq_t, t0, a.D, sm.raw_q);
     stage_rows<T, D>(a, k, a.sk_t, t0, a.D, sm.raw_k);
     stage_rows<T, EP>(a, v, a.sv_t, t0, a.E, sm.raw_v);
     cp_async_commit();
   };
-  stage_chunk(0);
+  stage_chunk(w.c0 * kC);
   if (a.lrpe == FalStepSpec::kCosine)
     for (int j = threadIdx.x; j < a.D; j += kFusedThreads) sm.rates[j] = rate_of(a, h, j);
-  for (int64_t c = 0; c < a.nC; ++c) {
-    const int64_t t0 = c * kC;
+  for (int c = w.c0; c < w.c1; ++c) {
+    const int64_t t0 = int64_t(c) * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
     // A. Encode. delta's previous readers passed a barrier since.
     for (int i = threadIdx.x; i < kC; i += kFusedThreads)
@@ -245,20 +252,25 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
     {
       Raw<EP, kFusedThreads> vr;
       from_stage<EP>(sm.raw_v, 0, vr);
-      store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
+      if (!Local) store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
       store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, sm.delta, sm.vd);
     }
 #pragma unroll
     for (int s = 0; s < Slices; ++s) {
       Raw<kSlice, kFusedThreads> qr, kr;
-      from_stage<D>(sm.raw_q, s * kSlice, qr);
       from_stage<D>(sm.raw_k, s * kSlice, kr);
       T* qh = sm.qs + s * 2 * Sm::kTile;
       T* kh = sm.ks + s * 2 * Sm::kTile;
-      store_encoded<T, kFusedThreads, 4>(a, qr, a.act_q, qh, qh + Sm::kTile, &kr, a.act_k, kh, kh + Sm::kTile, h, t0, s,
-                                         sm.rates);
+      if (Local) {
+        store_encoded<T, kFusedThreads, 4>(a, kr, a.act_k, kh, kh + Sm::kTile, nullptr, 0, nullptr, nullptr, h, t0, s,
+                                           sm.rates);
+      } else {
+        from_stage<D>(sm.raw_q, s * kSlice, qr);
+        store_encoded<T, kFusedThreads, 4>(a, qr, a.act_q, qh, qh + Sm::kTile, &kr, a.act_k, kh, kh + Sm::kTile, h, t0,
+                                           s, sm.rates);
+      }
     }
-    if (owns_state)
+    if (!Local && owns_state)
 #pragma unroll
       for (int s = 0; s < Slices; ++s)
 #pragma unroll
@@ -267,17 +279,18 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
           for (int r = 0; r < 4; r += 2)
             store2(sm.ss + state_row(s, r) * ldE + s_n0 + st[s].col(n, r), st[s].x[0][n][r], st[s].x[0][n][r + 1]);
     __syncthreads();
-    if (c + 1 < a.nC) stage_chunk(t0 + kC);
+    if (c + 1 < w.c1) stage_chunk(t0 + kC);
 
     // B. The scores, then the state update (the old state is in shared memory), then Y, so that at most two
     // accumulators are live beside the state.
     Acc<1, SCT> sc;
     sc.zero();
+    if (!Local)
 #pragma unroll
-    for (int s = 0; s < Slices; ++s)
-      for (int hf = 0; hf < halves; ++hf)
-        warp_mma<T, false, false>(sc, sm.qs + (s * 2 + hf) * Sm::kTile, kLdS, m0, sm.ks + (s * 2 + hf) * Sm::kTile,
-                                  kLdS, sc_n0, kSlice);
+      for (int s = 0; s < Slices; ++s)
+        for (int hf = 0; hf < halves; ++hf)
+          warp_mma<T, false, false>(sc, sm.qs + (s * 2 + hf) * Sm::kTile, kLdS, m0, sm.ks + (s * 2 + hf) * Sm::kTile,
+                                    kLdS, sc_n0, kSlice);
     if (owns_state) {
       const float carry = decay_pow(log2_lam, cl);
 #pragma unroll
@@ -289,6 +302,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
         warp_mma<T, true, true>(st[s], sm.ks + (s * 2 + half) * Sm::kTile, kLdS, s_m0, sm.vd, ldE, s_n0, kC);
       }
     }
+    if (Local) continue;  // the next chunk's first barrier keeps K and V until every warp is done with them
     __syncthreads();  // every warp is done with K: the masked scores take its place
     T* am = sm.ks;
     store_masked(sc, am, m0, sc_n0, log2_lam);
@@ -333,25 +347,33 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
       }
     }
   }
-  if (a.S_final) each_state([&](float& x, size_t i) { a.S_final[i] = x; });
+  float* last = walk_of(a, opaque(int(blockIdx.x)), false).last;  // found again, as the rows' addresses are
+  if (last) each_state([&](float& x, size_t i) { last[i] = x; });
 }
 
 template <class T>
 void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
-  const dim3 grid(unsigned(BH), unsigned(a.D / kSlice), unsigned((a.E + kEtile - 1) / kEtile));
-  if (reverse)
-    state_kernel<T, true><<<grid, kThreads, 0, st>>>(a);
-  else
-    state_kernel<T, false><<<grid, kThreads, 0, st>>>(a);
+  const int64_t walks = BH * (a.local ? a.G - 1 : a.G);
+  const unsigned slices = unsigned(a.D / kSlice), etiles = unsigned((a.E + kEtile - 1) / kEtile);
+  // A walk's blocks next to each other in the launch order, so that they run together and the rows they share
+  // (x across the E tiles, z across the slices) come from L2 once fetched; the grid's z holds 65535 walks.
+  Args b = a;
+  b.walks_in_z = walks <= 65535;
+  const dim3 grid = b.walks_in_z ? dim3(etiles, slices, unsigned(walks)) : dim3(unsigned(walks), slices, etiles);
+  // The whole sequence's walk (no cut) compiles apart: its loop and pointers come from the arguments.
+  const bool whole = a.G == 1;
+  auto kernel = reverse ? (whole ? state_kernel<T, true, true> : state_kernel<T, true, false>)
+                        : (whole ? state_kernel<T, false, true> : state_kernel<T, false, false>);
+  kernel<<<grid, kThreads, 0, st>>>(b);
   LT_CUDA_CHECK_LAUNCH();
 }
 
 template <class T, int EP, int Slices>
 void launch_fused(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = FusedSmem<T, EP, Slices>::bytes();
-  auto kernel = fused_forward_kernel<T, EP, Slices>;
+  auto kernel = a.local ? fused_forward_kernel<T, EP, Slices, true> : fused_forward_kernel<T, EP, Slices, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<unsigned(BH), kFusedThreads, smem, st>>>(a);
+  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kFusedThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 

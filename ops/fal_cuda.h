@@ -56,15 +56,24 @@ int sm_count(Device dev);
 // or cosine, D 64 or 128, E a multiple of 8 up to 128, elementwise acts); else the chunk sweep runs it.
 bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
 
+// Causal chunk kernels: the segments that each (b, h)'s nC 64-token chunks are cut into, for the fused forward
+// (fused) or the backward's state passes, on a GPU of `sms` SMs (1: none). Each segment but the last keeps one
+// (D', E) f32 boundary state per (b, h) while the kernels run.
+struct ChunkShape {
+  int64_t BH, nC, D, P, E;  // P = D' (2 D with cosine LRPE)
+};
+int64_t chunk_segments(const ChunkShape& shape, int sms, bool fused);
+
 // Causal, N == M. q, k, v, g may be views whose last two dims are contiguous rows (e.g. slices of one
 // projection): the chunk kernels read them in place, the sweep copies them. S0 (B, H, D', E) f32 or undefined
-// (zeros); writes out and S_final (B, H, D', E) f32.
+// (zeros); writes out and S_final (B, H, D', E) f32. segments: 0 cuts the sequence as the shapes want (see
+// causal_segments and chunk_segments); tests pass a count to run a given cut.
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
-                    const Tensor& S0, const Tensor& out, const Tensor& S_final);
+                    const Tensor& S0, const Tensor& out, const Tensor& S_final, int64_t segments = 0);
 // dout as in noncausal_backward; dS_final f32 or undefined (zeros); dS0 is written when defined.
 void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                      const Tensor& S0, const Tensor& dout, const Tensor& dS_final, const Tensor& dq,
-                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0);
+                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0, int64_t segments = 0);
 
 }  // namespace fal_cuda
 #endif

@@ -44,13 +44,6 @@ __device__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float elementwise_act(float x, int act) {
-  return act == FalStepSpec::kRelu      ? fmaxf(x, 0.0f)
-         : act == FalStepSpec::kSigmoid ? 1.0f / (1.0f + __expf(-x))
-         : act == FalStepSpec::kSilu    ? x / (1.0f + __expf(-x))
-                                        : x;
-}
-
 // Softmax over a row of `len` values in shared memory, in place when act asks for it; every thread of the block
 // calls it. The elementwise acts were applied as the row was loaded.
 __device__ void row_softmax(float* row, int len, int act, float* scratch) {
@@ -73,10 +66,9 @@ __device__ void row_softmax(float* row, int len, int act, float* scratch) {
   __syncthreads();
 }
 
-// The LRPE rate of feature j of head h.
+// The LRPE rate of feature j of head h, as the chunk kernels read it.
 __device__ __forceinline__ float rate_of(const StepGeo& g, int h, int j) {
-  const float* rate = g.theta + (g.theta_rows == 1 ? 0 : h * g.theta_cols);
-  return g.theta_cols == 1 ? rate[0] : (j < g.theta_cols ? rate[j] : 0.0f);
+  return chunk::theta_rate(g.theta, g.theta_rows, g.theta_cols, h, j);
 }
 
 // xq, xk (D, after the acts) -> qb, kb (P): the LRPE of one token of head h, with the angles of the chunked
@@ -151,7 +143,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   // Elementwise acts as the rows are stored; softmax (over the whole row) after the barrier.
   auto put = [](float* row, int i, float x, int act) {
-    row[i] = act == FalStepSpec::kSoftmaxFeature ? x : elementwise_act(x, act);
+    row[i] = act == FalStepSpec::kSoftmaxFeature ? x : chunk::act_f(x, act);  // the chunk kernels' acts
   };
   for (int i = i0; i < D; i += kThreads) {
     put(xq, i, to_acc(i == i0 ? first[0] : q[bh * D + i]), g.act_q);

@@ -192,8 +192,9 @@ const std::vector<StepConfig> kSequenceConfigs = {
 // output, the final state, the four input gradients and dS0, with the final state's gradient fed in.
 // N and M default to odd lengths of a few 16-token chunks; long runs carry the state over many chunks.
 // with_state false: causal without S0 and without a gradient of the final state. m > 0: M (noncausal).
+// segments > 0: the causal launchers cut the sequence into that many segments (0: as the shapes want).
 void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t seed, int64_t n = 0, int64_t B = 2,
-                          bool with_state = true, int64_t m = 0) {
+                          bool with_state = true, int64_t m = 0, int64_t segments = 0) {
 #if LINTAPE_WITH_CUDA
   const int64_t H = 3, N = n > 0 ? n : causal ? 41 : 37, M = causal ? N : m > 0 ? m : n > 0 ? n + 8 : 45;
   const int64_t P = fal_state_rows(c.lrpe, c.D);
@@ -228,7 +229,7 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   poison_(out);
   poison_(state);
   if (causal)
-    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out, state);
+    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out, state, segments);
   else
     fal_cuda::noncausal_forward(in[0], in[1], in[2], in[3], spec, state, out);
   CHECK_CLOSE_TENSOR(out.to(Device::cpu()), o_ref, dt);
@@ -243,7 +244,7 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   Tensor dS0 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
   if (causal)
     fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads[0], grads[1], grads[2], grads[3],
-                              dS0);
+                              dS0, segments);
   else
     fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
                                  grads[3]);
@@ -272,7 +273,7 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   }
   if (states) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
 #else
-  (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B, (void)with_state, (void)m;
+  (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B, (void)with_state, (void)m, (void)segments;
 #endif
 }
 
@@ -317,7 +318,8 @@ namespace {
 
 // The chunk-parallel kernels (bf16 and f16; ops/fal_chunk.cuh) on lengths around their 64-token chunks (one
 // partial chunk, exactly one, several with a partial last), D 64 and 128, decay on and off, with and without
-// S0 and the final state's gradient.
+// S0 and the final state's gradient. Three chunks run as the shapes want (B x H = 6: a segment a chunk), in
+// one segment, and in two (two chunks, then the partial one).
 const std::vector<StepConfig> kChunkConfigs = {
     {"cosine D 128 E 128 silu decay", FalLrpe::Cosine, 128, 128, kSilu, kSilu, kNone, kSilu, true},
     {"cosine D 64 E 64 sigmoid k, relu v", FalLrpe::Cosine, 64, 64, kSilu, kSigmoid, kRelu, kSilu, false},
@@ -333,24 +335,29 @@ TEST_CASE("cuda fal chunked causal matches the reference" * LT_CUDA_CASE) {
   uint64_t seed = 700;
   for (const StepConfig& c : kChunkConfigs)
     for (DType dt : {DType::BF16, DType::F16})
-      for (int64_t N : {23, 64, 161})
+      for (const auto& [N, segments] : {std::pair<int64_t, int64_t>{23, 0}, {64, 0}, {161, 0}, {161, 1}, {161, 2}})
         for (bool with_state : {true, false}) {
           CAPTURE(c.name);
           CAPTURE(dtype_name(dt));
           CAPTURE(N);
+          CAPTURE(segments);
           CAPTURE(with_state);
           FalOptions o = step_options(c, 3, gpu());
           REQUIRE(fal_cuda::causal_chunked(dt, c.D, c.E, kernel_spec(c, o)));
-          check_fused_sequence(c, true, dt, seed += 10, N, 2, with_state);
+          check_fused_sequence(c, true, dt, seed += 10, N, 2, with_state, 0, segments);
         }
 #endif
 }
 
-// Many chunks: the states carried both ways cross a dozen chunk boundaries.
+// Many chunks: the states carried both ways cross a dozen chunk boundaries, in one segment, in four (three of
+// four chunks and a partial one) and as the shapes want (B x H = 3: many segments).
 TEST_CASE("cuda fal chunked causal long sequence matches the reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
-  check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 800, 777, 1);
-  check_fused_sequence(kChunkConfigs[2], true, DType::F16, 810, 700, 1, false);
+  for (int64_t segments : {0, 1, 4}) {
+    CAPTURE(segments);
+    check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 800, 777, 1, true, 0, segments);
+    check_fused_sequence(kChunkConfigs[2], true, DType::F16, 810, 700, 1, false, 0, segments);
+  }
 }
 
 // q, k, v, g as slices of one (B, N, 4 H, D) projection (token stride 4 H D): read in place, the same results
@@ -507,6 +514,24 @@ TEST_CASE("cuda fal causal segments follow the shape" * LT_CUDA_CASE) {
     CHECK((G - 1) * per < N);  // no empty segment
     CHECK(G * per >= N);
   }
+  // The chunk kernels (64-token chunks; D = E = 128, cosine: D' = 256). The fused forward, one block per SM:
+  // B = H = 12 (two waves on 132 SMs) and few heads are cut, the language model's 16 x 6 is not.
+  CHECK(fal_cuda::chunk_segments({144, 128, 128, 256, 128}, 132, true) > 1);
+  CHECK(fal_cuda::chunk_segments({96, 32, 128, 256, 128}, 132, true) == 1);
+  CHECK(fal_cuda::chunk_segments({3, 128, 128, 256, 128}, 132, true) > 8);
+  CHECK(fal_cuda::chunk_segments({3, 1, 128, 256, 128}, 132, true) == 1);  // one chunk: nothing to cut
+  // The state passes (three blocks per SM): 144 x 4 blocks nearly fill 132 SMs, 3 x 4 do not.
+  CHECK(fal_cuda::chunk_segments({144, 128, 128, 256, 128}, 132, false) == 1);
+  CHECK(fal_cuda::chunk_segments({3, 128, 128, 256, 128}, 132, false) > 8);
+  for (int64_t nC : {2, 13, 128, 1000}) {
+    CAPTURE(nC);
+    for (bool fused : {true, false}) {
+      const int64_t G = fal_cuda::chunk_segments({2, nC, 128, 256, 64}, 132, fused);
+      CHECK(G >= 1);
+      CHECK(G <= nC);
+      CHECK(G <= 64);  // each segment keeps a state per (b, h)
+    }
+  }
 #endif
 }
 
@@ -542,14 +567,22 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     // Noncausal sweep reductions keep one partial state per slice of the sequence (64 tokens or more each); the
     // noncausal chunk reductions one (b, h) state per (b, h) and per run of 8 or more chunks; causal sweeps one
     // state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do); the causal chunk
-    // kernels nothing in the forward (the state stays in registers) and two states per 64-token chunk in the
-    // inputs' dtype in the backward (S_c and R_(c+1)).
-    const int64_t segments = fal_cuda::causal_segments(B * H, N, fal_cuda::sm_count(gpu()));
+    // kernels one state per inner segment boundary (they cut too), in the backward with two states per 64-token
+    // chunk in the inputs' dtype (S_c and R_(c+1)).
+    const int sms = fal_cuda::sm_count(gpu());
+    const int64_t segments = fal_cuda::causal_segments(B * H, N, sms), nC = (N + 63) / 64;
     if (causal) CHECK(segments > 1);
+    const fal_cuda::ChunkShape shape{B * H, nC, c.D, P, c.E};
+    const int64_t fwd_cut = fal_cuda::chunk_segments(shape, sms, true);
+    const int64_t bwd_cut = fal_cuda::chunk_segments(shape, sms, false);
+    if (chunked) CHECK(fwd_cut > 1);
+    if (chunked) CHECK(bwd_cut > 1);
     const int64_t partials = causal ? (segments > 1 ? segments : 0) : (N + 63) / 64;
-    const int64_t chunk_states = B * H * ((N + 63) / 64) * P * c.E * int64_t(dtype_size(dt));
+    const int64_t chunk_states = B * H * nC * P * c.E * int64_t(dtype_size(dt));
     const int64_t nc_partials = ((B * H * ((N + 63) / 64) + 7) / 8 + B * H) * P * c.E * 4;
-    const int64_t fwd_extra = chunked ? 0 : nc_chunked ? nc_partials : partials * state_bytes;
+    const int64_t fwd_extra = chunked      ? (fwd_cut - 1) * state_bytes
+                              : nc_chunked ? nc_partials
+                                           : partials * state_bytes;
 
     int64_t base = int64_t(memory_stats(gpu()).in_use);
     reset_peak_memory(gpu());
@@ -570,7 +603,7 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     else
       fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
                                    grads[3]);
-    const int64_t bwd_extra = chunked      ? 2 * chunk_states
+    const int64_t bwd_extra = chunked      ? 2 * chunk_states + (bwd_cut - 1) * state_bytes
                               : causal     ? partials * state_bytes
                               : nc_chunked ? state_bytes + nc_partials  // dkv, partials
                                            : (1 + partials) * state_bytes;
