@@ -22,47 +22,28 @@ constexpr int64_t kMinSegmentTokens = 64;
 constexpr int kMaxSegments = 32;
 constexpr int64_t kMaxChunkSegments = 64;
 
-// In place over states (BH, G, n): each segment's local sum in, the state entering it out; forward from start
-// (S0, or zeros when null) through segments 0 ... G-1, reverse from start (dS_final) through G-1 ... 0. last
-// (BH, n) or null receives the state past the final segment (S_final, or dS0 in reverse).
-__global__ void scan_segments(float* __restrict__ states, const float* __restrict__ start, float* __restrict__ last,
-                              const float* __restrict__ decay, int H, int G, int64_t n, int64_t total,
-                              int64_t tokens, int64_t per, bool reverse) {
+// The scan over segments, in place over cells (BH, slots, n), each holding a segment's local sum: segment
+// slot + shift (shift 0, or 1 for the reverse boundaries). Forward it runs from start (S0, or zeros when null)
+// through the slots in order, reverse from start (dS_final) the other way; each cell receives the state
+// before its segment (after false: the sweeps' entering states) or past it (after true: the chunk kernels'
+// boundaries), and last (BH, n) or null the state past the final slot. len(seg) is the segment's token count
+// (only the last may be short).
+__global__ void scan_segments(float* __restrict__ cells, const float* __restrict__ start, float* __restrict__ last,
+                              const float* __restrict__ decay, int H, int64_t slots, int shift, bool after,
+                              int64_t n, int64_t total, int64_t tokens, int64_t per, bool reverse) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int64_t bh = i / n, j = i % n;
   const float lam = decay ? decay[bh % H] : 1.0f;
   float s = start ? start[i] : 0.0f;
-  for (int step = 0; step < G; ++step) {
-    const int seg = reverse ? G - 1 - step : step;
-    float* cell = states + (bh * G + seg) * n + j;
-    const float local = *cell;
-    *cell = s;
-    const int64_t len = min(per, tokens - seg * per);
-    s = (lam == 1.0f ? 1.0f : powf(lam, float(len))) * s + local;
+  for (int64_t step = 0; step < slots; ++step) {
+    const int64_t slot = reverse ? slots - 1 - step : step, len = min(per, tokens - (slot + shift) * per);
+    float* cell = cells + (bh * slots + slot) * n + j;
+    const float next = (lam == 1.0f ? 1.0f : powf(lam, float(len))) * s + *cell;
+    *cell = after ? next : s;
+    s = next;
   }
   if (last) last[i] = s;
-}
-
-// In place over boundary (BH, G - 1, n): each slot's local segment sum in, the state at that boundary out.
-// Forward from start (S0, or zeros when null): slot j = lambda^len(j) slot j-1 + local(j), where slot -1 is the
-// start. Reverse from start (dS_final): slot j = lambda^len(j+1) slot j+1 + local(j+1), where slot G-1 is the
-// start and local(j+1) sits in slot j. len(j) is segment j's token count (only the last may be short).
-__global__ void scan_boundaries(float* __restrict__ boundary, const float* __restrict__ start,
-                                const float* __restrict__ decay, int H, int64_t G, int64_t n, int64_t total,
-                                int64_t tokens, int64_t per, bool reverse) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  const int64_t bh = i / n, j = i % n;
-  const float lam = decay ? decay[bh % H] : 1.0f;
-  float s = start ? start[i] : 0.0f;
-  for (int64_t step = 0; step < G - 1; ++step) {
-    const int64_t slot = reverse ? G - 2 - step : step, seg = reverse ? slot + 1 : slot;
-    const int64_t len = min(per, tokens - seg * per);
-    float* cell = boundary + (bh * (G - 1) + slot) * n + j;
-    s = (lam == 1.0f ? 1.0f : powf(lam, float(len))) * s + *cell;
-    *cell = s;
-  }
 }
 
 // One causal sweep (rows pass `pass`) over the whole sequence, or over G segments with their entering states
@@ -89,7 +70,7 @@ void causal_sweep(SweepArgs a, int pass, int reduce, bool reverse, const float* 
   launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
   const int64_t total = BH * n;
   scan_segments<<<unsigned((total + 255) / 256), 256, 0, st>>>(states.data_ptr<float>(), start, last, a.decay, a.H,
-                                                               int(G), n, total, a.N, per, reverse);
+                                                               G, 0, false, n, total, a.N, per, reverse);
   LT_CUDA_CHECK_LAUNCH();
   a.pass = pass;
   a.block_states = true;
@@ -131,9 +112,10 @@ void fill_boundaries(const chunk::Args& a, int64_t BH, bool reverse, DType dtype
   else  // the fused forward's local pass: one block per walk, its rows staged ahead (faster than the state pass)
     chunk::forward(local, dtype, BH, st);
   const int64_t n = int64_t(a.P) * a.E, total = BH * n;
-  scan_boundaries<<<unsigned((total + 255) / 256), 256, 0, st>>>(a.boundary, reverse ? a.dS_final : a.S0, a.decay,
-                                                                 a.H, a.G, n, total, a.N, a.seg_chunks * chunk::kC,
-                                                                 reverse);
+  // Boundary j: forward the state past segment j, reverse the state entering segment j + 1 from its right.
+  scan_segments<<<unsigned((total + 255) / 256), 256, 0, st>>>(a.boundary, reverse ? a.dS_final : a.S0, nullptr,
+                                                               a.decay, a.H, a.G - 1, reverse ? 1 : 0, true, n, total,
+                                                               a.N, a.seg_chunks * chunk::kC, reverse);
   LT_CUDA_CHECK_LAUNCH();
 }
 
