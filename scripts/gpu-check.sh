@@ -9,7 +9,8 @@
 #     BENCH FLAGS   passed on to every `lintape bench`, e.g. --n 1024,4096 --dtype f32
 #
 # OUTDIR receives 7 files: summary.txt (device, test counts, sanitizer verdicts, copy bandwidth, matmul
-# TFLOP/s), build.log, tests.log, sanitizer.log, bench.txt, bench.json and svg.tar.gz (every SVG plot).
+# TFLOP/s), build.log, tests.log, sanitizer.log, bench.txt, bench.json and svg.tar.gz (every SVG plot); on a
+# machine with two or more GPUs and mpirun also ranks.log (NCCL checks, 1 and 2 GPU training tokens/s).
 # The build folder is build-gpu/ in the repository (LINTAPE_GPU_BUILD overrides it); a second run
 # rebuilds only what changed. The sanitizers run the doctest cases matching LINTAPE_SANITIZE_CASES
 # (default '*cuda*'; racecheck over every case takes longer than one device call, so narrow it to the
@@ -17,7 +18,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,7 +35,7 @@ bench_flags=("$@")
 build=${LINTAPE_GPU_BUILD:-$root/build-gpu}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-rm -f "$out"/{summary.txt,build.log,tests.log,sanitizer.log,bench.txt,bench.json,svg.tar.gz}
+rm -f "$out"/{summary.txt,build.log,tests.log,sanitizer.log,ranks.log,bench.txt,bench.json,svg.tar.gz}
 failed=()
 
 note() { echo "$*" | tee -a "$out/summary.txt"; }
@@ -88,6 +89,21 @@ for tool in memcheck racecheck; do
   esac
   note "  $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1 | sed 's/^=* *//' || true)"
 done
+
+# -- several GPUs: with two or more and mpirun, the NCCL collectives on two ranks, then the small model's
+# tokens/s on one GPU and on two at the same per-GPU batch, with and without ZeRO-1 (mqar: no data file).
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${gpus:-0}" -ge 2 ] && command -v mpirun >/dev/null; then
+  mpirun=(mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE=0)
+  step "nccl collectives, 2 ranks" "$out/ranks.log" "${mpirun[@]}" "$build/tests/lintape_comm_checks" cuda
+  small=(train --preset small --data mqar --seq 2048 --steps 25 --seed 3)
+  step "train, 1 GPU, batch 16" "$out/ranks.log" "$cli" "${small[@]}" --batch 16
+  step "train, 2 GPUs, batch 32" "$out/ranks.log" "${mpirun[@]}" "$cli" "${small[@]}" --batch 32
+  step "train, 2 GPUs, batch 32, ZeRO-1" "$out/ranks.log" "${mpirun[@]}" "$cli" "${small[@]}" --batch 32 --zero 1
+  grep -E '^loss .* tok/s' "$out/ranks.log" | sed 's/^/  /' | tee -a "$out/summary.txt"
+else
+  note "several GPUs: skipped (${gpus:-0} GPU, or no mpirun)"
+fi
 
 # -- info and the quick benchmarks
 step info "$out/bench.txt" "$cli" info
