@@ -105,21 +105,18 @@ __device__ __forceinline__ Walk whole_walk(const Args& a, int64_t x, bool revers
 __device__ __forceinline__ Walk walk_of(const Args& a, int64_t x, bool reverse) {
   const size_t PE = size_t(a.P) * a.E;
   if (a.G == 1) return whole_walk(a, x, reverse);
-  const int64_t slots = a.G - 1;
+  const int64_t slots = a.G - 1, walks = a.local ? slots : a.G;  // walks per (b, h)
   Walk w;
+  w.bh = x / walks;
+  // A local reverse pass sums segments 1 ... G - 1 (segment 0 needs no sum).
+  const int64_t seg = x % walks + (a.local && reverse ? 1 : 0);
+  w.c0 = int(seg * a.seg_chunks);
+  w.c1 = int(min(a.nC, w.c0 + a.seg_chunks));
   if (a.local) {
-    w.bh = x / slots;
-    const int64_t seg = x % slots + (reverse ? 1 : 0);
-    w.c0 = int(seg * a.seg_chunks);
-    w.c1 = int(min(a.nC, w.c0 + a.seg_chunks));
     w.start = nullptr;
     w.last = a.boundary + x * PE;
     return w;
   }
-  w.bh = x / a.G;
-  const int64_t seg = x % a.G;
-  w.c0 = int(seg * a.seg_chunks);
-  w.c1 = int(min(a.nC, w.c0 + a.seg_chunks));
   // Forward walks start at the sequence's first segment from S0; reverse ones at its last from dS_final.
   const bool first = reverse ? seg == a.G - 1 : seg == 0, final = reverse ? seg == 0 : seg == a.G - 1;
   const float* begin = reverse ? a.dS_final : a.S0;
@@ -533,11 +530,27 @@ __device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice, N
   }
 }
 
+// Where element (row i, column c) of a kC-row tile lies (in elements; c a multiple of 8 with its next 7 after
+// it). Rows of leading dimension ld, for mma.sync's ldmatrix:
+struct RowMajorTile {
+  int ld;
+  __device__ __forceinline__ int operator()(int i, int c) const { return i * ld + c; }
+};
+// Blocks of 8 columns, each the kC rows' 16 bytes one after the other and then 16 bytes of padding (so that
+// the 8 threads of a row's 8 blocks store to distinct banks): the MN-major layout without swizzle of wgmma
+// (core_tile_desc), rows along K.
+struct CoreColumnTile {
+  static constexpr int kBlock = kC * 8 + 8;  // elements from one 8-column block to the next
+  __device__ __forceinline__ int operator()(int i, int c) const { return (c >> 3) * kBlock + i * 8; }
+};
+
 // v rows (act), or gb o dO when d is given, each row times scale[i] when given, into a kC x W tile (leading
-// dimension W + kPad); fetched with c0 = e0. Columns past E and rows past the sequence are zeros.
-template <class T, int W, int NThr>
+// dimension W + kPad unless `at` says otherwise); fetched with c0 = e0. Columns past E and rows past the
+// sequence are zeros.
+template <class T, int W, int NThr, class At = RowMajorTile>
 __device__ __forceinline__ void store_rows(const Args& a, const Raw<W, NThr>& r, const Raw<W, NThr>* d, int act,
-                                           int64_t t0, int e0, const float* scale, T* tile) {
+                                           int64_t t0, int e0, const float* scale, T* tile,
+                                           At at = RowMajorTile{W + kPad}) {
 #pragma unroll
   for (int it = 0; it < Raw<W, NThr>::kIt; ++it) {
     const int idx = threadIdx.x + it * NThr, i = idx / (W / 8), c8 = (idx % (W / 8)) * 8;
@@ -554,7 +567,7 @@ __device__ __forceinline__ void store_rows(const Args& a, const Raw<W, NThr>& r,
     if (scale)
 #pragma unroll
       for (int u = 0; u < 8; ++u) y[u] *= scale[i];
-    store8(tile + i * (W + kPad) + c8, y);
+    store8(tile + at(i, c8), y);
   }
 }
 

@@ -5,6 +5,9 @@
 // The others (f32, rotate, softmax on v or g, other head dims) run the sweep (ops/fal_sweep.cuh: f32 rows in
 // shared memory), kv reduced over slices of the keys by separate blocks and summed in a fixed order.
 #include <algorithm>
+#include <string>
+#include "core/config.h"
+#include "core/cuda_wgmma.cuh"
 #include "ops/fal_noncausal.cuh"
 #include "ops/fal_sweep.cuh"
 
@@ -17,32 +20,53 @@ namespace {
 constexpr int kReduceThreads = 512;
 constexpr int64_t kMinReduceChunks = 8;  // the fewest chunks of a reduction run (bounds the partial states)
 
-// The reduction's 16 warps over the P x EP state: WR groups of rows (MT m-tiles each) by WC groups of columns.
+// The reduction's 16 warps over the P x EP state. mma.sync: WR groups of rows (MT m-tiles each) by WC groups of
+// columns. wgmma: the 4 warpgroups, WGM along P (64 rows each) by WGN along E (NW columns each).
 template <int PP, int EP>
 struct ReduceWarps {
   static constexpr int WR = PP >= 128 ? 8 : 4, WC = 16 / WR;
   static constexpr int MT = PP / 16 / WR, NT = EP / WC / 8;
   static_assert(MT * 16 * WR == PP && NT * 8 * WC == EP && NT % 2 == 0, "whole tiles");
+  static constexpr int WGM = PP / 64, WGN = 4 / WGM, NW = EP / WGN;
+  static_assert(WGM * WGN == 4 && NW % 16 == 0, "whole warpgroup tiles");
 };
 
-// X and Z tiles twice (the next item's rows are stored while this item's product runs), then the angle table.
-template <int DP, int PP, int EP>
+// The X and Z tiles of one item, in elements: rows for mma.sync, 8-column blocks for wgmma.
+template <int PP, int EP, bool Wg>
+struct ReduceTiles {
+  static constexpr int kX = Wg ? PP / 8 * chunk::CoreColumnTile::kBlock : kC * (PP + kPad);
+  static constexpr int kZ = Wg ? EP / 8 * chunk::CoreColumnTile::kBlock : kC * (EP + kPad);
+};
+
+// X and Z tiles twice (the next item's rows are stored while this item's product runs), the angle table and the
+// threads' first-row angles.
+template <int DP, int PP, int EP, bool Wg>
 constexpr size_t reduce_smem_bytes(size_t elem) {
-  return 2 * elem * size_t(kC * (PP + kPad) + kC * (EP + kPad)) + sizeof(float) * kAngleRows * DP;
+  using Tiles = ReduceTiles<PP, EP, Wg>;
+  return 2 * elem * size_t(Tiles::kX + Tiles::kZ) + sizeof(float) * kAngleRows * DP +
+         FirstRowAngles<DP, kReduceThreads>::kBytes;
 }
 
 // A run of items (b, h, chunk), item w = bh nC + chunk, sums X^T Z over its chunks into partial[slot] (P x E
 // f32) for each (b, h) it touches, slot = blockIdx.x + bh (distinct: a run starts where the previous one ended).
-template <class T, int DP, int PP, int EP, bool Grad>
+// Wg: the products run on wgmma, asynchronously, while the threads encode the next item (only where
+// LINTAPE_WGMMA was compiled: launch_reduce checks); else on mma.sync, then the encode.
+template <class T, int DP, int PP, int EP, bool Grad, bool Wg>
 __global__ void __launch_bounds__(kReduceThreads, 1)
     reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total) {
+#ifndef LINTAPE_WGMMA
+  if constexpr (Wg) __trap();  // launch_reduce picks Wg only where wgmma was compiled
+#endif
   using W = ReduceWarps<PP, EP>;
-  constexpr int NThr = kReduceThreads, ldX = PP + kPad, ldZ = EP + kPad, kBuffer = kC * ldX + kC * ldZ;
+  using Tiles = ReduceTiles<PP, EP, Wg>;
+  constexpr int NThr = kReduceThreads, ldX = PP + kPad, ldZ = EP + kPad, kBuffer = Tiles::kX + Tiles::kZ;
+  using At = std::conditional_t<Wg, chunk::CoreColumnTile, chunk::RowMajorTile>;
+  At at_x, at_z;
+  if constexpr (!Wg) at_x = chunk::RowMajorTile{ldX}, at_z = chunk::RowMajorTile{ldZ};
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* tiles = reinterpret_cast<T*>(smem_raw);  // buffer i: X at i kBuffer, then Z
   float* angles = reinterpret_cast<float*>(tiles + 2 * kBuffer);
-  const int warp = threadIdx.x >> 5;
-  const int m0 = 16 * W::MT * (warp % W::WR), n0 = 8 * W::NT * (warp / W::WR);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
   const int64_t dts = int64_t(a.H) * a.E;  // dout's token stride
   const bool cosine = a.lrpe == FalStepSpec::kCosine;
@@ -62,8 +86,10 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
     }
   };
   // The fetched rows of item `it` into buffer buf. No warp reads the angles here: every encode before this one
-  // was followed by a barrier.
+  // was followed by a barrier. wgmma reads the tiles through the async proxy: each writer fences.
   int angles_h = -1;
+  FirstRowAngles<DP, NThr> first;
+  first.kept = angles + kAngleRows * DP;
   auto store_item = [&](const Item& it, int buf) {
     if (cosine && it.h != angles_h) {
       fill_angles<DP>(a, it.h, NThr / (DP / 8), angles);
@@ -71,29 +97,39 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
       __syncthreads();
     }
     T* xs = tiles + buf * kBuffer;
-    encode_rows<T, DP, NThr>(a, xr, Grad ? a.act_q : a.act_k, angles, it.t0(), xs, ldX);
+    encode_rows<T, DP, NThr>(a, xr, Grad ? a.act_q : a.act_k, angles, first, it.t0(), xs, at_x);
     chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, Grad ? a.act_g : a.act_v, it.t0(), 0, nullptr,
-                                   xs + kC * ldX);
+                                   xs + Tiles::kX, at_z);
+    if (Wg) cuda::fence_proxy_async();
   };
 
-  chunk::Acc<W::MT, W::NT> acc;
-  acc.zero();
-  Item cur;
-  cur.start(begin, a);  // begin < end: no run is empty
-  fetch_item(cur);
-  store_item(cur, 0);
-  __syncthreads();
-  Item next = cur;
-  next.step(a);
-  if (begin + 1 < end) fetch_item(next);
-  int buf = 0;
-  // One barrier per item: the product of buffer buf, then the next item's rows into the other buffer (whose
-  // product ended before the last barrier).
-  for (int64_t w = begin; w < end; ++w) {
-    const T* xs = tiles + buf * kBuffer;
-    chunk::warp_mma<T, true, true>(acc, xs, ldX, m0, xs + kC * ldX, ldZ, n0, kC);
-    if (w + 1 == end || next.chunk == 0) {  // the last chunk of (b, h) or of the run
-      float* dst = partial + (int64_t(blockIdx.x) + cur.bh(a)) * PP * a.E;
+  // mma.sync: warp (m0, n0)'s tile. wgmma: warpgroup (gm, gn)'s 64 x NW tile.
+  const int m0 = 16 * W::MT * (warp % W::WR), n0 = 8 * W::NT * (warp / W::WR);
+  const int gm = (warp >> 2) % W::WGM, gn = (warp >> 2) / W::WGM;
+  chunk::Acc<Wg ? 1 : W::MT, Wg ? 2 : W::NT> acc;
+  float wacc[Wg ? W::NW / 2 : 1];
+  auto zero = [&] {
+    if constexpr (Wg) {
+#pragma unroll
+      for (int i = 0; i < W::NW / 2; ++i) wacc[i] = 0.0f;
+    } else {
+      acc.zero();
+    }
+  };
+  // The (b, h)'s partial sum into its slot.
+  auto write = [&](int64_t bh) {
+    float* dst = partial + (int64_t(blockIdx.x) + bh) * PP * a.E;
+    if constexpr (Wg) {
+#pragma unroll
+      for (int j = 0; j < W::NW / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int p = 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1);
+          const int e = gn * W::NW + 8 * j + 2 * (lane & 3);
+          if (e < a.E)
+            *reinterpret_cast<float2*>(dst + int64_t(p) * a.E + e) = make_float2(wacc[4 * j + r], wacc[4 * j + r + 1]);
+        }
+    } else {
 #pragma unroll
       for (int m = 0; m < W::MT; ++m)
 #pragma unroll
@@ -104,10 +140,50 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
             if (e < a.E)
               *reinterpret_cast<float2*>(dst + int64_t(p) * a.E + e) = make_float2(acc.x[m][n][r], acc.x[m][n][r + 1]);
           }
-      acc.zero();
     }
-    if (w + 1 < end) {
-      store_item(next, buf ^ 1);
+  };
+
+  zero();
+  Item cur;
+  cur.start(begin, a);  // begin < end: no run is empty
+  fetch_item(cur);
+  store_item(cur, 0);
+  __syncthreads();
+  Item next = cur;
+  next.step(a);
+  if (begin + 1 < end) fetch_item(next);
+  int buf = 0;
+  // One barrier per item: the product of buffer buf and the next item's rows into the other buffer (whose
+  // product ended before the last barrier). With wgmma the encode runs while the product does.
+  for (int64_t w = begin; w < end; ++w) {
+    const bool more = w + 1 < end;
+    const T* xs = tiles + buf * kBuffer;
+    if constexpr (Wg) {
+#ifdef LINTAPE_WGMMA
+      // 16 tokens a step: 16 rows of 16 bytes in every 8-column block.
+      const T* xa = xs + gm * 8 * chunk::CoreColumnTile::kBlock;
+      const T* zb = xs + Tiles::kX + gn * (W::NW / 8) * chunk::CoreColumnTile::kBlock;
+      constexpr uint32_t kLbo = 8 * 16, kSbo = chunk::CoreColumnTile::kBlock * sizeof(T);
+      cuda::wgmma_fence_operand(wacc);
+      cuda::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kC; kk += 16)
+        cuda::wgmma_mma<T, W::NW, 1, 1>(wacc, cuda::wgmma_desc(xa + kk * 8, kLbo, kSbo),
+                                        cuda::wgmma_desc(zb + kk * 8, kLbo, kSbo));
+      cuda::wgmma_commit();
+      if (more) store_item(next, buf ^ 1);
+      cuda::wgmma_wait<0>();
+      cuda::wgmma_fence_operand(wacc);
+#endif
+    } else {
+      chunk::warp_mma<T, true, true>(acc, xs, ldX, m0, xs + kC * ldX, ldZ, n0, kC);
+    }
+    if (!more || next.chunk == 0) {  // the last chunk of (b, h) or of the run
+      write(cur.bh(a));
+      zero();
+    }
+    if (more) {
+      if (!Wg) store_item(next, buf ^ 1);
       __syncthreads();
       cur = next;
       next.step(a);
@@ -129,6 +205,15 @@ __global__ void sum_partials(const float* __restrict__ partial, float* __restric
   state[i] = s;
 }
 
+// wgmma runs where the kernels were compiled for sm_90a and the device is one (compute capability 9.0).
+bool wgmma_runs(Device dev) {
+  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
+  int major = 0, minor = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev.index));
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev.index));
+  return compiled && major == 9 && minor == 0;
+}
+
 template <class T, int DP, int PP, int EP, bool Grad>
 void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Device dev) {
   const int64_t total = BH * a.nC, n = int64_t(a.P) * a.E;
@@ -136,8 +221,10 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
     LT_CUDA_CHECK(cudaMemsetAsync(state, 0, size_t(BH * n) * sizeof(float), st));
     return;
   }
-  auto kernel = reduce_kernel<T, DP, PP, EP, Grad>;
-  const size_t smem = reduce_smem_bytes<DP, PP, EP>(sizeof(T));
+  const bool wg = wgmma_runs(dev);
+  auto kernel = wg ? reduce_kernel<T, DP, PP, EP, Grad, true> : reduce_kernel<T, DP, PP, EP, Grad, false>;
+  const size_t smem =
+      wg ? reduce_smem_bytes<DP, PP, EP, true>(sizeof(T)) : reduce_smem_bytes<DP, PP, EP, false>(sizeof(T));
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
   LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kReduceThreads, smem));

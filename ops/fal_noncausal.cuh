@@ -56,9 +56,10 @@ struct Item {
 };
 
 // The LRPE angles of one head, per column d of D, in shared memory (kAngleRows x DP floats): the rate, and the
-// cos and sin of the rotations by `step` tokens (a thread's rows in encode_rows) and by 8 tokens (an mma
-// fragment's two rows). A thread computes the angles of its first row and rotates them to the next rows.
-constexpr int kAngleRows = 5;
+// cos and sin of the rotations by `step` tokens (a thread's rows in encode_rows), by 8 tokens (an mma
+// fragment's two rows) and by kC tokens (one chunk to the next). A thread computes the angles of its first row
+// and rotates them to the next rows.
+constexpr int kAngleRows = 7;
 template <int DP>
 __device__ __forceinline__ void fill_angles(const Args& a, int h, int step, float* tab) {
   for (int d = threadIdx.x; d < DP; d += blockDim.x) {
@@ -66,6 +67,7 @@ __device__ __forceinline__ void fill_angles(const Args& a, int h, int step, floa
     tab[d] = rate;
     chunk::angle_cs(rate, step, tab[DP + d], tab[2 * DP + d]);
     chunk::angle_cs(rate, 8, tab[3 * DP + d], tab[4 * DP + d]);
+    chunk::angle_cs(rate, kC, tab[5 * DP + d], tab[6 * DP + d]);
   }
 }
 // (c, s) of angle x turned into those of x + y, given cos y and sin y.
@@ -74,6 +76,40 @@ __device__ __forceinline__ void rotate(float& c, float& s, float cy, float sy) {
   s = fmaf(c, sy, s * cy);
   c = cn;
 }
+
+// The cos and sin of a thread's 8 columns at its first row of a chunk in encode_rows. From one chunk of a
+// (b, h) to the next they are turned by kC tokens (four multiply-adds a column against an angle reduction and
+// two special-function results); they are computed afresh at a run's first chunk, at a (b, h)'s, and every
+// kFreshChunks chunks, which bounds the rounding the turns add (about 1e-7 each). They live in shared memory
+// (kept, 16 floats a thread, value u of thread x at u NThr + x): in registers they cost the reduction spills.
+// Without kept (null) they are computed afresh for every chunk.
+template <int DP, int NThr>
+struct FirstRowAngles {
+  static constexpr int kFreshChunks = 32;
+  static constexpr size_t kBytes = sizeof(float) * 16 * NThr;
+  float* kept = nullptr;
+  int64_t at = -1;  // the chunk start t0 they belong to (-1: none yet)
+  // The angles at chunk start t0 into (c, s), after fill_angles of the chunk's head (tab).
+  __device__ __forceinline__ void move_to(const Args& a, const float* tab, int64_t t0, int i0, float (&c)[8],
+                                          float (&s)[8]) {
+    const int c8 = (threadIdx.x % (DP / 8)) * 8;
+    float* mine = kept + threadIdx.x;
+    if (kept && t0 == at + kC && (t0 / kC) % kFreshChunks != 0) {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        c[u] = mine[u * NThr], s[u] = mine[(8 + u) * NThr];
+        rotate(c[u], s[u], tab[5 * DP + c8 + u], tab[6 * DP + c8 + u]);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) chunk::angle_cs(tab[c8 + u], a.position + t0 + i0, c[u], s[u]);
+    }
+    if (kept)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) mine[u * NThr] = c[u], mine[(8 + u) * NThr] = s[u];
+    at = t0;
+  }
+};
 
 // A row of q or k is held by DP / 8 consecutive lanes, 8 columns each.
 template <int DP>
@@ -112,20 +148,17 @@ __device__ __forceinline__ void row_act(float (&x)[8], int act) {
 }
 
 // q or k rows t0 ... t0 + kC - 1 (all DP = D columns, fetched with c0 = 0) through the act and the LRPE into a
-// kC x P tile of leading dimension ld: columns [0, D) act(x) cos and [D, 2D) act(x) sin with the cosine LRPE
-// (angles from tab, filled with step NThr / (DP / 8); with more than two pieces a thread turns the angles of
-// its first row to the next ones), else [0, D) act(x). Rows past a.N are zeros.
-template <class T, int DP, int NThr>
+// kC x P tile laid out by `at`: columns [0, D) act(x) cos and [D, 2D) act(x) sin with the cosine LRPE
+// (angles from tab, filled with step NThr / (DP / 8): the thread's first-row angles, moved to t0 here, turned
+// to its next rows), else [0, D) act(x). Rows past a.N are zeros.
+template <class T, int DP, int NThr, class At>
 __device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& r, int act, const float* tab,
-                                            int64_t t0, T* tile, int ld) {
+                                            FirstRowAngles<DP, NThr>& first, int64_t t0, T* tile, At at) {
   constexpr int kStep = NThr / (DP / 8);  // rows between a thread's pieces
-  constexpr bool kTurn = Raw<DP, NThr>::kIt > 2;
   const int c8 = (threadIdx.x % (DP / 8)) * 8, i0 = threadIdx.x / (DP / 8);
   const bool cosine = a.lrpe == FalStepSpec::kCosine;
   float c[8], s[8];
-  if (cosine && kTurn)
-#pragma unroll
-    for (int u = 0; u < 8; ++u) chunk::angle_cs(tab[c8 + u], a.position + t0 + i0, c[u], s[u]);
+  if (cosine) first.move_to(a, tab, t0, i0, c, s);
 #pragma unroll
   for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
     const int i = i0 + it * kStep;
@@ -140,16 +173,13 @@ __device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& 
       float xs[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        if (!kTurn)
-          chunk::angle_cs(tab[c8 + u], a.position + t, c[u], s[u]);
-        else if (it > 0)
-          rotate(c[u], s[u], tab[DP + c8 + u], tab[2 * DP + c8 + u]);
+        if (it > 0) rotate(c[u], s[u], tab[DP + c8 + u], tab[2 * DP + c8 + u]);
         xs[u] = x[u] * s[u];
         x[u] *= c[u];
       }
-      chunk::store8(tile + i * ld + DP + c8, xs);
+      chunk::store8(tile + at(i, DP + c8), xs);
     }
-    chunk::store8(tile + i * ld + c8, x);
+    chunk::store8(tile + at(i, c8), x);
   }
 }
 

@@ -6,6 +6,7 @@ namespace lintape::fal_cuda::noncausal {
 namespace {
 
 constexpr int64_t kMinRowChunks = 4;  // the fewest chunks of a run (each (b, h) it enters reloads the state)
+constexpr int kOutThreads = 256, kGradThreads = 512;  // the output pass runs two blocks an SM
 
 template <class T>
 __device__ __forceinline__ void unpack2(uint32_t u, float& x0, float& x1) {
@@ -16,7 +17,7 @@ __device__ __forceinline__ void unpack2(uint32_t u, float& x0, float& x1) {
 
 // The block's tiles: X (kC x (P + kPad) in T), W (P x (EP + kPad) in T), in the gradient passes U (gb o dO or
 // vb, kC x (EP + kPad) in T) and the f32 gradient of the raw rows (kC x (DP + 4)), then the angle table
-// (kAngleRows x DP f32).
+// (kAngleRows x DP f32) and, in the gradient passes, the threads' first-row angles.
 template <class T, int DP, int EP, bool Grads>
 struct RowSmem {
   static constexpr int ldG = DP + 4;
@@ -24,8 +25,9 @@ struct RowSmem {
   __host__ __device__ static size_t w_bytes(int P) { return sizeof(T) * size_t(P) * size_t(EP + kPad); }
   __host__ __device__ static size_t u_bytes() { return Grads ? sizeof(T) * size_t(kC * (EP + kPad)) : 0; }
   __host__ __device__ static size_t g_bytes() { return Grads ? sizeof(float) * size_t(kC * ldG) : 0; }
+  __host__ __device__ static size_t angles_kept_bytes() { return Grads ? FirstRowAngles<DP, kGradThreads>::kBytes : 0; }
   __host__ __device__ static size_t bytes(int P) {
-    return x_bytes(P) + w_bytes(P) + u_bytes() + g_bytes() + sizeof(float) * kAngleRows * DP;
+    return x_bytes(P) + w_bytes(P) + u_bytes() + g_bytes() + sizeof(float) * kAngleRows * DP + angles_kept_bytes();
   }
 };
 
@@ -90,6 +92,8 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
 
   int64_t loaded = -1;
   int angles_h = -1;
+  FirstRowAngles<DP, NThr> first;  // kept only by the gradient passes: the output pass's two blocks an SM lack the room
+  if (Grads) first.kept = angles + kAngleRows * DP;
   Item cur;
   cur.start(begin, a);
   if (begin < end) fetch_item(cur);
@@ -106,7 +110,7 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
       angles_h = h;
       __syncthreads();
     }
-    encode_rows<T, DP, NThr>(a, xr, act_x, angles, t0, xs, ldX);
+    encode_rows<T, DP, NThr>(a, xr, act_x, angles, first, t0, xs, chunk::RowMajorTile{ldX});
     if (Pass == kQueryGrads) chunk::store_rows<T, EP, NThr>(a, ur, &dr, a.act_g, t0, 0, nullptr, us);
     if (Pass == kKeyGrads) chunk::store_rows<T, EP, NThr>(a, ur, nullptr, a.act_v, t0, 0, nullptr, us);
     const Raw<DP, NThr> xraw = xr;  // the act's backward needs the raw rows
@@ -232,7 +236,7 @@ __global__ void __launch_bounds__(NThr, Pass == kOut ? 2 : 1)
 
 template <class T, int DP, int EP, int Pass>
 void launch_rows(const Args& a, int64_t BH, const float* state, cudaStream_t st, Device dev) {
-  constexpr int NThr = Pass == kOut ? 256 : 512;
+  constexpr int NThr = Pass == kOut ? kOutThreads : kGradThreads;
   const int64_t total = BH * a.nC;
   if (total == 0) return;
   auto kernel = row_kernel<T, DP, EP, Pass, NThr>;

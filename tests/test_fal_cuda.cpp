@@ -432,6 +432,8 @@ TEST_CASE("cuda fal chunked noncausal long sequence matches the reference" * LT_
   LT_REQUIRE_CUDA();
   check_fused_sequence(kNoncausalChunkConfigs[0], false, DType::BF16, 1500, 777, 2, true, 901);
   check_fused_sequence(kNoncausalChunkConfigs[1], false, DType::F16, 1510, 1100, 1, true, 650);
+  // Past 32 chunks of one (b, h): the LRPE angles, turned from chunk to chunk, are computed afresh there.
+  check_fused_sequence(kNoncausalChunkConfigs[0], false, DType::BF16, 1520, 2200, 1, true, 2300);
 }
 
 // q, k, v, g as slices of one (B, N, 4 H, D) projection, noncausal: read in place, the same results as on
