@@ -52,158 +52,83 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
 
 #ifdef LINTAPE_WGMMA
 
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_bf16_n16(float (&d)[8], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
-      "%8, %9, p, 1, 1, %11, %12;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
+// One wgmma instruction: TY the operands' type, REGS the accumulators' operand list, A, B, SCALE, TA, TB the
+// operand numbers of the descriptors, of scale-d (always 1: accumulate) and of the transposes; then the outputs.
+#define LINTAPE_WGMMA_ASM(N, TY, REGS, A, B, SCALE, TA, TB, ...)                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N   \
+               "k16.f32." TY "." TY " " REGS ", %" #A ", %" #B ", p, 1, 1, %" #TA ", %" #TB ";\n}\n"     \
+               : __VA_ARGS__                                                                          \
+               : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB))
+#define LINTAPE_D8(i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_f16_n16(float (&d)[8], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
-      "%8, %9, p, 1, 1, %11, %12;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
-
-template <class T, int N, int TransA, int TransB>
-__device__ __forceinline__ std::enable_if_t<N == 16> wgmma_dispatch(float (&d)[8], uint64_t a, uint64_t b) {
+// D (64 x 16) += A B.
+template <class T, int TransA, int TransB>
+__device__ __forceinline__ void wgmma_n16(float (&d)[8], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    wgmma_bf16_n16<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(16, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7}", 8, 9, 10, 11, 12,
+                      LINTAPE_D8(0));
   else
-    wgmma_f16_n16<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(16, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7}", 8, 9, 10, 11, 12,
+                      LINTAPE_D8(0));
 }
 
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_bf16_n32(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
-      "%14, %15}, "
-      "%16, %17, p, 1, 1, %19, %20;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
-
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_f16_n32(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
-      "%14, %15}, "
-      "%16, %17, p, 1, 1, %19, %20;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
-
-template <class T, int N, int TransA, int TransB>
-__device__ __forceinline__ std::enable_if_t<N == 32> wgmma_dispatch(float (&d)[16], uint64_t a, uint64_t b) {
+// D (64 x 32) += A B.
+template <class T, int TransA, int TransB>
+__device__ __forceinline__ void wgmma_n32(float (&d)[16], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    wgmma_bf16_n32<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(32, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, 20,
+                      LINTAPE_D8(0), LINTAPE_D8(8));
   else
-    wgmma_f16_n32<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(32, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, 20,
+                      LINTAPE_D8(0), LINTAPE_D8(8));
 }
 
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_bf16_n64(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
-      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-      "%30, %31}, "
-      "%32, %33, p, 1, 1, %35, %36;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
-
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_f16_n64(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
-      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-      "%30, %31}, "
-      "%32, %33, p, 1, 1, %35, %36;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
-
-template <class T, int N, int TransA, int TransB>
-__device__ __forceinline__ std::enable_if_t<N == 64> wgmma_dispatch(float (&d)[32], uint64_t a, uint64_t b) {
+// D (64 x 64) += A B.
+template <class T, int TransA, int TransB>
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    wgmma_bf16_n64<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(64, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", 32, 33, 34, 35, 36,
+                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24));
   else
-    wgmma_f16_n64<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(64, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", 32, 33, 34, 35, 36,
+                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24));
 }
 
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_bf16_n128(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
-      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-      "%30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
-      "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-      "%62, %63}, "
-      "%64, %65, p, 1, 1, %67, %68;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
-
-template <int TransA, int TransB>
-__device__ __forceinline__ void wgmma_f16_n128(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
-      "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-      "%30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
-      "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-      "%62, %63}, "
-      "%64, %65, p, 1, 1, %67, %68;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB));
-}
-
-template <class T, int N, int TransA, int TransB>
-__device__ __forceinline__ std::enable_if_t<N == 128> wgmma_dispatch(float (&d)[64], uint64_t a, uint64_t b) {
+// D (64 x 128) += A B.
+template <class T, int TransA, int TransB>
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    wgmma_bf16_n128<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(128, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", 64, 65, 66, 67, 68,
+                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24), LINTAPE_D8(32), LINTAPE_D8(40), LINTAPE_D8(48), LINTAPE_D8(56));
   else
-    wgmma_f16_n128<TransA, TransB>(d, a, b);
+    LINTAPE_WGMMA_ASM(128, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", 64, 65, 66, 67, 68,
+                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24), LINTAPE_D8(32), LINTAPE_D8(40), LINTAPE_D8(48), LINTAPE_D8(56));
 }
+
+#undef LINTAPE_D8
+#undef LINTAPE_WGMMA_ASM
 
 // D += A B for one k-step of 16; TransA / TransB 1: A (B) MN-major, else K-major.
 template <class T, int N, int TransA, int TransB>
 __device__ __forceinline__ void wgmma_mma(float (&d)[N / 2], uint64_t a, uint64_t b) {
-  wgmma_dispatch<T, N, TransA, TransB>(d, a, b);
+  static_assert(N == 16 || N == 32 || N == 64 || N == 128, "wgmma widths built here");
+  if constexpr (N == 16)
+    wgmma_n16<T, TransA, TransB>(d, a, b);
+  else if constexpr (N == 32)
+    wgmma_n32<T, TransA, TransB>(d, a, b);
+  else if constexpr (N == 64)
+    wgmma_n64<T, TransA, TransB>(d, a, b);
+  else
+    wgmma_n128<T, TransA, TransB>(d, a, b);
 }
 #endif  // LINTAPE_WGMMA
 

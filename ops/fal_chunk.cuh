@@ -537,8 +537,8 @@ struct RowMajorTile {
   __device__ __forceinline__ int operator()(int i, int c) const { return i * ld + c; }
 };
 // Blocks of 8 columns, each the kC rows' 16 bytes one after the other and then 16 bytes of padding (so that
-// the 8 threads of a row's 8 blocks store to distinct banks): the MN-major layout without swizzle of wgmma
-// (core_tile_desc), rows along K.
+// the 8 threads of a row's 8 blocks store to distinct banks): wgmma's MN-major layout without swizzle, rows
+// along K (core/cuda_wgmma.cuh; LBO 128 bytes, SBO one block).
 struct CoreColumnTile {
   static constexpr int kBlock = kC * 8 + 8;  // elements from one 8-column block to the next
   __device__ __forceinline__ int operator()(int i, int c) const { return (c >> 3) * kBlock + i * 8; }
