@@ -463,6 +463,10 @@ std::pair<Tensor, Tensor> run_composed(const Tensor& q, const Tensor& k, const T
   //   S_c = lambda^(C c) S0 + sum_{c' < c} lambda^(C (c - 1 - c')) kv_c'   (the state before chunk c:
   //         a product with an nC x nC decay mask rather than a loop, so that the tape records a few ops)
   // and the final state lambda^N S0 + sum_s lambda^(N - 1 - s) kb_s^T vb_s.
+  if (N == 0) {  // no tokens: an empty output, and the state passes through
+    const Tensor S = S0.defined() ? S0.to(sdt) : zeros({q.size(0), H, qb.size(3), vb.size(3)}, sdt, dev);
+    return {zeros(g.shape(), dt, dev), S};
+  }
   const std::vector<double> lam = decay_values(o, H);
   const int64_t R = o.decay.defined() ? H : 1, C = std::min(N, kComposedChunk), nC = (N + C - 1) / C;
   const int64_t B = q.size(0), P = qb.size(3), E = vb.size(3), Np = nC * C;
@@ -627,6 +631,8 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
                                     const Tensor& S0, const FalOptions& o, const char* op) {
   const char* why = fused_unsupported(q, v, o);
   LT_CHECK(why == nullptr, "[", op, "] Impl::Fused cannot run this call: ", why);
+  // No tokens: the state passes through, an identity the tape records (nothing for the kernels to do).
+  if (o.causal && q.size(1) == 0) return run_composed(q, k, v, g, S0, o);
 #if LINTAPE_WITH_CUDA
   const Device dev = q.device();
   const FalStepSpec spec = kernel_spec(q, o, op);

@@ -5,7 +5,9 @@
 #include <string>
 #include <vector>
 #include "helpers.h"
+#include "ops/elementwise.h"
 #include "ops/fal.h"
+#include "ops/reduce.h"
 #include "ops/shape.h"
 
 using namespace lintape;
@@ -197,6 +199,28 @@ TEST_CASE("fal reference follows the formula") {
   CHECK(c[0] == doctest::Approx(2));
   CHECK(c[1] == doctest::Approx(2 * (0.5 * 2 - 1)));
   CHECK(c[2] == doctest::Approx(2 * 3 * (0.25 * 2 - 0.5 + 2)));
+}
+
+// No tokens: an empty output, the final state is S0 and S0's gradient is the final state's.
+TEST_CASE("fal causal over an empty sequence passes the state through") {
+  const int64_t B = 2, H = 3, D = 4, E = 5;
+  FalOptions o;
+  o.causal = true;
+  o.lrpe = FalLrpe::Cosine;
+  o.theta = from_vector({0.5, 0.25, 0.125, 0.0625}, {1, D}, DType::F64);
+  o.decay = decay({0.9, 0.5, 0.99});
+  for (Impl impl : {Impl::Reference, Impl::Composed}) {
+    CAPTURE(int(impl));
+    Tensor q = randn({B, 0, H, D}, DType::F64, Device::cpu(), 1), k = randn({B, 0, H, D}, DType::F64, Device::cpu(), 2);
+    Tensor v = randn({B, 0, H, E}, DType::F64, Device::cpu(), 3), g = randn({B, 0, H, E}, DType::F64, Device::cpu(), 4);
+    Tensor S0 = randn({B, H, 2 * D, E}, DType::F64, Device::cpu(), 5).requires_grad_();
+    Tensor dS = randn({B, H, 2 * D, E}, DType::F64, Device::cpu(), 6);
+    auto [out, S] = fal_with_state(q, k, v, g, S0, o, impl);
+    CHECK(out.shape() == Shape{B, 0, H, E});
+    CHECK(S.to_vector<double>() == S0.to_vector<double>());
+    backward(sum(S * dS));
+    CHECK(S0.grad().to_vector<double>() == dS.to_vector<double>());
+  }
 }
 
 TEST_CASE("fal chunked causal and prefill plus steps match the whole sequence") {

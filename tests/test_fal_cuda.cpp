@@ -475,6 +475,50 @@ TEST_CASE("cuda fal chunked noncausal reads strided slices of one projection" * 
         tolerance(DType::BF16));
 }
 
+// No tokens: an empty output, S0 passes through as the final state and dS_final back as dS0, through the op
+// (bf16: the chunk kernels, f32: the sweep) and through the chunk launchers with the sequence cut or not.
+TEST_CASE("cuda fal causal over an empty sequence passes the state through" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  const StepConfig& c = kChunkConfigs[0];
+  const int64_t B = 2, H = 3, P = fal_state_rows(c.lrpe, c.D);
+  const FalOptions o = step_options(c, H, gpu());
+  const Tensor S0 = randn({B, H, P, c.E}, DType::F32, gpu(), 1), dS = randn({B, H, P, c.E}, DType::F32, gpu(), 2);
+  const std::vector<double> s0 = S0.to_vector<double>(), ds = dS.to_vector<double>();
+  for (DType dt : {DType::BF16, DType::F32})
+    for (Impl impl : {Impl::Fused, Impl::Composed}) {
+      CAPTURE(std::string(dtype_name(dt)));
+      CAPTURE(int(impl));
+      std::vector<Tensor> in;
+      for (int64_t w : {c.D, c.D, c.E, c.E}) in.push_back(randn({B, 0, H, w}, dt, gpu(), 3).requires_grad_());
+      Tensor S0_leaf = S0.detach().requires_grad_();
+      auto [out, S] = fal_with_state(in[0], in[1], in[2], in[3], S0_leaf, o, impl);
+      CHECK(out.shape() == Shape{B, 0, H, c.E});
+      CHECK(S.to_vector<double>() == s0);
+      backward(sum(S * dS));
+      CHECK(S0_leaf.grad().to_vector<double>() == ds);
+    }
+  const FalStepSpec spec = kernel_spec(c, o);
+  std::vector<Tensor> in, grads;
+  for (int64_t w : {c.D, c.D, c.E, c.E}) {
+    in.push_back(randn({B, 0, H, w}, DType::BF16, gpu(), 4));
+    grads.push_back(empty({B, 0, H, w}, DType::BF16, gpu()));
+  }
+  const Tensor out = empty({B, 0, H, c.E}, DType::BF16, gpu()), dout = empty({B, 0, H, c.E}, DType::BF16, gpu());
+  for (int64_t segments : {0, 1, 4}) {
+    CAPTURE(segments);
+    Tensor state = empty(S0.shape(), DType::F32, gpu()), dS0 = empty(S0.shape(), DType::F32, gpu());
+    poison_(state);
+    poison_(dS0);
+    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out, state, segments);
+    CHECK(state.to_vector<double>() == s0);
+    fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads[0], grads[1], grads[2], grads[3],
+                              dS0, segments);
+    CHECK(dS0.to_vector<double>() == ds);
+  }
+#endif
+}
+
 TEST_CASE("cuda fal fused causal equals the recurrent step" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // f32 runs the sweep, bf16 the chunk kernels (two chunks, the last partial).
