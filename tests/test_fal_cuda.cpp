@@ -360,22 +360,22 @@ TEST_CASE("cuda fal chunked causal long sequence matches the reference" * LT_CUD
   }
 }
 
-// q, k, v, g as slices of one (B, N, 4 H, D) projection (token stride 4 H D): read in place, the same results
-// as on contiguous copies, and Impl::Auto runs the fused path for a call that records gradients.
-TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_CUDA_CASE) {
-  LT_REQUIRE_CUDA();
-  const int64_t B = 2, N = 100, H = 3, D = 64;
-  const StepConfig& c = kChunkConfigs[1];
-  FalOptions o = step_options(c, H, gpu());
-  o.decay = from_vector({0.9, 0.99, 0.5}, {H}, DType::F32, gpu());
-  const Tensor proj = randn({B, N, 4 * H, D}, DType::BF16, gpu(), 900).requires_grad_();
+namespace {
+
+// q, k, v, g as slices of one (B, N, 4 H, D) projection (token stride 4 H D): Impl::Auto reads them in place with
+// the same results as Impl::Fused on contiguous copies, and records the fused backward; through split (the
+// mixer's way) the kernels write the four gradients side by side, handed on uncopied. Returns Auto's output
+// and the four inputs as contiguous copies.
+std::pair<Tensor, std::vector<Tensor>> check_strided_slices(const FalOptions& o, int64_t N, uint64_t seed) {
+  const int64_t B = 2, H = 3, D = 64;
+  const Tensor proj = randn({B, N, 4 * H, D}, DType::BF16, gpu(), seed).requires_grad_();
   std::vector<Tensor> parts, copies;
   for (int64_t i = 0; i < 4; ++i) {
     parts.push_back(proj.narrow(2, i * H, H));
     copies.push_back(parts.back().detach().contiguous().requires_grad_());
   }
   CHECK(!parts[0].is_contiguous());
-  const Tensor dout = randn({B, N, H, D}, DType::BF16, gpu(), 901);
+  const Tensor dout = randn({B, N, H, D}, DType::BF16, gpu(), seed + 1);
   Tensor got = fal(parts[0], parts[1], parts[2], parts[3], o, Impl::Auto);
   Tensor want = fal(copies[0], copies[1], copies[2], copies[3], o, Impl::Fused);
   CHECK(rel_error(got.to(Device::cpu()), want.to(Device::cpu())) == 0.0);
@@ -386,11 +386,21 @@ TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_
     CAPTURE(i);
     CHECK(rel_error(grads.narrow(2, i * H, H).contiguous(), copies[size_t(i)].grad().to(Device::cpu())) == 0.0);
   }
-  // Through split (the mixer's way): the kernels write the four gradients side by side, handed on uncopied.
   const Tensor proj2 = proj.detach().clone().requires_grad_();
   const std::vector<Tensor> pieces = split(proj2, {H, H, H, H}, 2);
   backward(sum(fal(pieces[0], pieces[1], pieces[2], pieces[3], o, Impl::Auto).to(DType::F32) * dout.to(DType::F32)));
   CHECK(rel_error(proj2.grad().to(Device::cpu()), grads) == 0.0);
+  for (Tensor& t : copies) t = t.detach();
+  return {got, copies};
+}
+
+}  // namespace
+
+TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  FalOptions o = step_options(kChunkConfigs[1], 3, gpu());
+  o.decay = from_vector({0.9, 0.99, 0.5}, {3}, DType::F32, gpu());
+  check_strided_slices(o, 100, 900);
 }
 
 namespace {
@@ -436,41 +446,14 @@ TEST_CASE("cuda fal chunked noncausal long sequence matches the reference" * LT_
   check_fused_sequence(kNoncausalChunkConfigs[0], false, DType::BF16, 1520, 2200, 1, true, 2300);
 }
 
-// q, k, v, g as slices of one (B, N, 4 H, D) projection, noncausal: read in place, the same results as on
-// contiguous copies, and Impl::Auto runs the fused path for a call that records gradients; through split the
-// four gradients land side by side in one buffer.
+// The same noncausal, and the composed path agrees (the reference of the strided call).
 TEST_CASE("cuda fal chunked noncausal reads strided slices of one projection" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
-  const int64_t B = 2, N = 150, H = 3, D = 64;
-  const StepConfig& c = kNoncausalChunkConfigs[1];
-  FalOptions o = step_options(c, H, gpu());
+  FalOptions o = step_options(kNoncausalChunkConfigs[1], 3, gpu());
   o.causal = false;
   o.decay = Tensor();
-  const Tensor proj = randn({B, N, 4 * H, D}, DType::BF16, gpu(), 1600).requires_grad_();
-  std::vector<Tensor> parts, copies;
-  for (int64_t i = 0; i < 4; ++i) {
-    parts.push_back(proj.narrow(2, i * H, H));
-    copies.push_back(parts.back().detach().contiguous().requires_grad_());
-  }
-  CHECK(!parts[0].is_contiguous());
-  const Tensor dout = randn({B, N, H, D}, DType::BF16, gpu(), 1601);
-  Tensor got = fal(parts[0], parts[1], parts[2], parts[3], o, Impl::Auto);
-  Tensor want = fal(copies[0], copies[1], copies[2], copies[3], o, Impl::Fused);
-  CHECK(rel_error(got.to(Device::cpu()), want.to(Device::cpu())) == 0.0);
-  backward(sum(got.to(DType::F32) * dout.to(DType::F32)));
-  backward(sum(want.to(DType::F32) * dout.to(DType::F32)));
-  const Tensor grads = proj.grad().to(Device::cpu());
-  for (int64_t i = 0; i < 4; ++i) {
-    CAPTURE(i);
-    CHECK(rel_error(grads.narrow(2, i * H, H).contiguous(), copies[size_t(i)].grad().to(Device::cpu())) == 0.0);
-  }
-  const Tensor proj2 = proj.detach().clone().requires_grad_();
-  const std::vector<Tensor> pieces = split(proj2, {H, H, H, H}, 2);
-  backward(sum(fal(pieces[0], pieces[1], pieces[2], pieces[3], o, Impl::Auto).to(DType::F32) * dout.to(DType::F32)));
-  CHECK(rel_error(proj2.grad().to(Device::cpu()), grads) == 0.0);
-  // The composed path agrees (the reference of the strided call).
-  const Tensor composed = fal(copies[0].detach(), copies[1].detach(), copies[2].detach(), copies[3].detach(), o,
-                              Impl::Composed);
+  const auto [got, in] = check_strided_slices(o, 150, 1600);
+  const Tensor composed = fal(in[0], in[1], in[2], in[3], o, Impl::Composed);
   CHECK(rel_error(got.to(Device::cpu()).to(DType::F64), composed.to(Device::cpu()).to(DType::F64)) <=
         tolerance(DType::BF16));
 }
