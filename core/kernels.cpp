@@ -33,7 +33,7 @@ void for_each_run(const StridedIndex& di, const StridedIndex* si, int64_t n, Fn&
 void copy_cpu(const Tensor& dst, const Tensor& src) {
   int64_t n = dst.numel();
   if (dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous()) {
-    std::memcpy(dst.data(), src.data(), dst.nbytes());
+    if (dst.nbytes() > 0) std::memcpy(dst.data(), src.data(), dst.nbytes());  // an empty tensor may hold no pointer
     return;
   }
   StridedIndex di(dst), si(src);

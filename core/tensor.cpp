@@ -265,7 +265,7 @@ Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType 
   LT_CHECK(int64_t(values.size()) == shape_numel(shape), "[from_vector] expected ", shape_numel(shape), " values for shape ",
            shape_str(shape), "; got ", values.size());
   Tensor host = empty(shape, DType::F64, Device::cpu());
-  std::memcpy(host.data(), values.data(), values.size() * sizeof(double));
+  if (!values.empty()) std::memcpy(host.data(), values.data(), values.size() * sizeof(double));  // no null to memcpy
   if (dtype == DType::F64 && !device.is_cuda()) return host;
   Tensor out = empty(shape, dtype, device);
   out.copy_(host);
@@ -276,7 +276,7 @@ Tensor from_vector_i64(const std::vector<int64_t>& values, const Shape& shape, D
   LT_CHECK(int64_t(values.size()) == shape_numel(shape), "[from_vector_i64] expected ", shape_numel(shape),
            " values for shape ", shape_str(shape), "; got ", values.size());
   Tensor host = empty(shape, DType::I64, Device::cpu());
-  std::memcpy(host.data(), values.data(), values.size() * sizeof(int64_t));
+  if (!values.empty()) std::memcpy(host.data(), values.data(), values.size() * sizeof(int64_t));
   if (!device.is_cuda()) return host;
   Tensor out = empty(shape, DType::I64, device);
   out.copy_(host);
