@@ -59,61 +59,70 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
                "k16.f32." TY "." TY " " REGS ", %" #A ", %" #B ", p, 1, 1, %" #TA ", %" #TB ";\n}\n"     \
                : __VA_ARGS__                                                                          \
                : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB))
-#define LINTAPE_D8(i) \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define LINTAPE_D8(i)                                                                                        \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+
+// The accumulators' operand lists (asm text and outputs) of each width.
+#define LINTAPE_REGS_N16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define LINTAPE_OUTS_N16 LINTAPE_D8(0)
+#define LINTAPE_REGS_N32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define LINTAPE_OUTS_N32 LINTAPE_D8(0), LINTAPE_D8(8)
+#define LINTAPE_REGS_N64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define LINTAPE_OUTS_N64 LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24)
+#define LINTAPE_REGS_N128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define LINTAPE_OUTS_N128 \
+  LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24), \
+      LINTAPE_D8(32), LINTAPE_D8(40), LINTAPE_D8(48), LINTAPE_D8(56)
 
 // D (64 x 16) += A B.
 template <class T, int TransA, int TransB>
 __device__ __forceinline__ void wgmma_n16(float (&d)[8], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    LINTAPE_WGMMA_ASM(16, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7}", 8, 9, 10, 11, 12,
-                      LINTAPE_D8(0));
+    LINTAPE_WGMMA_ASM(16, "bf16", LINTAPE_REGS_N16, 8, 9, 10, 11, 12, LINTAPE_OUTS_N16);
   else
-    LINTAPE_WGMMA_ASM(16, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7}", 8, 9, 10, 11, 12,
-                      LINTAPE_D8(0));
+    LINTAPE_WGMMA_ASM(16, "f16", LINTAPE_REGS_N16, 8, 9, 10, 11, 12, LINTAPE_OUTS_N16);
 }
 
 // D (64 x 32) += A B.
 template <class T, int TransA, int TransB>
 __device__ __forceinline__ void wgmma_n32(float (&d)[16], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    LINTAPE_WGMMA_ASM(32, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, 20,
-                      LINTAPE_D8(0), LINTAPE_D8(8));
+    LINTAPE_WGMMA_ASM(32, "bf16", LINTAPE_REGS_N32, 16, 17, 18, 19, 20, LINTAPE_OUTS_N32);
   else
-    LINTAPE_WGMMA_ASM(32, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, 20,
-                      LINTAPE_D8(0), LINTAPE_D8(8));
+    LINTAPE_WGMMA_ASM(32, "f16", LINTAPE_REGS_N32, 16, 17, 18, 19, 20, LINTAPE_OUTS_N32);
 }
 
 // D (64 x 64) += A B.
 template <class T, int TransA, int TransB>
 __device__ __forceinline__ void wgmma_n64(float (&d)[32], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    LINTAPE_WGMMA_ASM(64, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", 32, 33, 34, 35, 36,
-                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24));
+    LINTAPE_WGMMA_ASM(64, "bf16", LINTAPE_REGS_N64, 32, 33, 34, 35, 36, LINTAPE_OUTS_N64);
   else
-    LINTAPE_WGMMA_ASM(64, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", 32, 33, 34, 35, 36,
-                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24));
+    LINTAPE_WGMMA_ASM(64, "f16", LINTAPE_REGS_N64, 32, 33, 34, 35, 36, LINTAPE_OUTS_N64);
 }
 
 // D (64 x 128) += A B.
 template <class T, int TransA, int TransB>
 __device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t a, uint64_t b) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    LINTAPE_WGMMA_ASM(128, "bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", 64, 65, 66, 67, 68,
-                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24), LINTAPE_D8(32), LINTAPE_D8(40), LINTAPE_D8(48), LINTAPE_D8(56));
+    LINTAPE_WGMMA_ASM(128, "bf16", LINTAPE_REGS_N128, 64, 65, 66, 67, 68, LINTAPE_OUTS_N128);
   else
-    LINTAPE_WGMMA_ASM(128, "f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", 64, 65, 66, 67, 68,
-                      LINTAPE_D8(0), LINTAPE_D8(8), LINTAPE_D8(16), LINTAPE_D8(24), LINTAPE_D8(32), LINTAPE_D8(40), LINTAPE_D8(48), LINTAPE_D8(56));
+    LINTAPE_WGMMA_ASM(128, "f16", LINTAPE_REGS_N128, 64, 65, 66, 67, 68, LINTAPE_OUTS_N128);
 }
 
+#undef LINTAPE_REGS_N16
+#undef LINTAPE_OUTS_N16
+#undef LINTAPE_REGS_N32
+#undef LINTAPE_OUTS_N32
+#undef LINTAPE_REGS_N64
+#undef LINTAPE_OUTS_N64
+#undef LINTAPE_REGS_N128
+#undef LINTAPE_OUTS_N128
 #undef LINTAPE_D8
 #undef LINTAPE_WGMMA_ASM
 
