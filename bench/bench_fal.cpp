@@ -6,7 +6,7 @@
 // Impl::Composed.
 #include <cmath>
 #include "bench/harness.h"
-#include "ops/fal.h"
+#include "ops/fal/fal.h"
 
 namespace lintape::bench {
 namespace {

@@ -4,7 +4,7 @@
 // "fused cache" adds MdLrpeOptions::cache_angles; "composed" is Impl::Composed.
 #include <cmath>
 #include "bench/harness.h"
-#include "ops/lrpe.h"
+#include "ops/lrpe/lrpe.h"
 
 namespace lintape::bench {
 namespace {

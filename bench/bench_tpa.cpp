@@ -6,7 +6,7 @@
 // is the tensor-core flash-style kernel pair (Impl::Fused on CUDA, the CPU reference on the CPU),
 // "composed" the same math through primitive ops (up to N = 4096: it holds the N x N scores).
 #include "bench/harness.h"
-#include "ops/tpa.h"
+#include "ops/tpa/tpa.h"
 
 namespace lintape::bench {
 namespace {

@@ -8,7 +8,7 @@
 #include "ops/cross_entropy.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
-#include "ops/fal.h"
+#include "ops/fal/fal.h"
 #include "ops/matmul.h"
 #include "ops/rms_norm.h"
 

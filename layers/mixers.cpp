@@ -4,11 +4,11 @@
 #include <cmath>
 #include <vector>
 
-#include "ops/fal.h"
+#include "ops/fal/fal.h"
 #include "ops/matmul.h"
-#include "ops/lrpe.h"
+#include "ops/lrpe/lrpe.h"
 #include "ops/shape.h"
-#include "ops/tpa.h"
+#include "ops/tpa/tpa.h"
 
 namespace lintape {
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include "../core/tensor.h"
 #include "../ops/impl.h"
-#include "../ops/tpa.h"
+#include "../ops/tpa/tpa.h"
 #include "layers.h"
 #include "module.h"
 

@@ -6,7 +6,7 @@
 #include <vector>
 #include "helpers.h"
 #include "ops/elementwise.h"
-#include "ops/fal.h"
+#include "ops/fal/fal.h"
 #include "ops/reduce.h"
 #include "ops/shape.h"
 

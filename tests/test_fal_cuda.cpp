@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 #include "helpers.h"
-#include "ops/fal.h"
+#include "ops/fal/fal.h"
 #include "core/allocator.h"
 #include "ops/elementwise.h"
-#include "ops/fal_cuda.h"
+#include "ops/fal/launch.h"
 #include "ops/reduce.h"
 #include "ops/shape.h"
 
@@ -157,7 +157,7 @@ TEST_CASE("cuda fal composed matches reference" * LT_CUDA_CASE) {
 namespace {
 
 #if LINTAPE_WITH_CUDA
-// The launchers' description of a StepConfig (as ops/fal.cpp builds it).
+// The launchers' description of a StepConfig (as ops/fal/fal.cpp builds it).
 FalStepSpec kernel_spec(const StepConfig& c, const FalOptions& o) {
   auto code = [](const ActSpec& a) {
     return a.act == Act::Relu      ? FalStepSpec::kRelu
@@ -316,7 +316,7 @@ TEST_CASE("cuda fal fused long sequences match the reference" * LT_CUDA_CASE) {
 
 namespace {
 
-// The chunk-parallel kernels (bf16 and f16; ops/fal_chunk.cuh) on lengths around their 64-token chunks (one
+// The chunk-parallel kernels (bf16 and f16; ops/fal/chunk.cuh) on lengths around their 64-token chunks (one
 // partial chunk, exactly one, several with a partial last), D 64 and 128, decay on and off, with and without
 // S0 and the final state's gradient. Three chunks run as the shapes want (B x H = 6: a segment a chunk), in
 // one segment, and in two (two chunks, then the partial one).
@@ -405,7 +405,7 @@ TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_
 
 namespace {
 
-// The noncausal chunk kernels (bf16 and f16; ops/fal_noncausal.cuh): D 64 and 128, E from 32 to 128, LRPE none
+// The noncausal chunk kernels (bf16 and f16; ops/fal/noncausal.cuh): D 64 and 128, E from 32 to 128, LRPE none
 // and cosine, softmax over the feature dim on q and k, elementwise acts on v and g.
 const std::vector<StepConfig> kNoncausalChunkConfigs = {
     {"cosine D 128 E 128 silu", FalLrpe::Cosine, 128, 128, kSilu, kSilu, kNone, kSilu, false},

@@ -7,8 +7,8 @@
 #include "core/allocator.h"
 #include "helpers.h"
 #include "ops/elementwise.h"
-#include "ops/lrpe.h"
-#include "ops/lrpe_cuda.h"
+#include "ops/lrpe/lrpe.h"
+#include "ops/lrpe/launch.h"
 
 using namespace lintape;
 using namespace lintape::test;

@@ -5,9 +5,9 @@
 #include <vector>
 #include "core/allocator.h"
 #include "helpers.h"
-#include "ops/lrpe.h"
+#include "ops/lrpe/lrpe.h"
 #include "ops/shape.h"
-#include "ops/tpa.h"
+#include "ops/tpa/tpa.h"
 
 using namespace lintape;
 using namespace lintape::test;

@@ -6,8 +6,8 @@
 #include "core/allocator.h"
 #include "helpers.h"
 #include "ops/shape.h"
-#include "ops/tpa.h"
-#include "ops/tpa_cuda.h"
+#include "ops/tpa/tpa.h"
+#include "ops/tpa/launch.h"
 
 using namespace lintape;
 using namespace lintape::test;

@@ -26,9 +26,9 @@
 #include "ops/shape.h"
 
 // The fused linear-attention ops.
-#include "ops/fal.h"
-#include "ops/lrpe.h"
-#include "ops/tpa.h"
+#include "ops/fal/fal.h"
+#include "ops/lrpe/lrpe.h"
+#include "ops/tpa/tpa.h"
 
 // Layers, the language model and its training loop.
 #include "layers/language_model.h"

@@ -13,8 +13,8 @@
 #pragma once
 #include <cstdint>
 #include <vector>
-#include "../core/tensor.h"
-#include "impl.h"
+#include "../../core/tensor.h"
+#include "../impl.h"
 
 namespace lintape {
 

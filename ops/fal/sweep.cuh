@@ -1,5 +1,5 @@
-// Internal to the FAL family: the chunk sweep kernel that the sequence launchers (ops/fal_noncausal.cu,
-// ops/fal_causal.cu) share, with the per-row act, LRPE and their backward.
+// Internal to the FAL family: the chunk sweep kernel that the sequence launchers (ops/fal/noncausal.cu,
+// ops/fal/causal.cu) share, with the per-row act, LRPE and their backward.
 //
 // A block owns one (b, h) and a range of tokens, and keeps a (D', E) f32 state S in shared memory. It walks
 // its range in chunks of C = 16 tokens; each chunk's rows are loaded, put through the acts and the LRPE by one
@@ -21,7 +21,7 @@
 #include <cmath>
 #include <type_traits>
 #include "core/cuda_types.cuh"
-#include "ops/fal_cuda.h"
+#include "ops/fal/launch.h"
 
 namespace lintape::fal_cuda {
 

@@ -13,8 +13,8 @@
 // two-pass: a statistics kernel (online max / sum-exp per (b, N-chunk, h, d)) and a finalize kernel
 // give the per-(b, h, d) log-sum-exp, which the apply kernel and the backward use. Its backward first
 // sums y * dy over N the same way. Everything is computed in f32 but the angle reduction (double).
-#include "ops/lrpe_device.cuh"
-#include "ops/lrpe_seq_stats.cuh"
+#include "ops/lrpe/device.cuh"
+#include "ops/lrpe/seq_stats.cuh"
 
 namespace lintape::lrpe_cuda {
 using namespace lintape::cuda;

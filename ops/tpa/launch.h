@@ -1,5 +1,5 @@
-// Internal to the TPA family: the fused CUDA launchers, decode (ops/tpa_decode.cu, with its tensor-core
-// kernel in ops/tpa_decode_tc.cu) and attention (ops/tpa_attention.cu). ops/tpa.cpp checks the inputs
+// Internal to the TPA family: the fused CUDA launchers, decode (ops/tpa/decode.cu, with its tensor-core
+// kernel in ops/tpa/decode_tc.cu) and attention (ops/tpa/attention.cu). ops/tpa/tpa.cpp checks the inputs
 // and calls them; tests call them directly on poisoned outputs.
 #pragma once
 #include <cstdint>
@@ -30,18 +30,18 @@ void decode(const DecodeArgs& args, Tensor& out);
 // H <= 64, D a multiple of 16 up to 256, E 64 or 128, 16-byte aligned rows.
 bool decode_uses_tensor_cores(const DecodeArgs& args);
 
-// The tensor-core kernel's launcher (ops/tpa_decode_tc.cu), for arguments it accepts.
+// The tensor-core kernel's launcher (ops/tpa/decode_tc.cu), for arguments it accepts.
 void decode_tensor_cores(const DecodeArgs& args, Tensor& out);
 
 }  // namespace lintape::tpa_cuda
 
 namespace lintape::tpa_cuda {
 
-// Fused attention (ops/tpa_attention.cu), already checked: the six factors 4-D (aq (B, N, H, Rq),
+// Fused attention (ops/tpa/attention.cu), already checked: the six factors 4-D (aq (B, N, H, Rq),
 // bq (B, N, Rq, D), ak (B, M, H, Rk), bk (B, M, Rk, D), av (B, M, H, Rv), bv (B, M, Rv, E)), bf16 or
 // f16, D == E in {64, 128}, ranks 1..16, causal only with N == M. Read through their token strides:
 // each factor's batch and token dims merge, a's rank stride is 1, b's rows of D are packed at stride D
-// and 16-byte aligned (ops/tpa.cpp copies a factor that is not).
+// and 16-byte aligned (ops/tpa/tpa.cpp copies a factor that is not).
 struct AttentionArgs {
   Tensor aq, bq, ak, bk, av, bv;
   bool causal = true;

@@ -1,9 +1,9 @@
 // The FAL family: input checks, dispatch, the CPU reference (loops in double with a hand-written backward) and
 // the composed path (primitive ops and the tape; causal in chunks: the masked, decayed product inside each
-// chunk plus the carried state and S0 terms) and the fused CUDA path (ops/fal_noncausal.cu, ops/fal_causal.cu
+// chunk plus the carried state and S0 terms) and the fused CUDA path (ops/fal/noncausal.cu, ops/fal/causal.cu
 // and the chunk kernels it dispatches to; its backward recorded on the tape). fal_step runs through primitive
-// ops on the CPU (and for f64) and through its fused kernel (ops/fal_step.cu) on CUDA.
-#include "ops/fal.h"
+// ops on the CPU (and for f64) and through its fused kernel (ops/fal/step.cu) on CUDA.
+#include "ops/fal/fal.h"
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -11,8 +11,8 @@
 #include "autograd/tape.h"
 #include "core/parallel.h"
 #include "ops/elementwise.h"
-#include "ops/fal_cuda.h"
-#include "ops/lrpe.h"
+#include "ops/fal/launch.h"
+#include "ops/lrpe/lrpe.h"
 #include "ops/matmul.h"
 #include "ops/shape.h"
 
@@ -585,7 +585,7 @@ const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions
 #endif
 }
 
-// True when the call runs the chunk kernels (causal: chunk-parallel; noncausal: ops/fal_noncausal.cuh), whose
+// True when the call runs the chunk kernels (causal: chunk-parallel; noncausal: ops/fal/noncausal.cuh), whose
 // forward and backward are faster than the composed ones.
 bool chunked(const Tensor& q, const Tensor& v, const FalOptions& o) {
 #if LINTAPE_WITH_CUDA
@@ -698,7 +698,7 @@ std::pair<Tensor, Tensor> run(const Tensor& q, const Tensor& k, const Tensor& v,
   fail(str("[", op, "] unknown impl"));
 }
 
-// The fused step kernel (ops/fal_step.cu); the inputs are checked, causal and one token each.
+// The fused step kernel (ops/fal/step.cu); the inputs are checked, causal and one token each.
 Tensor step_fused(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& g_t,
                   const FalOptions& o) {
 #if LINTAPE_WITH_CUDA

@@ -1,15 +1,15 @@
 // Fused FAL, noncausal. bf16/f16 calls that noncausal_chunked takes run the chunk kernels of
-// ops/fal_noncausal.cuh: kv = kb^T vb reduced over the key chunks, then o = gb o (qb kv) per query chunk;
+// ops/fal/noncausal.cuh: kv = kb^T vb reduced over the key chunks, then o = gb o (qb kv) per query chunk;
 // backward dkv = qb^T (gb o dO) over the query chunks, then dq and dg per query chunk (from kv) and dk and dv
 // per key chunk (from dkv). They read q, k, v, g in place when each token's heads are contiguous rows.
-// The others (f32, rotate, softmax on v or g, other head dims) run the sweep (ops/fal_sweep.cuh: f32 rows in
+// The others (f32, rotate, softmax on v or g, other head dims) run the sweep (ops/fal/sweep.cuh: f32 rows in
 // shared memory), kv reduced over slices of the keys by separate blocks and summed in a fixed order.
 #include <algorithm>
 #include <string>
 #include "core/config.h"
 #include "core/cuda_wgmma.cuh"
-#include "ops/fal_noncausal.cuh"
-#include "ops/fal_sweep.cuh"
+#include "ops/fal/noncausal.cuh"
+#include "ops/fal/sweep.cuh"
 
 namespace lintape::fal_cuda {
 

@@ -22,9 +22,9 @@
 #include <vector>
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
-#include "ops/tpa_cuda.h"
-#include "ops/tpa_decode.cuh"
-#include "ops/tpa_mma.cuh"
+#include "ops/tpa/launch.h"
+#include "ops/tpa/decode.cuh"
+#include "ops/tpa/mma.cuh"
 
 namespace lintape::tpa_cuda {
 using namespace lintape::cuda;

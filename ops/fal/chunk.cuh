@@ -1,5 +1,5 @@
-// Internal to the FAL family: the pieces of the causal tensor-core kernels (ops/fal_chunk_fwd.cu,
-// ops/fal_chunk_bwd.cu) for bf16 and f16 inputs.
+// Internal to the FAL family: the pieces of the causal tensor-core kernels (ops/fal/chunk_fwd.cu,
+// ops/fal/chunk_bwd.cu) for bf16 and f16 inputs.
 //
 // The sequence is cut into chunks of C = 64 tokens. Per (b, h) and chunk c, with Q, K (C x D'), V, G, dO
 // (C x E) the chunk's activated and encoded rows, S_c the state entering the chunk, gamma_i = lambda^(i + 1),
@@ -13,7 +13,7 @@
 // writes only the output and S_final. The backward's state kernels are sequential over chunks and parallel
 // over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32 state tile in registers and writes
 // the state entering every chunk (S_c, then R_(c+1)) once, in the inputs' dtype; its gradient kernel is
-// parallel over (chunk, b, h). When B x H leaves SMs idle, ops/fal_causal.cu cuts each (b, h)'s chunks into
+// parallel over (chunk, b, h). When B x H leaves SMs idle, ops/fal/causal.cu cuts each (b, h)'s chunks into
 // segments (chunk_segments): a local pass sums each segment from zero, a scan turns the sums into the states
 // at the segments' boundaries, and the forward and the state passes then walk the segments side by side.
 //
@@ -28,7 +28,7 @@
 #include <type_traits>
 #include "core/cuda_async.cuh"
 #include "core/cuda_types.cuh"
-#include "ops/fal_cuda.h"
+#include "ops/fal/launch.h"
 
 namespace lintape::fal_cuda {
 
@@ -586,7 +586,7 @@ __device__ __forceinline__ void load_state_async(const Args& a, const T* __restr
   }
 }
 
-// The launchers (ops/fal_chunk_fwd.cu, ops/fal_chunk_bwd.cu); ops/fal_causal.cu fills Args and picks them.
+// The launchers (ops/fal/chunk_fwd.cu, ops/fal/chunk_bwd.cu); ops/fal/causal.cu fills Args and picks them.
 // True when these kernels take the call: bf16/f16, LRPE none or cosine, D 64 or 128, E a multiple of 8 up to
 // 128, elementwise acts.
 bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);

@@ -1,7 +1,7 @@
 // The TPA family: input checks, the CPU reference (the naive formula in double with a hand-written
 // backward to all six factors), the composed path (materialise q, k, v with primitive ops, then attend
-// through primitive ops; differentiated by the tape) and dispatch. The cache lives in ops/tpa_cache.cpp.
-#include "ops/tpa.h"
+// through primitive ops; differentiated by the tape) and dispatch. The cache lives in ops/tpa/cache.cpp.
+#include "ops/tpa/tpa.h"
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -10,7 +10,7 @@
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
 #include "ops/reduce.h"
-#include "ops/tpa_cuda.h"
+#include "ops/tpa/launch.h"
 
 namespace lintape {
 using autograd::Grads;

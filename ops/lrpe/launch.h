@@ -1,5 +1,5 @@
 // Internal to the LRPE family: the description of one call that the CPU reference and the fused CUDA
-// kernels share, and the kernels' launchers (defined in ops/lrpe.cu). ops/lrpe.cpp checks the inputs,
+// kernels share, and the kernels' launchers (defined in ops/lrpe/rows.cu). ops/lrpe/lrpe.cpp checks the inputs,
 // records autograd and calls them; tests call the launchers directly on poisoned outputs.
 #pragma once
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Internal to the fused TPA attention (ops/tpa_attention.cu, ops/tpa_attention_bwd.cu): the shared
+// Internal to the fused TPA attention (ops/tpa/attention.cu, ops/tpa/attention_bwd.cu): the shared
 // device pieces. Tiles built in shared memory from the factors, x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :]
 // in f32, rounded once, and staged through cp.async; m16n8k16 fragments and the products of the
 // flash-attention 2 layout (8 warps, each owning 16 rows of its block's tile); the contraction of an f32
@@ -8,8 +8,8 @@
 #include <cmath>
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
-#include "ops/tpa_cuda.h"
-#include "ops/tpa_mma.cuh"
+#include "ops/tpa/launch.h"
+#include "ops/tpa/mma.cuh"
 
 namespace lintape::tpa_cuda::attention_parts {
 using namespace lintape::cuda;
@@ -175,7 +175,7 @@ __device__ __forceinline__ void copy_rows_async(T* dst, const T* x, int64_t bb, 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Fragments (see ops/tpa_mma.cuh for the m16n8k16 layouts). Tiles are row-major with LD elements a row.
+// Fragments (see ops/tpa/mma.cuh for the m16n8k16 layouts). Tiles are row-major with LD elements a row.
 
 // A (16 x 16) at rows r0.., columns k0..
 template <int LD, class T>

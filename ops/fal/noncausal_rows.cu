@@ -1,5 +1,5 @@
-// Noncausal FAL chunk kernels (ops/fal_noncausal.cuh): the row passes, out = gb o (qb kv) and the gradients.
-#include "ops/fal_noncausal.cuh"
+// Noncausal FAL chunk kernels (ops/fal/noncausal.cuh): the row passes, out = gb o (qb kv) and the gradients.
+#include "ops/fal/noncausal.cuh"
 
 namespace lintape::fal_cuda::noncausal {
 

@@ -1,14 +1,14 @@
 // The LRPE family: input checks, the CPU reference (plain loops in double, hand-written backward), the
-// composed path (primitive ops, differentiated by the tape), and the fused CUDA path (ops/lrpe.cu).
+// composed path (primitive ops, differentiated by the tape), and the fused CUDA path (ops/lrpe/rows.cu).
 // Every path saves x, not act(x) nor the output; theta never gets a gradient.
-#include "ops/lrpe.h"
+#include "ops/lrpe/lrpe.h"
 #include <algorithm>
 #include <cmath>
 #include <memory>
 #include <mutex>
 #include "autograd/tape.h"
 #include "ops/elementwise.h"
-#include "ops/lrpe_cuda.h"
+#include "ops/lrpe/launch.h"
 #include "ops/shape.h"
 
 namespace lintape {

@@ -4,14 +4,14 @@
 // fragment); online softmax in f32, base 2 (scale log2 e folded in, lse stored in base 2).
 //
 // q, k and v are never saved: x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :] in f32, rounded once, is built
-// from the factors where it is used (ops/tpa_attention_parts.cuh). The tile a block owns is built in
+// from the factors where it is used (ops/tpa/attention_parts.cuh). The tile a block owns is built in
 // shared memory; the repeated tiles are built once per launch into a workspace that lives for that launch
 // (a part of the batch at a time: see batch_launches) and copied tile by tile by cp.async.
 //   forward (this file): K and V built; query tile of 256 rows (32 a warp); per key tile of 64:
 //            S = Q K^T, online softmax, O = alpha O + P V.
-//   backward (ops/tpa_attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
+//   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
 //            of 128.
-#include "ops/tpa_attention_parts.cuh"
+#include "ops/tpa/attention_parts.cuh"
 
 namespace lintape::tpa_cuda {
 

@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_types.cuh"
-#include "ops/fal_chunk.cuh"
-#include "ops/fal_cuda.h"
+#include "ops/fal/chunk.cuh"
+#include "ops/fal/launch.h"
 
 namespace lintape::fal_cuda {
 using namespace lintape::cuda;

@@ -1,6 +1,6 @@
-// Causal FAL on the tensor cores (ops/fal_chunk.cuh): the state pass, both ways, for the backward, and the
+// Causal FAL on the tensor cores (ops/fal/chunk.cuh): the state pass, both ways, for the backward, and the
 // fused forward.
-#include "ops/fal_chunk.cuh"
+#include "ops/fal/chunk.cuh"
 
 namespace lintape::fal_cuda::chunk {
 

@@ -1,6 +1,6 @@
 // Internal to the FAL family: the chunk kernels of the noncausal FAL for bf16 and f16 inputs (the reduction in
-// ops/fal_noncausal.cu, the row passes in ops/fal_noncausal_rows.cu). They reuse the causal chunk machinery
-// (ops/fal_chunk.cuh: 64-token chunks, mma.sync with f32 accumulation) with whole rows of q and k: a row's D
+// ops/fal/noncausal.cu, the row passes in ops/fal/noncausal_rows.cu). They reuse the causal chunk machinery
+// (ops/fal/chunk.cuh: 64-token chunks, mma.sync with f32 accumulation) with whole rows of q and k: a row's D
 // columns are loaded together, so that softmax over the feature dim can run on q and k.
 //
 // The work is a list of items, (b, h, chunk), cut into equal runs of consecutive items, one run per block, as
@@ -13,7 +13,7 @@
 //               key grads:   dv = act_v'(Y), dkb = vb W^T                (X = kb, W = dkv)
 //             and dqb, dkb go back through the LRPE and the act to dq, dk.
 #pragma once
-#include "ops/fal_chunk.cuh"
+#include "ops/fal/chunk.cuh"
 
 namespace lintape::fal_cuda::noncausal {
 

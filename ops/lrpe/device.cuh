@@ -1,4 +1,4 @@
-// Device-side parts shared by the fused LRPE kernels (ops/lrpe.cu, ops/lrpe_seq_stats.cuh): the layout
+// Device-side parts shared by the fused LRPE kernels (ops/lrpe/rows.cu, ops/lrpe/seq_stats.cuh): the layout
 // and angle rule (Geo), vector loads and stores, the angles, the acts and the in-row softmax.
 #pragma once
 #include <algorithm>
@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_types.cuh"
-#include "ops/lrpe_cuda.h"
+#include "ops/lrpe/launch.h"
 
 namespace lintape::lrpe_cuda {
 using namespace lintape::cuda;

@@ -13,9 +13,9 @@
 #pragma once
 #include <cstdint>
 #include <vector>
-#include "../core/tensor.h"
-#include "activation.h"
-#include "impl.h"
+#include "../../core/tensor.h"
+#include "../activation.h"
+#include "../impl.h"
 
 namespace lintape {
 

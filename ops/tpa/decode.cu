@@ -1,5 +1,5 @@
 // Fused TPA decode: one query token per sequence over a cache of factor rows, never building k or v.
-// decode() runs the tensor-core kernel (ops/tpa_decode_tc.cu) where it applies (16-bit factors, the
+// decode() runs the tensor-core kernel (ops/tpa/decode_tc.cu) where it applies (16-bit factors, the
 // usual ranks and dims) and otherwise this general kernel (f32, any ranks and dims).
 //
 // A block takes one sequence b and one split of its cache rows, in tiles of kTile rows. Per tile it
@@ -14,8 +14,8 @@
 #include <cmath>
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
-#include "ops/tpa_cuda.h"
-#include "ops/tpa_decode.cuh"
+#include "ops/tpa/launch.h"
+#include "ops/tpa/decode.cuh"
 
 namespace lintape::tpa_cuda {
 using namespace lintape::cuda;

@@ -1,4 +1,4 @@
-// Internal to the FAL family: the launchers of the fused CUDA kernels (ops/fal_*.cu). ops/fal.cpp checks the
+// Internal to the FAL family: the launchers of the fused CUDA kernels (ops/fal/*.cu). ops/fal/fal.cpp checks the
 // inputs and calls them; tests call them directly on poisoned outputs.
 #pragma once
 #include <cstdint>
@@ -26,11 +26,11 @@ namespace fal_cuda {
 void step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
           const Tensor& state_in, const Tensor& state_out, const Tensor& out);
 
-// The sequence kernels (ops/fal_noncausal.cu, ops/fal_causal.cu) keep a (D', E) f32 state of one (b, h) in
+// The sequence kernels (ops/fal/noncausal.cu, ops/fal/causal.cu) keep a (D', E) f32 state of one (b, h) in
 // shared memory: true when it fits, with D, E <= 256 (above that Auto runs Composed).
 bool sequence_supported(int64_t D, int64_t P, int64_t E);
 
-// Noncausal: true when the chunk kernels (ops/fal_noncausal.cuh) run the call (bf16/f16, LRPE none or cosine,
+// Noncausal: true when the chunk kernels (ops/fal/noncausal.cuh) run the call (bf16/f16, LRPE none or cosine,
 // D 64 or 128, E a multiple of 8 up to 128, softmax over the feature dim on q and k only); else the sweep.
 bool noncausal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
 
@@ -52,7 +52,7 @@ int64_t causal_segments(int64_t BH, int64_t N, int sms);
 int64_t causal_segment_tokens(int64_t N, int64_t G);
 int sm_count(Device dev);
 
-// Causal, N == M: true when the chunked tensor-core kernels (ops/fal_chunk.cuh) run the call (bf16/f16, LRPE none
+// Causal, N == M: true when the chunked tensor-core kernels (ops/fal/chunk.cuh) run the call (bf16/f16, LRPE none
 // or cosine, D 64 or 128, E a multiple of 8 up to 128, elementwise acts); else the chunk sweep runs it.
 bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
 

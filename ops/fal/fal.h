@@ -32,9 +32,9 @@
 #include <string>
 #include <utility>
 #include <vector>
-#include "../core/tensor.h"
-#include "activation.h"
-#include "impl.h"
+#include "../../core/tensor.h"
+#include "../activation.h"
+#include "../impl.h"
 
 namespace lintape {
 

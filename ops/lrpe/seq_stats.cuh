@@ -1,6 +1,6 @@
-// Softmax over the sequence: the statistics kernels (included by ops/lrpe.cu only).
+// Softmax over the sequence: the statistics kernels (included by ops/lrpe/rows.cu only).
 #pragma once
-#include "ops/lrpe_device.cuh"
+#include "ops/lrpe/device.cuh"
 
 namespace lintape::lrpe_cuda {
 namespace {

@@ -1,7 +1,7 @@
-// Fused FAL, causal with decay and state. bf16/f16 calls that ops/fal_chunk.cuh covers run its kernels (they
+// Fused FAL, causal with decay and state. bf16/f16 calls that ops/fal/chunk.cuh covers run its kernels (they
 // read q, k, v, g in place when each token's heads are contiguous rows, e.g. slices of one projection); the
 // others (f32, softmax over the feature dim, rotate, other head dims) run the chunk sweep
-// of ops/fal_sweep.cuh (16-token chunks on the tensor cores, the f32 state in shared memory). Both cut the
+// of ops/fal/sweep.cuh (16-token chunks on the tensor cores, the f32 state in shared memory). Both cut the
 // sequence into G segments when B x H alone leaves the GPU idle (G = 1 when it does not):
 //   1. each segment's local state, from zero: sum over its tokens of lambda^(end - 1 - t) kb_t^T vb_t;
 //   2. a scan over the segments turns them into the state entering each segment (from S0) and the final state;
@@ -11,8 +11,8 @@
 // kernels run 1-2 before each of their two state passes, which then write every chunk's state from the
 // segments' entering states. The segment states, (B, H, G, D', E) or (B, H, G - 1, D', E) in f32, are the
 // only extra memory beside the chunk kernels' per-chunk states.
-#include "ops/fal_chunk.cuh"
-#include "ops/fal_sweep.cuh"
+#include "ops/fal/chunk.cuh"
+#include "ops/fal/sweep.cuh"
 
 namespace lintape::fal_cuda {
 

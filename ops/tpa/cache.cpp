@@ -1,8 +1,8 @@
 // TpaCache: per-sequence factor rows for decoding, in buffers that grow by whole blocks of rows.
 #include <algorithm>
 #include "autograd/tape.h"
-#include "ops/lrpe.h"
-#include "ops/tpa.h"
+#include "ops/lrpe/lrpe.h"
+#include "ops/tpa/tpa.h"
 
 namespace lintape {
 

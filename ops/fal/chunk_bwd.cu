@@ -1,6 +1,6 @@
-// Chunk-parallel causal FAL (ops/fal_chunk.cuh): the backward. Both state passes (S_c forward, R_(c+1)
+// Chunk-parallel causal FAL (ops/fal/chunk.cuh): the backward. Both state passes (S_c forward, R_(c+1)
 // reverse), then one block per (chunk, b, h) for dq, dk, dv and dg.
-#include "ops/fal_chunk.cuh"
+#include "ops/fal/chunk.cuh"
 
 namespace lintape::fal_cuda::chunk {
 

@@ -1,11 +1,11 @@
-// Backward of the fused TPA attention (see ops/tpa_attention.cu): Delta = rowsum(dO o O) and Q (built once
+// Backward of the fused TPA attention (see ops/tpa/attention.cu): Delta = rowsum(dO o O) and Q (built once
 // from its factors into a workspace of the launch's batch entries), then one pass over key tiles in the
 // flash-attention 2 layout, recomputing P = 2^(S scale log2 e - lse) and
 // dS = P (dP - Delta) scale per (key tile, query tile). dK and dV stay in registers and are contracted to
 // their factors at the end of the block: da (this head's values, written once) and db (a sum over heads:
 // f32 atomics into a workspace). dQ is summed over key tiles by f32 atomics into a workspace, then a
 // second kernel contracts it to aq and bq per token, over all heads at once (no atomics).
-#include "ops/tpa_attention_parts.cuh"
+#include "ops/tpa/attention_parts.cuh"
 
 namespace lintape::tpa_cuda {
 
