@@ -23,7 +23,7 @@ fail() {
   echo "FAILED: $*"
   failures=$((failures + 1))
 }
-train=(train --preset tiny --data "$work/text.txt" --batch 4 --seq 64 --seed 3)
+train=(train --device cpu --preset tiny --data "$work/text.txt" --batch 4 --seq 64 --seed 3)
 
 # step_losses LOG: "step loss" for each training row of a JSONL log
 step_losses() {
@@ -83,7 +83,7 @@ sed -n '/^  "config": {/,/^  },/p' "$work/one/log.summary.json" | sed '1s/.*/{/;
 grep -q '"grad_accum": 2' "$work/accum.json" || fail "no gradient accumulation config made from the summary"
 for run in one:1:0 buckets:2:0.01 whole:2:0; do
   IFS=: read -r name ranks mib <<<"$run"
-  "${mpirun[@]}" -np "$ranks" "$lintape" train --config "$work/accum.json" --steps 4 --bucket-mib "$mib" \
+  "${mpirun[@]}" -np "$ranks" "$lintape" train --device cpu --config "$work/accum.json" --steps 4 --bucket-mib "$mib" \
     --log "$work/accum-$name/log.jsonl" >"$work/accum-$name.out" 2>&1 || fail "accumulation, $name: $(tail -n3 "$work/accum-$name.out")"
 done
 exact "$work/accum-buckets/log.jsonl" "$work/accum-whole/log.jsonl" || fail "accumulation: small buckets differ from one"
@@ -103,7 +103,7 @@ awk -v plain="$(peak "$work/two/log.jsonl")" -v zero="$(peak "$work/zero/log.jso
   exit !(plain - zero >= want) }' || fail "ZeRO-1 does not save the moments' memory"
 mkdir -p "$work/zero-on-one"
 cp -r "$work/zero/ck" "$work/zero-on-one/ck" && printf 'step_00000003' >"$work/zero-on-one/ck/latest"
-"$lintape" train --resume --checkpoint-dir "$work/zero-on-one/ck" --steps 6 --log "$work/zero-on-one/log.jsonl" \
+"$lintape" train --device cpu --resume --checkpoint-dir "$work/zero-on-one/ck" --steps 6 --log "$work/zero-on-one/log.jsonl" \
   >"$work/zero-on-one.out" 2>&1 || fail "resume a ZeRO-1 checkpoint on one rank: $(tail -n3 "$work/zero-on-one.out")"
 same "$work/one/log.jsonl" "$work/zero-on-one/log.jsonl" 4 6 || fail "a ZeRO-1 checkpoint resumed on 1 rank differs"
 
@@ -111,9 +111,9 @@ echo "== resume with another number of ranks"
 mkdir -p "$work/two-on-one" "$work/one-on-two"
 cp -r "$work/two/ck" "$work/two-on-one/ck" && printf 'step_00000003' >"$work/two-on-one/ck/latest"
 cp -r "$work/one/ck" "$work/one-on-two/ck" && printf 'step_00000003' >"$work/one-on-two/ck/latest"
-"$lintape" train --resume --checkpoint-dir "$work/two-on-one/ck" --steps 6 --log "$work/two-on-one/log.jsonl" \
+"$lintape" train --device cpu --resume --checkpoint-dir "$work/two-on-one/ck" --steps 6 --log "$work/two-on-one/log.jsonl" \
   >"$work/two-on-one.out" 2>&1 || fail "resume on one rank: $(tail -n3 "$work/two-on-one.out")"
-"${mpirun[@]}" -np 2 "$lintape" train --resume --checkpoint-dir "$work/one-on-two/ck" --steps 6 \
+"${mpirun[@]}" -np 2 "$lintape" train --device cpu --resume --checkpoint-dir "$work/one-on-two/ck" --steps 6 \
   --log "$work/one-on-two/log.jsonl" >"$work/one-on-two.out" 2>&1 || fail "resume on two ranks: $(tail -n3 "$work/one-on-two.out")"
 same "$work/one/log.jsonl" "$work/two-on-one/log.jsonl" 4 6 || fail "a 2-rank checkpoint resumed on 1 rank differs"
 same "$work/one/log.jsonl" "$work/one-on-two/log.jsonl" 4 6 || fail "a 1-rank checkpoint resumed on 2 ranks differs"
