@@ -59,12 +59,12 @@ for path in sorted(glob.glob(os.path.join(runs, "*.json"))):
                         "n": doc["tokens_per_step"], "provider": "lintape", "value": doc[m]}
                        for m in ("step_ms", "tokens_per_s", "peak_mib")]
     for r in doc["rows"]:
-        if r.get("value") is None:
+        if r.get("value") is None or r["value"] < 0:  # not measured (e.g. composed over memory)
             continue
         everything.append(dict(r, side=side, spec=int(spec)))
         key = (int(spec), r["op"], r["title"], r["metric"], r["mode"], r["n"], r["provider"], r["unit"])
         rows.setdefault(key, {"base": [], "this": []})[side].append(r["value"])
-lines = ["%-14s %-34s %-5s %-6s %8s %-12s %11s %11s %6s %8s %8s" % (
+lines = ["%-14s %-52s %-5s %-6s %8s %-12s %11s %11s %6s %8s %8s" % (
     "op", "table", "mode", "metric", "n", "provider", "base", "this", "ratio", "spread-b", "spread-t")]
 for key, sides in rows.items():
     _, op, title, metric, mode, n, provider, unit = key
@@ -73,8 +73,8 @@ for key, sides in rows.items():
         continue
     mb, mt = statistics.median(b), statistics.median(t)
     spread = lambda v: (max(v) - min(v)) / statistics.median(v) * 100 if statistics.median(v) else 0
-    lines.append("%-14s %-34s %-5s %-6s %8s %-12s %11.4g %11.4g %6.3f %7.1f%% %7.1f%%" % (
-        op[:14], title[-34:], mode, metric, n, provider[:12], mb, mt, mt / mb if mb else float("nan"),
+    lines.append("%-14s %-52s %-5s %-6s %8s %-12s %11.4g %11.4g %6.3f %7.1f%% %7.1f%%" % (
+        op[:14], title[-52:], mode, metric, n, provider[:12], mb, mt, mt / mb if mb else float("nan"),
         spread(b), spread(t)))
 text = "\n".join(lines) + "\n(ratio: this / base of the medians; spread: (max - min) / median over the rounds)\n"
 open(os.path.join(out, "compare.txt"), "a").write(text)
