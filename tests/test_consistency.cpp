@@ -282,24 +282,27 @@ const char* impl_name(Impl impl) {
 DType arg_dtype(const Arg& a, DType dt) { return a.state ? (dt == DType::F64 ? DType::F64 : DType::F32) : dt; }
 
 // The public ops allocate their own outputs: poisoned blocks of the outputs' and gradients' sizes are put
-// in the device's cache first, so that the caching allocator hands them out and an element a kernel never
-// writes shows as NaN (an intermediate of the same size may take a block first: then nothing is lost).
+// in the device's cache just before the op runs, so that the caching allocator hands them out and an
+// element a kernel never writes shows as NaN (an intermediate of the same size may take a block first:
+// several copies of each are left).
 void poison_cached_blocks(const std::vector<Shape>& shapes, DType dt, Device dev) {
   std::vector<Tensor> blocks;
   for (const Shape& s : shapes)
     for (DType t : {dt, DType::F32})
-      for (int copy = 0; copy < 2; ++copy) {
+      for (int copy = 0; copy < 4; ++copy) {
         blocks.push_back(empty(s, t, dev));
         poison_(blocks.back());
       }
 }
 
 // Outputs and input gradients of one implementation: the gradients are the backward of sum_i <w_i, out_i>
-// with random weights w_i from `seed`, rounded through round_dt (the same values on every side).
+// with random weights w_i from `seed`, rounded through round_dt (the same values on every side). On CUDA,
+// blocks of the `poison` shapes are poisoned once the inputs are in place.
 Outcome evaluate(const Row& row, const std::vector<Arg>& args, Impl impl, DType dt, Device dev, uint64_t seed,
-                 DType round_dt) {
+                 DType round_dt, const std::vector<Shape>& poison = {}) {
   std::vector<Tensor> in;
   for (const Arg& a : args) in.push_back(a.value.to(arg_dtype(a, dt)).to(dev).requires_grad_());
+  if (dev.is_cuda()) poison_cached_blocks(poison, dt, dev);
   std::vector<Tensor> outs = row.run(in, impl), weights;
   for (size_t i = 0; i < outs.size(); ++i) {
     const Tensor w = randn(outs[i].shape(), DType::F64, Device::cpu(), seed + 50 + i).to(round_dt);
@@ -324,13 +327,10 @@ void check_case(const Row& row, uint64_t seed, Impl impl, DType dt, Device dev) 
   std::vector<Arg> ref_args = args;
   for (Arg& a : ref_args) a.value = a.value.to(arg_dtype(a, dt)).to(DType::F64);
   const Outcome ref = evaluate(row, ref_args, Impl::Reference, DType::F64, Device::cpu(), seed, dt);
-  if (dev.is_cuda()) {
-    std::vector<Shape> shapes;
-    for (const Tensor& t : ref.outs) shapes.push_back(t.shape());
-    for (const Arg& a : args) shapes.push_back(a.value.shape());
-    poison_cached_blocks(shapes, dt, dev);
-  }
-  const Outcome got = evaluate(row, args, impl, dt, dev, seed, dt);
+  std::vector<Shape> shapes;
+  for (const Tensor& t : ref.outs) shapes.push_back(t.shape());
+  for (const Arg& a : args) shapes.push_back(a.value.shape());
+  const Outcome got = evaluate(row, args, impl, dt, dev, seed, dt, shapes);
   for (size_t i = 0; i < ref.outs.size(); ++i) {
     INFO("output " << i);
     CHECK_CLOSE_TENSOR(got.outs[i], ref.outs[i], dt);
