@@ -53,7 +53,7 @@ void check_inputs(const Tensor& x, const LrpeSpec& spec) {
 }
 
 // Impl::Fused: the fused path's own checks, then the kernels.
-Tensor fused(const Tensor& x, const LrpeSpec& spec, bool cache_angles) {
+Tensor fused_path(const Tensor& x, const LrpeSpec& spec, bool cache_angles) {
   const char* op = spec.name();
   LT_CHECK(x.is_cuda(), "[", op, "] Impl::Fused needs x on a CUDA device; got x on ", x.device().name());
   LT_CHECK(x.dtype() != DType::F64, "[", op, "] Impl::Fused supports f32, bf16 and f16; got f64");
@@ -72,7 +72,7 @@ Tensor run(const Tensor& x_in, const LrpeSpec& spec, Impl impl, bool cache_angle
   if (impl == Impl::Auto)
     impl = !x_in.is_cuda() ? Impl::Reference : x_in.dtype() == DType::F64 ? Impl::Composed : Impl::Fused;
   if (impl == Impl::Composed) return lrpe_paths::run_composed(x_in, spec);
-  if (impl == Impl::Fused) return fused(x_in, spec, cache_angles);
+  if (impl == Impl::Fused) return fused_path(x_in, spec, cache_angles);
   const Tensor x = x_in.contiguous();
   LT_CHECK(!x.is_cuda(), "[", op, "] Impl::Reference runs on the CPU; got x on ", x.device().name());
   return lrpe_paths::run_reference(x, spec, spec.theta);
