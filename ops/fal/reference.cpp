@@ -16,9 +16,9 @@ Tensor reference_act(const Tensor& x, const ActSpec& a) {
   const Tensor xs = x.detach().contiguous();
   Tensor y = from_vector(act_reference(xs.to_vector<double>(), xs.shape(), a.act, a.dim), xs.shape(), xs.dtype());
   record("fal_act", {x}, {y}, [xs, a](const Grads& gr) -> Grads {
-    return {from_vector(act_reference_backward(xs.to_vector<double>(), gr[0].to_vector<double>(), xs.shape(), a.act,
-                                               a.dim),
-                        xs.shape(), xs.dtype())};
+    const std::vector<double> dx =
+        act_reference_backward(xs.to_vector<double>(), gr[0].to_vector<double>(), xs.shape(), a.act, a.dim);
+    return {from_vector(dx, xs.shape(), xs.dtype())};
   });
   return y;
 }

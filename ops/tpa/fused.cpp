@@ -29,7 +29,8 @@ Tensor factor_in_place(const Tensor& t, bool basis) {
   const Shape& st = t.strides();
   const int64_t bytes = int64_t(dtype_size(t.dtype()));
   bool ok = st[3] == 1 && (t.size(0) == 1 || st[0] == t.size(1) * st[1]);
-  if (basis) ok = ok && st[2] == t.size(3) && st[1] * bytes % 16 == 0 && reinterpret_cast<uintptr_t>(t.data()) % 16 == 0;
+  if (basis)
+    ok = ok && st[2] == t.size(3) && st[1] * bytes % 16 == 0 && reinterpret_cast<uintptr_t>(t.data()) % 16 == 0;
   return ok ? t : t.contiguous();
 }
 

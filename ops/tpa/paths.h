@@ -22,7 +22,9 @@ struct Factors {
 struct Visibility {
   bool causal;
   std::vector<int64_t> lengths;
-  int64_t limit(int64_t b, int64_t n) const { return causal ? std::min(lengths[size_t(b)], n + 1) : lengths[size_t(b)]; }
+  int64_t limit(int64_t b, int64_t n) const {
+    return causal ? std::min(lengths[size_t(b)], n + 1) : lengths[size_t(b)];
+  }
 };
 
 // The paths take checked factors and the resolved scale. Attention records its backward to the six factors;
