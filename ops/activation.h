@@ -2,6 +2,7 @@
 // feature dim (D, per token and head) or over the sequence dim (N, per batch, head and feature).
 #pragma once
 #include <string>
+#include <vector>
 #include "../core/tensor.h"
 
 namespace lintape {
@@ -19,5 +20,11 @@ void check_act(Act act, ActDim dim, const char* op);
 
 // act(x) for x of shape (B, N, H, D) through primitive ops (recorded by autograd): the composed path.
 Tensor apply_act(const Tensor& x, Act act, ActDim dim);
+
+// The float64 reference of act for the fused families' Impl::Reference paths, on the values of x (B, N, H, D) in
+// row-major order: act(x), and dx from dy (softmax recomputes act(x) from x). relu keeps -0 and NaN as relu does.
+std::vector<double> act_reference(const std::vector<double>& x, const Shape& shape, Act act, ActDim dim);
+std::vector<double> act_reference_backward(const std::vector<double>& x, const std::vector<double>& dy,
+                                           const Shape& shape, Act act, ActDim dim);
 
 }  // namespace lintape

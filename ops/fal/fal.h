@@ -22,10 +22,10 @@
 // calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts or softmax over the feature dim
 // on q and k run the noncausal chunk kernels (the same products; kv and dkv summed in f32, read by the row
 // passes in the inputs' dtype, with the same f16 caveat). The others run a chunk sweep (tf32; f32 inputs in
-// split tf32 at f32 accuracy). Impl::Auto runs Reference on the CPU; on CUDA it runs Fused for the calls that
-// the chunk kernels take (faster than Composed both ways, and without its intermediates) and for causal calls
-// that record no gradient, and Composed otherwise (the sweeps' backwards are slower than the composed ones,
-// and the noncausal sweep's forward no faster).
+// split tf32 at f32 accuracy). Impl::Auto (the rule in ops/impl.h) runs Fused for the calls that the chunk
+// kernels take (faster than Composed both ways, and without its intermediates) and for causal calls that record
+// no gradient (every fused causal forward is faster); the sweeps' backwards are slower than the composed ones,
+// and the noncausal sweep's forward no faster.
 // fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
 #pragma once
 #include <cstdint>

@@ -8,8 +8,8 @@
 // theta may have any float dtype; the fused kernels use an f32 copy and compute each angle's product and
 // reduction in double, so cos/sin are f32-accurate even at positions in the tens of thousands (the
 // sequence-softmax backward statistics advance angles by rotation between exact recomputes every 8
-// tokens: within about 1e-6). Impl::Auto runs Fused for f32/bf16/f16 CUDA tensors, Composed
-// for f64 CUDA tensors and Reference on the CPU.
+// tokens: within about 1e-6). Impl::Auto (the rule in ops/impl.h): the fused kernels take every
+// f32/bf16/f16 CUDA call and beat Composed both ways, so Auto runs them for all of those.
 #pragma once
 #include <cstdint>
 #include <vector>
