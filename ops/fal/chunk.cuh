@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_async.cuh"
+#include "core/cuda_mma.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/fal/launch.h"
 
@@ -135,32 +136,9 @@ using cuda::cp_async_wait;
 using cuda::cp_async_wait_all;
 using cuda::smem_addr;
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-template <class T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using cuda_device::ldmatrix_x4;
+using cuda_device::ldmatrix_x4_trans;
+using cuda_device::mma16816;
 
 // A warp's accumulator tile of (16 MT) x (8 NT) f32 values. Element r of tile (mt, nt) sits at row
 // 16 mt + lane / 4 + 8 (r / 2), column 8 nt + 2 (lane % 4) + r % 2.
@@ -184,9 +162,9 @@ template <bool ATrans, class T>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* A, int lda, int m, int kk) {
   const int lane = threadIdx.x & 31;
   if (!ATrans)
-    ldsm_x4(a, A + (m + (lane & 15)) * lda + kk + (lane >> 4) * 8);
+    ldmatrix_x4(a, A + (m + (lane & 15)) * lda + kk + (lane >> 4) * 8);
   else
-    ldsm_x4_t(a, A + (kk + (lane & 7) + ((lane >> 4) << 3)) * lda + m + ((lane >> 3) & 1) * 8);
+    ldmatrix_x4_trans(a, A + (kk + (lane & 7) + ((lane >> 4) << 3)) * lda + m + ((lane >> 3) & 1) * 8);
 }
 // B fragments of two n-tiles (columns n .. n + 15) at row kk of B (K x N): stored [n][k] (BTrans false) or
 // [k][n].
@@ -194,9 +172,9 @@ template <bool BTrans, class T>
 __device__ __forceinline__ void load_b(uint32_t (&b)[4], const T* B, int ldb, int n, int kk) {
   const int lane = threadIdx.x & 31;
   if (!BTrans)
-    ldsm_x4(b, B + (n + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
+    ldmatrix_x4(b, B + (n + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
   else
-    ldsm_x4_t(b, B + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + n + (lane >> 4) * 8);
+    ldmatrix_x4_trans(b, B + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + n + (lane >> 4) * 8);
 }
 
 // acc += A B over k in [0, K) (K a multiple of 16) for the warp's tile at (m0, n0). A is (M x K): stored [m][k]

@@ -47,10 +47,9 @@ void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 // Causal, N == M: the number of segments the sweeps cut the sequence into for B x H = BH on a GPU of `sms`
 // SMs (each keeps one (B, H, D', E) f32 state while the kernels run; 1: none), and the tokens of each but the
-// last segment; sm_count gives the device's SMs.
+// last segment (cuda::sm_count gives a device's SMs).
 int64_t causal_segments(int64_t BH, int64_t N, int sms);
 int64_t causal_segment_tokens(int64_t N, int64_t G);
-int sm_count(Device dev);
 
 // Causal, N == M: true when the chunked tensor-core kernels (ops/fal/chunk.cuh) run the call (bf16/f16, LRPE none
 // or cosine, D 64 or 128, E a multiple of 8 up to 128, elementwise acts); else the chunk sweep runs it.

@@ -228,7 +228,8 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
   LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kReduceThreads, smem));
-  const Partition part = partition(total, int64_t(std::max(per_sm, 1)) * sm_count(dev), kMinReduceChunks);
+  const Partition part =
+      partition(total, int64_t(std::max(per_sm, 1)) * cuda::sm_count(dev.index), kMinReduceChunks);
   Tensor partial = empty({part.blocks + BH, n}, DType::F32, dev);
   kernel<<<unsigned(part.blocks), kReduceThreads, smem, st>>>(a, partial.data_ptr<float>(), part.per, total);
   LT_CUDA_CHECK_LAUNCH();

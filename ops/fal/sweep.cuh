@@ -21,6 +21,7 @@
 #include <cmath>
 #include <type_traits>
 #include "core/cuda_types.cuh"
+#include "core/cuda_reduce.cuh"
 #include "ops/fal/launch.h"
 
 namespace lintape::fal_cuda {
@@ -76,14 +77,8 @@ inline size_t sweep_smem_floats(int64_t D, int64_t P, int64_t E) {
                 kSweepWarps * int64_t(z.wide));
 }
 
-__device__ __forceinline__ float fal_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float fal_warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
+using cuda_device::warp_max;
+using cuda_device::warp_sum;
 __device__ __forceinline__ float fal_sigmoid(float x) { return __frcp_rn(1.0f + __expf(-x)); }
 
 // row (len floats in shared memory) <- act(row); one warp.
@@ -92,10 +87,10 @@ __device__ __forceinline__ void warp_act(float* row, int len, int act) {
   if (act == FalStepSpec::kSoftmaxFeature) {
     float m = -INFINITY;
     for (int i = lane; i < len; i += 32) m = fmaxf(m, row[i]);
-    m = fal_warp_max(m);
+    m = warp_max(m);
     float s = 0;
     for (int i = lane; i < len; i += 32) s += __expf(row[i] - m);
-    const float inv = 1.0f / fal_warp_sum(s);
+    const float inv = 1.0f / warp_sum(s);
     for (int i = lane; i < len; i += 32) row[i] = __expf(row[i] - m) * inv;
   } else if (act != FalStepSpec::kNone) {
     for (int i = lane; i < len; i += 32) {
@@ -199,7 +194,7 @@ __device__ void warp_act_backward(const WarpRow& x, const float* act_out, const 
   float dot = 0;
   if (act == FalStepSpec::kSoftmaxFeature) {
     for (int i = lane; i < len; i += 32) dot += act_out[i] * grad[i];
-    dot = fal_warp_sum(dot);
+    dot = warp_sum(dot);
   }
 #pragma unroll
   for (int u = 0; u < kRowRegs; ++u) {

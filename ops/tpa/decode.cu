@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include "core/cuda.h"
+#include "core/cuda_reduce.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/tpa/launch.h"
 #include "ops/tpa/decode.cuh"
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) decode_split(const T* __restrict__ a
 #pragma unroll
         for (int j = 0; j < kMaxDPerLane; ++j)
           if (lane + 32 * j < D) dot += qrow[lane + 32 * j] * kv[j];
-        for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        dot = cuda_device::warp_sum(dot);
         if (lane == 0) c_s[(m * Rq + rq) * Rk + rk] = dot;
       }
     }
@@ -194,12 +195,6 @@ __global__ void __launch_bounds__(kThreads) combine_splits(const float* __restri
     num += w * part_acc[slot * g.H * g.E + i];
   }
   out[int64_t(b) * g.H * g.E + i] = from_acc<T>(num / den);
-}
-
-int sm_count(int device) {
-  int n = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
 }
 
 }  // namespace

@@ -24,10 +24,11 @@
 #include "core/cuda_types.cuh"
 #include "ops/tpa/launch.h"
 #include "ops/tpa/decode.cuh"
-#include "ops/tpa/mma.cuh"
+#include "core/cuda_mma.cuh"
 
 namespace lintape::tpa_cuda {
 using namespace lintape::cuda;
+using namespace lintape::cuda_device;
 
 namespace {
 
@@ -434,15 +435,6 @@ int choose_splits(int64_t B, int64_t M, int sms, int blocks_per_sm, const Geo& g
   const int64_t tiles = (M + g.rows - 1) / g.rows;
   const int64_t wave = std::max<int64_t>(1, int64_t(blocks_per_sm) * sms / B);
   return int(std::max<int64_t>(1, std::min<int64_t>({wave, (tiles + 1) / 2, kMaxSplits})));
-}
-
-int sm_count(int device) {
-  static int cached[kMaxDevices] = {};
-  if (device < kMaxDevices && cached[device]) return cached[device];
-  int n = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device < kMaxDevices) cached[device] = n;
-  return n;
 }
 
 // Zeroed counters (one per sequence) that the last block of each sequence resets: kept for the life
