@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <type_traits>
+#include "core/cuda_acts.cuh"
 #include "core/cuda_async.cuh"
 #include "core/cuda_mma.cuh"
 #include "core/cuda_types.cuh"
@@ -236,25 +237,16 @@ __device__ __forceinline__ T* at_head(void* p, int64_t b, int64_t sb, int64_t h,
   return static_cast<T*>(p) + b * sb + h * width;
 }
 
-// 2^x and 1 / x, one instruction each: subnormal results flush to zero (the library's versions add a fix-up
-// for them, three instructions more); ex2 of a large x is +inf and its reciprocal 0.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_ftz(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float sigmoid_f(float x) { return rcp_ftz(1.0f + exp2_ftz(-1.4426950408889634f * x)); }
+using cuda_device::exp2_ftz;
+using cuda_device::sigmoid_grad;
+using cuda_device::silu_grad;
+using cuda_device::sigmoid_approx;
 
 __device__ __forceinline__ float act_f(float x, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return fmaxf(x, 0.0f);
-    case FalStepSpec::kSigmoid: return sigmoid_f(x);
-    case FalStepSpec::kSilu: return x * sigmoid_f(x);
+    case FalStepSpec::kSigmoid: return sigmoid_approx(x);
+    case FalStepSpec::kSilu: return x * sigmoid_approx(x);
     default: return x;
   }
 }
@@ -274,11 +266,11 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
       break;
     case FalStepSpec::kSigmoid:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] = sigmoid_f(x[u]);
+      for (int u = 0; u < N; ++u) x[u] = sigmoid_approx(x[u]);
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] *= sigmoid_f(x[u]);
+      for (int u = 0; u < N; ++u) x[u] *= sigmoid_approx(x[u]);
       break;
     default: break;
   }
@@ -288,14 +280,8 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
 __device__ __forceinline__ float act_grad(float x, float dy, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return x > 0.0f ? dy : 0.0f;
-    case FalStepSpec::kSigmoid: {
-      const float y = sigmoid_f(x);
-      return dy * y * (1.0f - y);
-    }
-    case FalStepSpec::kSilu: {
-      const float s = sigmoid_f(x);
-      return dy * s * (1.0f + x * (1.0f - s));
-    }
+    case FalStepSpec::kSigmoid: return sigmoid_grad(sigmoid_approx(x), dy);
+    case FalStepSpec::kSilu: return silu_grad(x, sigmoid_approx(x), dy);
     default: return dy;
   }
 }
@@ -311,14 +297,14 @@ __device__ __forceinline__ void act_grad_n(const float (&x)[N], float (&dy)[N], 
     case FalStepSpec::kSigmoid:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float y = sigmoid_f(x[u]);
+        const float y = sigmoid_approx(x[u]);
         dy[u] *= y * (1.0f - y);
       }
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float sg = sigmoid_f(x[u]);
+        const float sg = sigmoid_approx(x[u]);
         dy[u] *= sg * (1.0f + x[u] * (1.0f - sg));
       }
       break;

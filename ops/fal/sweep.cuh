@@ -21,6 +21,7 @@
 #include <cmath>
 #include <type_traits>
 #include "core/cuda_types.cuh"
+#include "core/cuda_acts.cuh"
 #include "core/cuda_reduce.cuh"
 #include "ops/fal/launch.h"
 
@@ -79,7 +80,7 @@ inline size_t sweep_smem_floats(int64_t D, int64_t P, int64_t E) {
 
 using cuda_device::warp_max;
 using cuda_device::warp_sum;
-__device__ __forceinline__ float fal_sigmoid(float x) { return __frcp_rn(1.0f + __expf(-x)); }
+using cuda_device::sigmoid_rn;
 
 // row (len floats in shared memory) <- act(row); one warp.
 __device__ __forceinline__ void warp_act(float* row, int len, int act) {
@@ -95,8 +96,8 @@ __device__ __forceinline__ void warp_act(float* row, int len, int act) {
   } else if (act != FalStepSpec::kNone) {
     for (int i = lane; i < len; i += 32) {
       const float x = row[i];
-      row[i] = act == FalStepSpec::kRelu ? fmaxf(x, 0.0f) : act == FalStepSpec::kSigmoid ? fal_sigmoid(x)
-                                                                                         : x * fal_sigmoid(x);
+      row[i] = act == FalStepSpec::kRelu ? fmaxf(x, 0.0f) : act == FalStepSpec::kSigmoid ? sigmoid_rn(x)
+                                                                                         : x * sigmoid_rn(x);
     }
   }
   __syncwarp();
@@ -204,12 +205,8 @@ __device__ void warp_act_backward(const WarpRow& x, const float* act_out, const 
     float d = gi;
     switch (act) {
       case FalStepSpec::kRelu: d = y > 0.0f ? gi : 0.0f; break;
-      case FalStepSpec::kSigmoid: d = gi * y * (1.0f - y); break;
-      case FalStepSpec::kSilu: {
-        const float xv = x.x[u], sg = fal_sigmoid(xv);
-        d = gi * sg * (1.0f + xv * (1.0f - sg));
-        break;
-      }
+      case FalStepSpec::kSigmoid: d = cuda_device::sigmoid_grad(y, gi); break;
+      case FalStepSpec::kSilu: d = cuda_device::silu_grad(x.x[u], sigmoid_rn(x.x[u]), gi); break;
       case FalStepSpec::kSoftmaxFeature: d = y * (gi - dot); break;
       default: break;
     }

@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdint>
 #include <type_traits>
+#include "core/cuda_acts.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/lrpe/launch.h"
 
@@ -169,13 +170,13 @@ __device__ __forceinline__ void unit_sincos(const Geo& g, int64_t t, int64_t h, 
 
 // The acts and softmax use the fast exp and division (a few ulp): per element they would otherwise
 // cost more instructions than the memory traffic leaves room for.
-__device__ __forceinline__ float sigmoidf(float v) { return __fdividef(1.f, 1.f + __expf(-v)); }
+using cuda_device::sigmoid_fast;
 
 template <int ACT>
 __device__ __forceinline__ float act_forward(float v) {
   if constexpr (ACT == kRelu) return fmaxf(v, 0.f);
-  if constexpr (ACT == kSigmoid) return sigmoidf(v);
-  if constexpr (ACT == kSilu) return v * sigmoidf(v);
+  if constexpr (ACT == kSigmoid) return sigmoid_fast(v);
+  if constexpr (ACT == kSilu) return v * sigmoid_fast(v);
   return v;
 }
 
@@ -183,14 +184,8 @@ __device__ __forceinline__ float act_forward(float v) {
 template <int ACT>
 __device__ __forceinline__ float act_backward(float v, float g) {
   if constexpr (ACT == kRelu) return v > 0.f ? g : 0.f;
-  if constexpr (ACT == kSigmoid) {
-    float y = sigmoidf(v);
-    return g * y * (1.f - y);
-  }
-  if constexpr (ACT == kSilu) {
-    float sg = sigmoidf(v);
-    return g * sg * (1.f + v * (1.f - sg));
-  }
+  if constexpr (ACT == kSigmoid) return cuda_device::sigmoid_grad(sigmoid_fast(v), g);
+  if constexpr (ACT == kSilu) return cuda_device::silu_grad(v, sigmoid_fast(v), g);
   return g;
 }
 
