@@ -16,7 +16,7 @@
 #include "core/cuda_types.cuh"
 #include "ops/rms_norm_cuda.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 using namespace lintape::cuda;
 
 namespace {
@@ -378,4 +378,4 @@ void rms_norm_backward_cuda(const Tensor& dy, const Tensor& dsum, const Tensor& 
   });
 }
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda

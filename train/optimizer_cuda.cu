@@ -6,7 +6,7 @@
 #include "core/cuda_reduce.cuh"
 #include "train/optimizer_cuda.h"
 
-namespace lintape::cuda_train {
+namespace lintape::train_cuda {
 using namespace lintape::cuda;
 
 namespace {
@@ -125,4 +125,4 @@ double clip_grad_norm_cuda(const Tensor& grads, double max_norm) {
   return partials.narrow(0, blocks, 1).item();
 }
 
-}  // namespace lintape::cuda_train
+}  // namespace lintape::train_cuda
