@@ -232,11 +232,7 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
-  a.dout = dout.data();
-  a.dq = dq.data();
-  a.dk = dk.data();
-  a.dv = dv.data();
-  a.dg = dg.data();
+  set_gradient_pointers(a, dout, dq, dk, dv, dg);
   const int64_t G = sweep_segments(BH, q.size(1), segments, dev);
   causal_sweep(a, kQueryGrad, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr, nullptr, BH, G,
                q.dtype(), st, dev);

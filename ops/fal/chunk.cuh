@@ -573,28 +573,11 @@ inline Tensor chunk_input(const Tensor& x) { return chunk_readable(x) ? x : x.co
 inline chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                               const FalStepSpec& spec) {
   chunk::Args a{};
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.g = g.data();
+  fill_common_args(a, q, k, v, g, spec);
   a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
   a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
   a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];
   a.sg_b = g.strides()[0], a.sg_t = g.strides()[1];
-  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
-  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
-  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
-  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
-  a.H = int(q.size(2));
-  a.D = int(q.size(3));
-  a.E = int(v.size(3));
-  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
-  a.position = spec.position;
-  a.act_q = spec.act_q;
-  a.act_k = spec.act_k;
-  a.act_v = spec.act_v;
-  a.act_g = spec.act_g;
-  a.lrpe = spec.lrpe;
   return a;
 }
 
@@ -614,11 +597,7 @@ inline void set_gradients(chunk::Args& a, const Tensor& dout, const Tensor& dq, 
   for (const Tensor* x : {&dq, &dk, &dv, &dg})
     LT_CHECK(chunk_readable(*x), "[fal] internal: a gradient's layout does not suit the chunk kernels: strides ",
              shape_str(x->strides()));
-  a.dout = dout.data();
-  a.dq = dq.data();
-  a.dk = dk.data();
-  a.dv = dv.data();
-  a.dg = dg.data();
+  set_gradient_pointers(a, dout, dq, dk, dv, dg);
   a.sdq_b = dq.strides()[0], a.sdq_t = dq.strides()[1];
   a.sdk_b = dk.strides()[0], a.sdk_t = dk.strides()[1];
   a.sdv_b = dv.strides()[0], a.sdv_t = dv.strides()[1];

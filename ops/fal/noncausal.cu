@@ -374,11 +374,7 @@ void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
-  a.dout = dout.data();
-  a.dq = dq.data();
-  a.dk = dk.data();
-  a.dv = dv.data();
-  a.dg = dg.data();
+  set_gradient_pointers(a, dout, dq, dk, dv, dg);
   sweep_reduce(a, kReduceDKV, q.size(1), BH, dkv, q.dtype(), st, dev);
   a.state_in = kv.data_ptr<float>();
   sweep_rows(a, kQueryGrad, q.size(1), BH, q.dtype(), st);

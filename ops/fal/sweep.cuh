@@ -538,26 +538,9 @@ inline void launch_sweep(SweepArgs a, DType dtype, dim3 grid, cudaStream_t st, c
 inline SweepArgs sweep_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                             const FalStepSpec& spec) {
   SweepArgs a{};
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.g = g.data();
-  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
-  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
-  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
-  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
-  a.H = int(q.size(2));
-  a.D = int(q.size(3));
-  a.E = int(v.size(3));
-  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
+  fill_common_args(a, q, k, v, g, spec);
   a.N = q.size(1);
   a.M = k.size(1);
-  a.position = spec.position;
-  a.act_q = spec.act_q;
-  a.act_k = spec.act_k;
-  a.act_v = spec.act_v;
-  a.act_g = spec.act_g;
-  a.lrpe = spec.lrpe;
   return a;
 }
 

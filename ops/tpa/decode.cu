@@ -206,17 +206,8 @@ void decode(const DecodeArgs& a, Tensor& out) {
   if (decode_uses_tensor_cores(a)) return decode_tensor_cores(a, out);
   const Device dev = a.aq.device();
   Geometry g{};
-  g.H = int(a.aq.size(2));
-  g.Rq = int(a.aq.size(3));
-  g.Rk = int(a.ak.size(3));
-  g.Rv = int(a.av.size(3));
-  g.D = int(a.bq.size(3));
-  g.E = int(a.bv.size(3));
+  fill_decode_dims(g, a);
   g.M = int(a.ak.size(1));
-  g.ak_b = a.ak.strides()[0];
-  g.bk_b = a.bk.strides()[0];
-  g.av_b = a.av.strides()[0];
-  g.bv_b = a.bv.strides()[0];
   g.scale = float(a.scale);
   const int64_t B = a.aq.size(0);
   LT_CHECK(g.D <= 32 * kMaxDPerLane, "[", op, "] the fused decode supports D <= ", 32 * kMaxDPerLane, "; got D = ",

@@ -58,18 +58,9 @@ int head_groups(int64_t H) { return H <= 16 ? 1 : H <= 32 ? 2 : 4; }
 
 Geo make_geo(const DecodeArgs& a, int ch) {
   Geo g{};
-  g.H = int(a.aq.size(2));
-  g.Rq = int(a.aq.size(3));
-  g.Rk = int(a.ak.size(3));
-  g.Rv = int(a.av.size(3));
-  g.D = int(a.bq.size(3));
-  g.E = int(a.bv.size(3));
+  fill_decode_dims(g, a);
   g.chunks = ch;
   g.rows = 16 * (kWarps / head_groups(g.H)) * ch;
-  g.ak_b = a.ak.strides()[0];
-  g.bk_b = a.bk.strides()[0];
-  g.av_b = a.av.strides()[0];
-  g.bv_b = a.bv.strides()[0];
   g.q_mix = float(a.scale) * kLog2e / float(g.Rq * g.Rk);
   g.inv_rv = 1.f / float(g.Rv);
   g.bq_stride = g.bk_stride = g.D + kPad;
