@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_acts.cuh"
+#include "core/cuda_angle.cuh"
 #include "core/cuda_async.cuh"
 #include "core/cuda_mma.cuh"
 #include "core/cuda_types.cuh"
@@ -317,25 +318,7 @@ __device__ __forceinline__ float decay_pow(float log2_lam, int e) {
   return e <= 0 ? 1.0f : exp2_ftz(log2_lam * float(e));
 }
 
-// cos and sin of rate * pos. The angle is reduced modulo 2 pi in f32 (FP64 and its conversions are slow
-// here): pos * rate = hi + lo exactly (pos < 2^24 is exact in f32), then hi - k 2 pi with 2 pi in three parts
-// (Cody-Waite; the first has 8 significant bits); within 4e-7 of the exact reduction (checked against double
-// for positions up to 2^22). Larger positions reduce in double. On [-pi, pi] the fast sincos is within 2^-21.
-constexpr int64_t kF32Positions = int64_t(1) << 24;
-__device__ __forceinline__ float reduce_f32(float rate, float p) {
-  const float hi = __fmul_rn(p, rate), lo = fmaf(p, rate, -hi);
-  const float k = rintf(hi * 0.15915494309189535f);
-  float r = fmaf(-k, 6.28125f, hi);
-  r = fmaf(-k, 1.9353071795864769e-3f, r);
-  return fmaf(-k, 1.025313168e-11f, r) + lo;
-}
-__device__ __forceinline__ float reduce_f64(float rate, int64_t pos) {
-  const double ang = double(pos) * double(rate);
-  return float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535));
-}
-__device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
-  __sincosf(pos < kF32Positions ? reduce_f32(rate, float(pos)) : reduce_f64(rate, pos), &s, &c);
-}
+using cuda_device::angle_cs;  // the step kernel computes the same angles (core/cuda_angle.cuh)
 // The LRPE rate of feature j of head h from theta (rows 1 or H, cols 1 or more; past its columns: 0).
 __device__ __forceinline__ float theta_rate(const float* theta, int rows, int cols, int h, int j) {
   const float* r = theta + (rows == 1 ? 0 : h * cols);

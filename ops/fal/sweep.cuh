@@ -22,6 +22,7 @@
 #include <type_traits>
 #include "core/cuda_types.cuh"
 #include "core/cuda_acts.cuh"
+#include "core/cuda_angle.cuh"
 #include "core/cuda_reduce.cuh"
 #include "ops/fal/launch.h"
 
@@ -146,12 +147,7 @@ __device__ __forceinline__ LaneRates lane_rates(const SweepArgs& a, int h) {
   return out;
 }
 
-// cos and sin of angle rate * pos, the angle reduced modulo 2 pi in double; on [-pi, pi] the fast sincos is
-// within 2^-21 of the exact values.
-__device__ __forceinline__ void lrpe_angle(float rate, int64_t pos, float& c, float& s) {
-  const double ang = double(pos) * double(rate);
-  __sincosf(float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535)), &s, &c);
-}
+using cuda_device::angle_cs_f64;
 
 // Forward LRPE in place on the rows qd and kd (either may be null) of one position: the angles are computed once
 // for both. backward: the transposed rotation, on gradient rows. One warp.
@@ -165,7 +161,7 @@ __device__ __forceinline__ void warp_lrpe(float* qd, float* kd, const SweepArgs&
     const int j = lane + 32 * u;
     if (j >= A) break;
     float c, s;
-    lrpe_angle(rates.r[u], pos, c, s);
+    angle_cs_f64(rates.r[u], pos, c, s);
     auto rotate = [&](float* d) {
       if (a.lrpe == FalStepSpec::kCosine) {
         if (backward) {

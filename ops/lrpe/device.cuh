@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_acts.cuh"
+#include "core/cuda_angle.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/lrpe/launch.h"
 
@@ -113,16 +114,7 @@ __device__ __forceinline__ void load_f32(const float* p, float (&out)[VEC]) {
   }
 }
 
-// cos and sin of pos * rate. The product is exact in double (pos an integer below 2^29); reduced there
-// to a fraction of a half turn, it keeps f32 accuracy at angles of tens of thousands of radians, and
-// sincospif needs no slow path (sincosf's large-argument reduction lives in local memory). Whole turns
-// are rounded off by adding and subtracting 1.5 * 2^52 (two adds on the double pipe, cheaper than rint).
-__device__ __forceinline__ void angle_sincos(double pos, float rate, float& c, float& s) {
-  constexpr double kRound = 0x1.8p52;
-  double turns = pos * double(rate) * 0.31830988618379067;  // angle / pi
-  turns -= 2.0 * ((0.5 * turns + kRound) - kRound);
-  sincospif(float(turns), &s, &c);
-}
+using cuda_device::angle_sincos;
 
 // 1d: the rate of angle index j (th: the head's row of theta).
 __device__ __forceinline__ float rate_1d(const Geo& g, const float* th, int64_t j) {
