@@ -1,6 +1,6 @@
-// For CUDA kernels: cos and sin of the LRPE angles pos * rate, in the precisions the kernels use. A prefill and
-// the steps after it must agree on the angles: the chunked FAL kernels and the FAL step share angle_cs; the FAL
-// sweeps (the calls the chunked kernels do not cover) use angle_cs_f64, the LRPE kernels angle_sincos.
+// For CUDA kernels: cos and sin of the LRPE angles pos * rate. A prefill and the steps after it must agree on
+// the angles: every FAL kernel (chunked, sweep, step) uses angle_cs; the LRPE kernels, which take positions in
+// double (md), use angle_sincos.
 #pragma once
 #include <cstdint>
 
@@ -27,10 +27,6 @@ __device__ __forceinline__ float reduce_f64(float rate, int64_t pos) {
 // is within 2^-21 of the exact values.
 __device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
   __sincosf(pos < kF32Positions ? reduce_f32(rate, float(pos)) : reduce_f64(rate, pos), &s, &c);
-}
-// The same, always reduced in double.
-__device__ __forceinline__ void angle_cs_f64(float rate, int64_t pos, float& c, float& s) {
-  __sincosf(reduce_f64(rate, pos), &s, &c);
 }
 
 // cos and sin of pos * rate. The product is exact in double (pos an integer below 2^29); reduced there

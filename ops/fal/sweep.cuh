@@ -147,7 +147,8 @@ __device__ __forceinline__ LaneRates lane_rates(const SweepArgs& a, int h) {
   return out;
 }
 
-using cuda_device::angle_cs_f64;
+// The angles of the chunked kernels and the step (cuda_device::angle_cs), so that every FAL path agrees.
+using cuda_device::angle_cs;
 
 // Forward LRPE in place on the rows qd and kd (either may be null) of one position: the angles are computed once
 // for both. backward: the transposed rotation, on gradient rows. One warp.
@@ -161,7 +162,7 @@ __device__ __forceinline__ void warp_lrpe(float* qd, float* kd, const SweepArgs&
     const int j = lane + 32 * u;
     if (j >= A) break;
     float c, s;
-    angle_cs_f64(rates.r[u], pos, c, s);
+    angle_cs(rates.r[u], pos, c, s);
     auto rotate = [&](float* d) {
       if (a.lrpe == FalStepSpec::kCosine) {
         if (backward) {
