@@ -50,6 +50,7 @@ namespace {
 struct PerDevice {
   cudaStream_t stream = nullptr;
   cublasLtHandle_t lt = nullptr;
+  int sms = 0;
 };
 std::mutex mu;
 std::vector<PerDevice>& devices() {
@@ -89,6 +90,14 @@ cublasLtHandle_t cublaslt_handle() {
   PerDevice& pd = devices().at(size_t(device));
   if (!pd.lt) LT_CUBLAS_CHECK(cublasLtCreate(&pd.lt));
   return pd.lt;
+}
+
+int sm_count(int device) {
+  if (device < 0) device = current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  PerDevice& pd = devices().at(size_t(device));
+  if (!pd.sms) LT_CUDA_CHECK(cudaDeviceGetAttribute(&pd.sms, cudaDevAttrMultiProcessorCount, device));
+  return pd.sms;
 }
 
 void synchronize(int device) { LT_CUDA_CHECK(cudaStreamSynchronize(stream(device))); }

@@ -16,6 +16,7 @@ cudaStream_t stream(int device = -1);  // the lintape stream of a device (-1: th
 void set_device(int device);
 int current_device();
 cublasLtHandle_t cublaslt_handle();     // of the current device
+int sm_count(int device = -1);          // the SMs of a device (-1: the current device), read once
 void synchronize(int device = -1);
 
 // Grid size for a 1-D launch of n work items with `threads` threads each handling `per_thread` items.

@@ -94,7 +94,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
     loss = empty({}, ldt, logits.device());
     count_dev = empty({1}, DType::I64, logits.device());
     Tensor bad = zeros({2}, DType::I64, logits.device());
-    cuda_ops::cross_entropy_forward_cuda(lg, tg, ignore_index, loss, lse, count_dev, bad);
+    ops_cuda::cross_entropy_forward_cuda(lg, tg, ignore_index, loss, lse, count_dev, bad);
     std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the forward
     if (flag[0] != 0) fail_bad_target(flag[0] - 1, flag[1], classes, ignore_index);
   } else
@@ -117,7 +117,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 #if LINTAPE_WITH_CUDA
         if (lg.is_cuda()) {
           Tensor dloss = g[0].to(lse.dtype()).to(lg.device());
-          cuda_ops::cross_entropy_backward_cuda(dloss, lg, tg, ignore_index, lse, count_dev, dlogits);
+          ops_cuda::cross_entropy_backward_cuda(dloss, lg, tg, ignore_index, lse, count_dev, dlogits);
           return {dlogits, Tensor()};
         }
 #endif
@@ -174,18 +174,18 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   if (xs.is_cuda()) {
     Tensor count_dev = empty({1}, DType::I64, dev), bad = zeros({2}, DType::I64, dev);
     Tensor row_loss = empty({rows}, acc, dev), one = full({1}, 1.0, acc, dev);
-    cuda_ops::cross_entropy_reduce_cuda(Tensor(), tg, ignore_index, Tensor(), count_dev, acc);
+    ops_cuda::cross_entropy_reduce_cuda(Tensor(), tg, ignore_index, Tensor(), count_dev, acc);
     for_chunks(
         [&](const Tensor& lg, int64_t r0, int64_t n) {
-          cuda_ops::cross_entropy_rows_cuda(lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
+          ops_cuda::cross_entropy_rows_cuda(lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
                                             row_loss.narrow(0, r0, n), bad, r0);
         },
         [&](const Tensor& lg, int64_t r0, int64_t n) {
-          cuda_ops::cross_entropy_backward_cuda(one, lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
+          ops_cuda::cross_entropy_backward_cuda(one, lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
                                                 count_dev, lg);
         });
     loss = empty({}, acc, dev);
-    cuda_ops::cross_entropy_reduce_cuda(row_loss, tg, ignore_index, loss, count_dev, acc);
+    ops_cuda::cross_entropy_reduce_cuda(row_loss, tg, ignore_index, loss, count_dev, acc);
     std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the chunks
     if (flag[0] != 0) fail_bad_target(flag[0] - 1, flag[1], classes, ignore_index, op);
   } else

@@ -7,7 +7,7 @@
 #include "core/cuda_types.cuh"
 #include "ops/cross_entropy_cuda.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 using namespace lintape::cuda;
 
 namespace {
@@ -276,4 +276,4 @@ void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, cons
   });
 }
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda

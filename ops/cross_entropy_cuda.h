@@ -4,7 +4,7 @@
 #include <cstdint>
 #include "core/tensor.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 
 // Writes lse (T; f32, f64 for f64), count (1 x i64: the rows not ignored) and loss (() in the logits'
 // dtype). A target out of range is recorded in `bad` (2 x i64, zeroed by the caller) as (row + 1, target).
@@ -21,5 +21,5 @@ void cross_entropy_reduce_cuda(const Tensor& row_loss, const Tensor& targets, in
 void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, const Tensor& targets,
                                  int64_t ignore_index, const Tensor& lse, const Tensor& count, const Tensor& dlogits);
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda
 #endif

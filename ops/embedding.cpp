@@ -52,7 +52,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
 #if LINTAPE_WITH_CUDA
   if (w.is_cuda()) {
     Tensor bad = zeros({2}, DType::I64, w.device());
-    cuda_ops::embedding_forward_cuda(w, id, out, bad);
+    ops_cuda::embedding_forward_cuda(w, id, out, bad);
     std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the gather
     if (flag[0] != 0) fail_bad_id(flag[0] - 1, flag[1], rows);
   } else
@@ -71,7 +71,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
                        // 16-bit gradients are summed in an f32 buffer, then converted.
                        bool wide = dout.dtype() == DType::F32 || dout.dtype() == DType::F64;
                        Tensor acc = zeros({rows, cols}, wide ? dout.dtype() : DType::F32, dout.device());
-                       cuda_ops::embedding_backward_cuda(dout, id, acc);
+                       ops_cuda::embedding_backward_cuda(dout, id, acc);
                        return {wide ? acc : acc.to(dout.dtype()), Tensor()};
                      }
 #endif

@@ -4,7 +4,7 @@
 #include "core/cuda_types.cuh"
 #include "ops/embedding_cuda.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 using namespace lintape::cuda;
 
 namespace {
@@ -99,4 +99,4 @@ void embedding_backward_cuda(const Tensor& dout, const Tensor& ids, const Tensor
   LT_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda

@@ -3,7 +3,7 @@
 #if LINTAPE_WITH_CUDA
 #include "core/tensor.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 
 // out (n, C) = weight[ids] for contiguous weight (V, C), ids (n) and out. An id outside [0, V) gives a
 // zero row and is recorded in `bad` (2 x i64, zeroed by the caller) as (position + 1, id).
@@ -12,5 +12,5 @@ void embedding_forward_cuda(const Tensor& weight, const Tensor& ids, const Tenso
 // is f32 for a 16-bit dout, else dout's dtype.
 void embedding_backward_cuda(const Tensor& dout, const Tensor& ids, const Tensor& dweight);
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda
 #endif

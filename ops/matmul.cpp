@@ -95,7 +95,7 @@ void gemm(const Operand& a, const Operand& b, Tensor c, const Dims& d, int rank,
   if (c.numel() == 0) return;
 #if LINTAPE_WITH_CUDA
   if (c.is_cuda())
-    return cuda_ops::gemm_cuda(a.t, b.t, c, d.batch, d.m, d.n, d.k, a.trans, b.trans, rank, accumulate);
+    return ops_cuda::gemm_cuda(a.t, b.t, c, d.batch, d.m, d.n, d.k, a.trans, b.trans, rank, accumulate);
 #endif
   LT_CHECK(rank == 0, "[matmul] the CPU has one algorithm; heuristic_rank must be 0, got ", rank);
   if (a.t.dtype() == DType::F64) {
@@ -180,7 +180,7 @@ int matmul_heuristic_count(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   LT_CHECK(a.is_cuda(), "[matmul] matmul_heuristic_count needs CUDA tensors; got a on ", a.device().name());
   Dims d = dims_of(a, b, ta, tb);
   Operand oa = operand(a, ta), ob = operand(b, tb);
-  return cuda_ops::gemm_cuda_heuristic_count(oa.t, ob.t, d.batch, d.m, d.n, d.k, oa.trans, ob.trans);
+  return ops_cuda::gemm_cuda_heuristic_count(oa.t, ob.t, d.batch, d.m, d.n, d.k, oa.trans, ob.trans);
 }
 
 void matmul_into(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int heuristic_rank) {

@@ -13,7 +13,7 @@
 #include "core/cuda.h"
 #include "ops/matmul_cuda.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
@@ -184,4 +184,4 @@ int gemm_cuda_heuristic_count(const Tensor& a, const Tensor& b, int64_t batch, i
   return int(plan_for(problem_of(a, b, a.dtype(), 256, batch, m, n, k, ta, tb)).algos.size());
 }
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda

@@ -11,7 +11,7 @@ int matmul_heuristic_count(const Tensor& a, const Tensor& b, bool ta, bool tb);
 // the heuristic's algorithm number `heuristic_rank` (0: the one matmul() uses). Not recorded by autograd.
 void matmul_into(const Tensor& a, const Tensor& b, Tensor& c, bool ta, bool tb, int heuristic_rank);
 
-namespace cuda_ops {
+namespace ops_cuda {
 // The GEMM itself. a and b are contiguous stacks of `batch` matrices, or one matrix (2-D) shared by
 // every batch; c is contiguous (batch, M, N), of a's dtype or f32 (for 16-bit a and b). With accumulate,
 // c += the product. Shapes were checked by the caller.
@@ -20,7 +20,7 @@ void gemm_cuda(const Tensor& a, const Tensor& b, const Tensor& c, int64_t batch,
 // The number of algorithms offered for such a product into a freshly allocated (256-byte aligned) c.
 int gemm_cuda_heuristic_count(const Tensor& a, const Tensor& b, int64_t batch, int64_t m, int64_t n, int64_t k,
                               bool ta, bool tb);
-}  // namespace cuda_ops
+}  // namespace ops_cuda
 
 }  // namespace lintape
 #endif

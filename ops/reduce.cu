@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <type_traits>
 #include "core/cuda_types.cuh"
+#include "core/cuda_reduce.cuh"
 #include "ops/reduce_cuda.h"
 
 namespace lintape::reduce {
@@ -33,11 +34,7 @@ unsigned blocks_for(int64_t threads) { return unsigned(std::clamp<int64_t>(ceil_
 #define LT_THREAD_LOOP(t, count)                                                                \
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < (count); t += int64_t(gridDim.x) * blockDim.x)
 
-template <class A> __device__ __forceinline__ A warp_sum(A v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using cuda_device::warp_sum;
 
 // Column kernels (inner > 1) run blocks of 32 x kColLanes threads over tiles of 32 adjacent columns:
 // threadIdx.x picks the column, threadIdx.y splits len, and col_combine merges the kColLanes partial

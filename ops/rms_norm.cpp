@@ -80,7 +80,7 @@ Tensor norm_forward(const char* op, const Tensor& x, const Tensor& residual, con
   Tensor s = fused_add ? empty(x.shape(), x.dtype(), x.device()) : xc;  // the rows normalised
 #if LINTAPE_WITH_CUDA
   if (x.is_cuda())
-    cuda_ops::rms_norm_forward_cuda(xc, rc, fused_add ? s : Tensor(), wc, eps, y, rstd);
+    ops_cuda::rms_norm_forward_cuda(xc, rc, fused_add ? s : Tensor(), wc, eps, y, rstd);
   else
 #endif
     LT_DISPATCH_FLOAT(x.dtype(), op, T, {
@@ -113,7 +113,7 @@ Tensor norm_forward(const char* op, const Tensor& x, const Tensor& residual, con
       if (want_x) dx = empty(saved.shape(), saved.dtype(), saved.device());
 #if LINTAPE_WITH_CUDA
       if (dy.is_cuda())
-        cuda_ops::rms_norm_backward_cuda(dy, dsum, saved, wc, rstd, dx, dw);
+        ops_cuda::rms_norm_backward_cuda(dy, dsum, saved, wc, rstd, dx, dw);
       else
 #endif
         LT_DISPATCH_FLOAT(dy.dtype(), "rms_norm", T, {

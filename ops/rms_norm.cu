@@ -12,10 +12,11 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_async.cuh"
+#include "core/cuda_reduce.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/rms_norm_cuda.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 using namespace lintape::cuda;
 
 namespace {
@@ -31,16 +32,12 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-template <class A> __device__ __forceinline__ A warp_sum(A v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using cuda_device::warp_sum;
 
 // The sum of v over the L lanes of this thread's row group; every thread of the block must call it.
 template <int L, class A> __device__ __forceinline__ A group_sum(A v, A* red) {
   if constexpr (L <= 32) {
-    for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+    return warp_sum<L>(v);
   } else {
     constexpr int W = L / 32;
     v = warp_sum(v);
@@ -268,12 +265,6 @@ template <class T> bool packable(int64_t cols, std::initializer_list<const Tenso
   return true;
 }
 
-int sm_count(int device) {
-  int n = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
 // The fewest lanes per row (4, 8, ..., 256) that hold the row in kHeld packs each; 256 streams longer rows.
 int lanes_per_row(int64_t packs, int held) {
   for (int lanes = 4; lanes < kThreads; lanes *= 2)
@@ -387,4 +378,4 @@ void rms_norm_backward_cuda(const Tensor& dy, const Tensor& dsum, const Tensor& 
   });
 }
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda

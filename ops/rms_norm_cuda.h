@@ -3,7 +3,7 @@
 #if LINTAPE_WITH_CUDA
 #include "core/tensor.h"
 
-namespace lintape::cuda_ops {
+namespace lintape::ops_cuda {
 
 // y = s * rstd * weight with s = x, or for add_rms_norm s = x + residual (rounded to the dtype) written to
 // sum; rstd (rows) in f32 (f64 for f64) is written for backward. residual and sum: both or neither.
@@ -14,5 +14,5 @@ void rms_norm_forward_cuda(const Tensor& x, const Tensor& residual, const Tensor
 void rms_norm_backward_cuda(const Tensor& dy, const Tensor& dsum, const Tensor& x, const Tensor& weight,
                             const Tensor& rstd, const Tensor& dx, const Tensor& dweight);
 
-}  // namespace lintape::cuda_ops
+}  // namespace lintape::ops_cuda
 #endif

@@ -10,6 +10,7 @@
 #include "core/allocator.h"
 #include "ops/elementwise.h"
 #include "ops/fal/launch.h"
+#include "core/cuda.h"
 #include "ops/reduce.h"
 #include "ops/shape.h"
 
@@ -562,7 +563,7 @@ TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
     // state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do); the causal chunk
     // kernels one state per inner segment boundary (they cut too), in the backward with two states per 64-token
     // chunk in the inputs' dtype (S_c and R_(c+1)).
-    const int sms = fal_cuda::sm_count(gpu());
+    const int sms = cuda::sm_count(gpu().index);
     const int64_t segments = fal_cuda::causal_segments(B * H, N, sms), nC = (N + 63) / 64;
     if (causal) CHECK(segments > 1);
     const fal_cuda::ChunkShape shape{B * H, nC, c.D, P, c.E};

@@ -216,7 +216,7 @@ TEST_CASE("cuda add_rms_norm matches cpu" * LT_CUDA_CASE) {
       Tensor rstd = empty({3 * mid}, DType::F32, gpu());
       poison_(sum_p);
       poison_(y_p);
-      cuda_ops::rms_norm_forward_cuda(x.detach(), r.detach(), sum_p, w.detach(), 1e-6, y_p, rstd);
+      ops_cuda::rms_norm_forward_cuda(x.detach(), r.detach(), sum_p, w.detach(), 1e-6, y_p, rstd);
       const auto [sum, y] = add_rms_norm(x, r, w);
       const auto [sum64, y64] = add_rms_norm(x64, r64, w64);
       CHECK_CLOSE_TENSOR(sum_p, sum64, dt);
@@ -232,7 +232,7 @@ TEST_CASE("cuda add_rms_norm matches cpu" * LT_CUDA_CASE) {
       // The backward kernel alone, dx over poison.
       Tensor dx_p = empty(x.shape(), dt, gpu());
       poison_(dx_p);
-      cuda_ops::rms_norm_backward_cuda(dy, dsum, sum.detach(), w.detach(), rstd, dx_p, Tensor());
+      ops_cuda::rms_norm_backward_cuda(dy, dsum, sum.detach(), w.detach(), rstd, dx_p, Tensor());
       CHECK_CLOSE_TENSOR(dx_p, x64.grad(), dt);
     }
 }

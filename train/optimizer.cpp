@@ -94,7 +94,7 @@ void AdamW::step(double lr) {
   const Tensor params = slice(all_params), grads = slice(module_.flat_gradients());
 #if LINTAPE_WITH_CUDA
   if (params.is_cuda()) {
-    cuda_train::adamw_step_cuda(params, grads, m_, v_, decay_mask_,
+    train_cuda::adamw_step_cuda(params, grads, m_, v_, decay_mask_,
                                 {float(lr), float(lr * options_.weight_decay), float(options_.beta1),
                                  float(options_.beta2), float(options_.eps), bias1, bias2},
                                 compute_copy_);
@@ -181,7 +181,7 @@ double clip_grad_norm(Module& module, double max_norm) {
   LT_CHECK(module.flattened(), "[clip_grad_norm] the module's parameters must be flattened first");
   const Tensor& grads = module.flat_gradients();
 #if LINTAPE_WITH_CUDA
-  if (grads.is_cuda()) return cuda_train::clip_grad_norm_cuda(grads, max_norm);
+  if (grads.is_cuda()) return train_cuda::clip_grad_norm_cuda(grads, max_norm);
 #endif
   float* g = cpu_f32(grads, "gradients");
   double sum_sq = 0;

@@ -3,9 +3,10 @@
 // count depends on n only, so it gives the same bits every run; the clip scale is read on the device.
 #include <algorithm>
 #include "core/cuda_types.cuh"
+#include "core/cuda_reduce.cuh"
 #include "train/optimizer_cuda.h"
 
-namespace lintape::cuda_train {
+namespace lintape::train_cuda {
 using namespace lintape::cuda;
 
 namespace {
@@ -34,7 +35,7 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
 
 __device__ __forceinline__ double block_sum(double x) {
   __shared__ double warp_sums[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  x = cuda_device::warp_sum(x);
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = x;
   __syncthreads();
   double total = 0;
@@ -124,4 +125,4 @@ double clip_grad_norm_cuda(const Tensor& grads, double max_norm) {
   return partials.narrow(0, blocks, 1).item();
 }
 
-}  // namespace lintape::cuda_train
+}  // namespace lintape::train_cuda

@@ -4,7 +4,7 @@
 #if LINTAPE_WITH_CUDA
 #include "core/tensor.h"
 
-namespace lintape::cuda_train {
+namespace lintape::train_cuda {
 
 // The scalars of one AdamW update, as the CPU loop uses them (float32).
 struct AdamWScalars {
@@ -21,5 +21,5 @@ void adamw_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m,
 // norm from device memory. Returns the norm before clipping (the one value copied back).
 double clip_grad_norm_cuda(const Tensor& grads, double max_norm);
 
-}  // namespace lintape::cuda_train
+}  // namespace lintape::train_cuda
 #endif

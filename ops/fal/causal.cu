@@ -85,7 +85,7 @@ bool use_chunks(const Tensor& q, const Tensor& v, const FalStepSpec& spec) {
 
 // The sweeps' segments: `requested` (0 picks from the shapes) as whole 16-token chunks, none empty.
 int64_t sweep_segments(int64_t BH, int64_t N, int64_t requested, Device dev) {
-  if (requested <= 0) return causal_segments(BH, N, sm_count(dev));
+  if (requested <= 0) return causal_segments(BH, N, cuda::sm_count(dev.index));
   if (N == 0) return 1;
   const int64_t per = causal_segment_tokens(N, std::max<int64_t>(1, std::min(requested, N)));
   return (N + per - 1) / per;
@@ -94,7 +94,8 @@ int64_t sweep_segments(int64_t BH, int64_t N, int64_t requested, Device dev) {
 // Cuts each (b, h)'s chunks into G segments (requested: 0 picks from the shapes; at most one a chunk) and
 // allocates the boundary states when G > 1.
 Tensor cut_chunks(chunk::Args& a, int64_t BH, int64_t requested, bool fused, Device dev) {
-  const int64_t wanted = requested > 0 ? requested : chunk_segments({BH, a.nC, a.D, a.P, a.E}, sm_count(dev), fused);
+  const int64_t wanted =
+      requested > 0 ? requested : chunk_segments({BH, a.nC, a.D, a.P, a.E}, cuda::sm_count(dev.index), fused);
   const int64_t G = std::max<int64_t>(1, std::min(wanted, a.nC));  // an empty sequence (nC = 0): one walk
   a.seg_chunks = (a.nC + G - 1) / G;
   a.G = a.seg_chunks == 0 ? 1 : (a.nC + a.seg_chunks - 1) / a.seg_chunks;
@@ -125,12 +126,6 @@ void fill_boundaries(const chunk::Args& a, int64_t BH, bool reverse, DType dtype
 
 bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
   return chunk::supported(dtype, D, E, spec);
-}
-
-int sm_count(Device dev) {
-  int sms = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
-  return sms;
 }
 
 int64_t causal_segment_tokens(int64_t N, int64_t G) {
@@ -237,11 +232,7 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
-  a.dout = dout.data();
-  a.dq = dq.data();
-  a.dk = dk.data();
-  a.dv = dv.data();
-  a.dg = dg.data();
+  set_gradient_pointers(a, dout, dq, dk, dv, dg);
   const int64_t G = sweep_segments(BH, q.size(1), segments, dev);
   causal_sweep(a, kQueryGrad, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr, nullptr, BH, G,
                q.dtype(), st, dev);

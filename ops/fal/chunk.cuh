@@ -26,7 +26,10 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <type_traits>
+#include "core/cuda_acts.cuh"
+#include "core/cuda_angle.cuh"
 #include "core/cuda_async.cuh"
+#include "core/cuda_mma.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/fal/launch.h"
 
@@ -135,32 +138,9 @@ using cuda::cp_async_wait;
 using cuda::cp_async_wait_all;
 using cuda::smem_addr;
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-template <class T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using cuda_device::ldmatrix_x4;
+using cuda_device::ldmatrix_x4_trans;
+using cuda_device::mma16816;
 
 // A warp's accumulator tile of (16 MT) x (8 NT) f32 values. Element r of tile (mt, nt) sits at row
 // 16 mt + lane / 4 + 8 (r / 2), column 8 nt + 2 (lane % 4) + r % 2.
@@ -184,9 +164,9 @@ template <bool ATrans, class T>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* A, int lda, int m, int kk) {
   const int lane = threadIdx.x & 31;
   if (!ATrans)
-    ldsm_x4(a, A + (m + (lane & 15)) * lda + kk + (lane >> 4) * 8);
+    ldmatrix_x4(a, A + (m + (lane & 15)) * lda + kk + (lane >> 4) * 8);
   else
-    ldsm_x4_t(a, A + (kk + (lane & 7) + ((lane >> 4) << 3)) * lda + m + ((lane >> 3) & 1) * 8);
+    ldmatrix_x4_trans(a, A + (kk + (lane & 7) + ((lane >> 4) << 3)) * lda + m + ((lane >> 3) & 1) * 8);
 }
 // B fragments of two n-tiles (columns n .. n + 15) at row kk of B (K x N): stored [n][k] (BTrans false) or
 // [k][n].
@@ -194,9 +174,9 @@ template <bool BTrans, class T>
 __device__ __forceinline__ void load_b(uint32_t (&b)[4], const T* B, int ldb, int n, int kk) {
   const int lane = threadIdx.x & 31;
   if (!BTrans)
-    ldsm_x4(b, B + (n + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
+    ldmatrix_x4(b, B + (n + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
   else
-    ldsm_x4_t(b, B + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + n + (lane >> 4) * 8);
+    ldmatrix_x4_trans(b, B + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + n + (lane >> 4) * 8);
 }
 
 // acc += A B over k in [0, K) (K a multiple of 16) for the warp's tile at (m0, n0). A is (M x K): stored [m][k]
@@ -258,25 +238,16 @@ __device__ __forceinline__ T* at_head(void* p, int64_t b, int64_t sb, int64_t h,
   return static_cast<T*>(p) + b * sb + h * width;
 }
 
-// 2^x and 1 / x, one instruction each: subnormal results flush to zero (the library's versions add a fix-up
-// for them, three instructions more); ex2 of a large x is +inf and its reciprocal 0.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_ftz(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float sigmoid_f(float x) { return rcp_ftz(1.0f + exp2_ftz(-1.4426950408889634f * x)); }
+using cuda_device::exp2_ftz;
+using cuda_device::sigmoid_grad;
+using cuda_device::silu_grad;
+using cuda_device::sigmoid_approx;
 
 __device__ __forceinline__ float act_f(float x, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return fmaxf(x, 0.0f);
-    case FalStepSpec::kSigmoid: return sigmoid_f(x);
-    case FalStepSpec::kSilu: return x * sigmoid_f(x);
+    case FalStepSpec::kSigmoid: return sigmoid_approx(x);
+    case FalStepSpec::kSilu: return x * sigmoid_approx(x);
     default: return x;
   }
 }
@@ -296,11 +267,11 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
       break;
     case FalStepSpec::kSigmoid:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] = sigmoid_f(x[u]);
+      for (int u = 0; u < N; ++u) x[u] = sigmoid_approx(x[u]);
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] *= sigmoid_f(x[u]);
+      for (int u = 0; u < N; ++u) x[u] *= sigmoid_approx(x[u]);
       break;
     default: break;
   }
@@ -310,14 +281,8 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
 __device__ __forceinline__ float act_grad(float x, float dy, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return x > 0.0f ? dy : 0.0f;
-    case FalStepSpec::kSigmoid: {
-      const float y = sigmoid_f(x);
-      return dy * y * (1.0f - y);
-    }
-    case FalStepSpec::kSilu: {
-      const float s = sigmoid_f(x);
-      return dy * s * (1.0f + x * (1.0f - s));
-    }
+    case FalStepSpec::kSigmoid: return sigmoid_grad(sigmoid_approx(x), dy);
+    case FalStepSpec::kSilu: return silu_grad(x, sigmoid_approx(x), dy);
     default: return dy;
   }
 }
@@ -333,14 +298,14 @@ __device__ __forceinline__ void act_grad_n(const float (&x)[N], float (&dy)[N], 
     case FalStepSpec::kSigmoid:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float y = sigmoid_f(x[u]);
+        const float y = sigmoid_approx(x[u]);
         dy[u] *= y * (1.0f - y);
       }
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float sg = sigmoid_f(x[u]);
+        const float sg = sigmoid_approx(x[u]);
         dy[u] *= sg * (1.0f + x[u] * (1.0f - sg));
       }
       break;
@@ -353,25 +318,7 @@ __device__ __forceinline__ float decay_pow(float log2_lam, int e) {
   return e <= 0 ? 1.0f : exp2_ftz(log2_lam * float(e));
 }
 
-// cos and sin of rate * pos. The angle is reduced modulo 2 pi in f32 (FP64 and its conversions are slow
-// here): pos * rate = hi + lo exactly (pos < 2^24 is exact in f32), then hi - k 2 pi with 2 pi in three parts
-// (Cody-Waite; the first has 8 significant bits); within 4e-7 of the exact reduction (checked against double
-// for positions up to 2^22). Larger positions reduce in double. On [-pi, pi] the fast sincos is within 2^-21.
-constexpr int64_t kF32Positions = int64_t(1) << 24;
-__device__ __forceinline__ float reduce_f32(float rate, float p) {
-  const float hi = __fmul_rn(p, rate), lo = fmaf(p, rate, -hi);
-  const float k = rintf(hi * 0.15915494309189535f);
-  float r = fmaf(-k, 6.28125f, hi);
-  r = fmaf(-k, 1.9353071795864769e-3f, r);
-  return fmaf(-k, 1.025313168e-11f, r) + lo;
-}
-__device__ __forceinline__ float reduce_f64(float rate, int64_t pos) {
-  const double ang = double(pos) * double(rate);
-  return float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535));
-}
-__device__ __forceinline__ void angle_cs(float rate, int64_t pos, float& c, float& s) {
-  __sincosf(pos < kF32Positions ? reduce_f32(rate, float(pos)) : reduce_f64(rate, pos), &s, &c);
-}
+using cuda_device::angle_cs;  // the step kernel computes the same angles (core/cuda_angle.cuh)
 // The LRPE rate of feature j of head h from theta (rows 1 or H, cols 1 or more; past its columns: 0).
 __device__ __forceinline__ float theta_rate(const float* theta, int rows, int cols, int h, int j) {
   const float* r = theta + (rows == 1 ? 0 : h * cols);
@@ -609,28 +556,11 @@ inline Tensor chunk_input(const Tensor& x) { return chunk_readable(x) ? x : x.co
 inline chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                               const FalStepSpec& spec) {
   chunk::Args a{};
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.g = g.data();
+  fill_common_args(a, q, k, v, g, spec);
   a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
   a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
   a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];
   a.sg_b = g.strides()[0], a.sg_t = g.strides()[1];
-  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
-  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
-  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
-  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
-  a.H = int(q.size(2));
-  a.D = int(q.size(3));
-  a.E = int(v.size(3));
-  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
-  a.position = spec.position;
-  a.act_q = spec.act_q;
-  a.act_k = spec.act_k;
-  a.act_v = spec.act_v;
-  a.act_g = spec.act_g;
-  a.lrpe = spec.lrpe;
   return a;
 }
 
@@ -650,11 +580,7 @@ inline void set_gradients(chunk::Args& a, const Tensor& dout, const Tensor& dq, 
   for (const Tensor* x : {&dq, &dk, &dv, &dg})
     LT_CHECK(chunk_readable(*x), "[fal] internal: a gradient's layout does not suit the chunk kernels: strides ",
              shape_str(x->strides()));
-  a.dout = dout.data();
-  a.dq = dq.data();
-  a.dk = dk.data();
-  a.dv = dv.data();
-  a.dg = dg.data();
+  set_gradient_pointers(a, dout, dq, dk, dv, dg);
   a.sdq_b = dq.strides()[0], a.sdq_t = dq.strides()[1];
   a.sdk_b = dk.strides()[0], a.sdk_t = dk.strides()[1];
   a.sdv_b = dv.strides()[0], a.sdv_t = dv.strides()[1];

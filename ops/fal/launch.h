@@ -21,6 +21,41 @@ struct FalStepSpec {
 #if LINTAPE_WITH_CUDA
 namespace fal_cuda {
 
+// The fields that the arguments of the chunk kernels and of the sweeps (chunk::Args, SweepArgs) both take from
+// the inputs and the spec: the pointers, the dims, the LRPE, the decay and the acts.
+template <class Args>
+void fill_common_args(Args& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                      const FalStepSpec& spec) {
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.g = g.data();
+  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
+  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
+  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
+  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
+  a.H = int(q.size(2));
+  a.D = int(q.size(3));
+  a.E = int(v.size(3));
+  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
+  a.position = spec.position;
+  a.act_q = spec.act_q;
+  a.act_k = spec.act_k;
+  a.act_v = spec.act_v;
+  a.act_g = spec.act_g;
+  a.lrpe = spec.lrpe;
+}
+// dO and the gradients' pointers, for the same two.
+template <class Args>
+void set_gradient_pointers(Args& a, const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                           const Tensor& dg) {
+  a.dout = dout.data();
+  a.dq = dq.data();
+  a.dk = dk.data();
+  a.dv = dv.data();
+  a.dg = dg.data();
+}
+
 // q, k (B, 1, H, D), v, g (B, 1, H, E) contiguous f32/bf16/f16; state_in, state_out (B, H, D', E) f32
 // contiguous (distinct); out (B, 1, H, E) in the inputs' dtype. Writes every element of state_out and out.
 void step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
@@ -47,10 +82,9 @@ void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 // Causal, N == M: the number of segments the sweeps cut the sequence into for B x H = BH on a GPU of `sms`
 // SMs (each keeps one (B, H, D', E) f32 state while the kernels run; 1: none), and the tokens of each but the
-// last segment; sm_count gives the device's SMs.
+// last segment (cuda::sm_count gives a device's SMs).
 int64_t causal_segments(int64_t BH, int64_t N, int sms);
 int64_t causal_segment_tokens(int64_t N, int64_t G);
-int sm_count(Device dev);
 
 // Causal, N == M: true when the chunked tensor-core kernels (ops/fal/chunk.cuh) run the call (bf16/f16, LRPE none
 // or cosine, D 64 or 128, E a multiple of 8 up to 128, elementwise acts); else the chunk sweep runs it.

@@ -228,7 +228,8 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
   LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kReduceThreads, smem));
-  const Partition part = partition(total, int64_t(std::max(per_sm, 1)) * sm_count(dev), kMinReduceChunks);
+  const Partition part =
+      partition(total, int64_t(std::max(per_sm, 1)) * cuda::sm_count(dev.index), kMinReduceChunks);
   Tensor partial = empty({part.blocks + BH, n}, DType::F32, dev);
   kernel<<<unsigned(part.blocks), kReduceThreads, smem, st>>>(a, partial.data_ptr<float>(), part.per, total);
   LT_CUDA_CHECK_LAUNCH();
@@ -373,11 +374,7 @@ void noncausal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
-  a.dout = dout.data();
-  a.dq = dq.data();
-  a.dk = dk.data();
-  a.dv = dv.data();
-  a.dg = dg.data();
+  set_gradient_pointers(a, dout, dq, dk, dv, dg);
   sweep_reduce(a, kReduceDKV, q.size(1), BH, dkv, q.dtype(), st, dev);
   a.state_in = kv.data_ptr<float>();
   sweep_rows(a, kQueryGrad, q.size(1), BH, q.dtype(), st);

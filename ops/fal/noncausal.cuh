@@ -14,6 +14,7 @@
 //             and dqb, dkb go back through the LRPE and the act to dq, dk.
 #pragma once
 #include "ops/fal/chunk.cuh"
+#include "core/cuda_reduce.cuh"
 
 namespace lintape::fal_cuda::noncausal {
 
@@ -114,15 +115,11 @@ struct FirstRowAngles {
 // A row of q or k is held by DP / 8 consecutive lanes, 8 columns each.
 template <int DP>
 __device__ __forceinline__ float row_max(float v) {
-#pragma unroll
-  for (int o = DP / 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+  return cuda_device::warp_max<DP / 8>(v);
 }
 template <int DP>
 __device__ __forceinline__ float row_sum(float v) {
-#pragma unroll
-  for (int o = DP / 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  return cuda_device::warp_sum<DP / 8>(v);
 }
 
 // The act of a row, 8 columns per thread: elementwise, or softmax over the row (every lane of the warp calls it).

@@ -244,7 +244,8 @@ void launch_rows(const Args& a, int64_t BH, const float* state, cudaStream_t st,
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
   LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, NThr, smem));
-  const Partition part = partition(total, int64_t(per_sm > 1 ? per_sm : 1) * sm_count(dev), kMinRowChunks);
+  const Partition part =
+      partition(total, int64_t(per_sm > 1 ? per_sm : 1) * cuda::sm_count(dev.index), kMinRowChunks);
   kernel<<<unsigned(part.blocks), NThr, smem, st>>>(a, state, part.per, total);
   LT_CUDA_CHECK_LAUNCH();
 }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_types.cuh"
+#include "core/cuda_reduce.cuh"
 #include "ops/fal/chunk.cuh"
 #include "ops/fal/launch.h"
 
@@ -35,14 +36,8 @@ struct StepGeo {
   const float* decay;
 };
 
-__device__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using cuda_device::warp_max;
+using cuda_device::warp_sum;
 
 // Softmax over a row of `len` values in shared memory, in place when act asks for it; every thread of the block
 // calls it. The elementwise acts were applied as the row was loaded.

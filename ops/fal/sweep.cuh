@@ -21,6 +21,9 @@
 #include <cmath>
 #include <type_traits>
 #include "core/cuda_types.cuh"
+#include "core/cuda_acts.cuh"
+#include "core/cuda_angle.cuh"
+#include "core/cuda_reduce.cuh"
 #include "ops/fal/launch.h"
 
 namespace lintape::fal_cuda {
@@ -76,15 +79,9 @@ inline size_t sweep_smem_floats(int64_t D, int64_t P, int64_t E) {
                 kSweepWarps * int64_t(z.wide));
 }
 
-__device__ __forceinline__ float fal_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float fal_warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float fal_sigmoid(float x) { return __frcp_rn(1.0f + __expf(-x)); }
+using cuda_device::warp_max;
+using cuda_device::warp_sum;
+using cuda_device::sigmoid_rn;
 
 // row (len floats in shared memory) <- act(row); one warp.
 __device__ __forceinline__ void warp_act(float* row, int len, int act) {
@@ -92,16 +89,16 @@ __device__ __forceinline__ void warp_act(float* row, int len, int act) {
   if (act == FalStepSpec::kSoftmaxFeature) {
     float m = -INFINITY;
     for (int i = lane; i < len; i += 32) m = fmaxf(m, row[i]);
-    m = fal_warp_max(m);
+    m = warp_max(m);
     float s = 0;
     for (int i = lane; i < len; i += 32) s += __expf(row[i] - m);
-    const float inv = 1.0f / fal_warp_sum(s);
+    const float inv = 1.0f / warp_sum(s);
     for (int i = lane; i < len; i += 32) row[i] = __expf(row[i] - m) * inv;
   } else if (act != FalStepSpec::kNone) {
     for (int i = lane; i < len; i += 32) {
       const float x = row[i];
-      row[i] = act == FalStepSpec::kRelu ? fmaxf(x, 0.0f) : act == FalStepSpec::kSigmoid ? fal_sigmoid(x)
-                                                                                         : x * fal_sigmoid(x);
+      row[i] = act == FalStepSpec::kRelu ? fmaxf(x, 0.0f) : act == FalStepSpec::kSigmoid ? sigmoid_rn(x)
+                                                                                         : x * sigmoid_rn(x);
     }
   }
   __syncwarp();
@@ -150,12 +147,8 @@ __device__ __forceinline__ LaneRates lane_rates(const SweepArgs& a, int h) {
   return out;
 }
 
-// cos and sin of angle rate * pos, the angle reduced modulo 2 pi in double; on [-pi, pi] the fast sincos is
-// within 2^-21 of the exact values.
-__device__ __forceinline__ void lrpe_angle(float rate, int64_t pos, float& c, float& s) {
-  const double ang = double(pos) * double(rate);
-  __sincosf(float(ang - 6.283185307179586 * rint(ang * 0.15915494309189535)), &s, &c);
-}
+// The angles of the chunked kernels and the step (cuda_device::angle_cs), so that every FAL path agrees.
+using cuda_device::angle_cs;
 
 // Forward LRPE in place on the rows qd and kd (either may be null) of one position: the angles are computed once
 // for both. backward: the transposed rotation, on gradient rows. One warp.
@@ -169,7 +162,7 @@ __device__ __forceinline__ void warp_lrpe(float* qd, float* kd, const SweepArgs&
     const int j = lane + 32 * u;
     if (j >= A) break;
     float c, s;
-    lrpe_angle(rates.r[u], pos, c, s);
+    angle_cs(rates.r[u], pos, c, s);
     auto rotate = [&](float* d) {
       if (a.lrpe == FalStepSpec::kCosine) {
         if (backward) {
@@ -199,7 +192,7 @@ __device__ void warp_act_backward(const WarpRow& x, const float* act_out, const 
   float dot = 0;
   if (act == FalStepSpec::kSoftmaxFeature) {
     for (int i = lane; i < len; i += 32) dot += act_out[i] * grad[i];
-    dot = fal_warp_sum(dot);
+    dot = warp_sum(dot);
   }
 #pragma unroll
   for (int u = 0; u < kRowRegs; ++u) {
@@ -209,12 +202,8 @@ __device__ void warp_act_backward(const WarpRow& x, const float* act_out, const 
     float d = gi;
     switch (act) {
       case FalStepSpec::kRelu: d = y > 0.0f ? gi : 0.0f; break;
-      case FalStepSpec::kSigmoid: d = gi * y * (1.0f - y); break;
-      case FalStepSpec::kSilu: {
-        const float xv = x.x[u], sg = fal_sigmoid(xv);
-        d = gi * sg * (1.0f + xv * (1.0f - sg));
-        break;
-      }
+      case FalStepSpec::kSigmoid: d = cuda_device::sigmoid_grad(y, gi); break;
+      case FalStepSpec::kSilu: d = cuda_device::silu_grad(x.x[u], sigmoid_rn(x.x[u]), gi); break;
       case FalStepSpec::kSoftmaxFeature: d = y * (gi - dot); break;
       default: break;
     }
@@ -546,26 +535,9 @@ inline void launch_sweep(SweepArgs a, DType dtype, dim3 grid, cudaStream_t st, c
 inline SweepArgs sweep_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                             const FalStepSpec& spec) {
   SweepArgs a{};
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.g = g.data();
-  a.theta = spec.theta.defined() ? spec.theta.data_ptr<float>() : nullptr;
-  a.theta_rows = spec.theta.defined() ? int(spec.theta.size(0)) : 0;
-  a.theta_cols = spec.theta.defined() ? int(spec.theta.size(1)) : 0;
-  a.decay = spec.decay.defined() ? spec.decay.data_ptr<float>() : nullptr;
-  a.H = int(q.size(2));
-  a.D = int(q.size(3));
-  a.E = int(v.size(3));
-  a.P = spec.lrpe == FalStepSpec::kCosine ? 2 * a.D : a.D;
+  fill_common_args(a, q, k, v, g, spec);
   a.N = q.size(1);
   a.M = k.size(1);
-  a.position = spec.position;
-  a.act_q = spec.act_q;
-  a.act_k = spec.act_k;
-  a.act_v = spec.act_v;
-  a.act_g = spec.act_g;
-  a.lrpe = spec.lrpe;
   return a;
 }
 

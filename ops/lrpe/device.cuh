@@ -5,6 +5,8 @@
 #include <climits>
 #include <cstdint>
 #include <type_traits>
+#include "core/cuda_acts.cuh"
+#include "core/cuda_angle.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/lrpe/launch.h"
 
@@ -112,16 +114,7 @@ __device__ __forceinline__ void load_f32(const float* p, float (&out)[VEC]) {
   }
 }
 
-// cos and sin of pos * rate. The product is exact in double (pos an integer below 2^29); reduced there
-// to a fraction of a half turn, it keeps f32 accuracy at angles of tens of thousands of radians, and
-// sincospif needs no slow path (sincosf's large-argument reduction lives in local memory). Whole turns
-// are rounded off by adding and subtracting 1.5 * 2^52 (two adds on the double pipe, cheaper than rint).
-__device__ __forceinline__ void angle_sincos(double pos, float rate, float& c, float& s) {
-  constexpr double kRound = 0x1.8p52;
-  double turns = pos * double(rate) * 0.31830988618379067;  // angle / pi
-  turns -= 2.0 * ((0.5 * turns + kRound) - kRound);
-  sincospif(float(turns), &s, &c);
-}
+using cuda_device::angle_sincos;
 
 // 1d: the rate of angle index j (th: the head's row of theta).
 __device__ __forceinline__ float rate_1d(const Geo& g, const float* th, int64_t j) {
@@ -169,13 +162,13 @@ __device__ __forceinline__ void unit_sincos(const Geo& g, int64_t t, int64_t h, 
 
 // The acts and softmax use the fast exp and division (a few ulp): per element they would otherwise
 // cost more instructions than the memory traffic leaves room for.
-__device__ __forceinline__ float sigmoidf(float v) { return __fdividef(1.f, 1.f + __expf(-v)); }
+using cuda_device::sigmoid_fast;
 
 template <int ACT>
 __device__ __forceinline__ float act_forward(float v) {
   if constexpr (ACT == kRelu) return fmaxf(v, 0.f);
-  if constexpr (ACT == kSigmoid) return sigmoidf(v);
-  if constexpr (ACT == kSilu) return v * sigmoidf(v);
+  if constexpr (ACT == kSigmoid) return sigmoid_fast(v);
+  if constexpr (ACT == kSilu) return v * sigmoid_fast(v);
   return v;
 }
 
@@ -183,14 +176,8 @@ __device__ __forceinline__ float act_forward(float v) {
 template <int ACT>
 __device__ __forceinline__ float act_backward(float v, float g) {
   if constexpr (ACT == kRelu) return v > 0.f ? g : 0.f;
-  if constexpr (ACT == kSigmoid) {
-    float y = sigmoidf(v);
-    return g * y * (1.f - y);
-  }
-  if constexpr (ACT == kSilu) {
-    float sg = sigmoidf(v);
-    return g * sg * (1.f + v * (1.f - sg));
-  }
+  if constexpr (ACT == kSigmoid) return cuda_device::sigmoid_grad(sigmoid_fast(v), g);
+  if constexpr (ACT == kSilu) return cuda_device::silu_grad(v, sigmoid_fast(v), g);
   return g;
 }
 

@@ -282,12 +282,6 @@ void set_x_strides(Geo& g, const Tensor& x) {
   g.x_head = g.H > 1 ? st[2] : 0;
 }
 
-int sm_count(int device) {
-  int n = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
 // The widest vector (16 bytes at most) that divides every width (and stride) and keeps every pointer
 // aligned.
 template <class T>

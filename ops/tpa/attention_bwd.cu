@@ -25,7 +25,7 @@ __global__ void attention_delta(const T* __restrict__ out, const T* __restrict__
     const float2 b = unpack2<T>(*reinterpret_cast<const uint32_t*>(dout + row * E + e));
     s += a.x * b.x + a.y * b.y;
   }
-  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+  s = warp_sum(s);
   if (lane == 0) delta[row] = s;
 }
 
@@ -215,8 +215,7 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const Pai
         x[e] = dq[(w * H + h) * HD + lane + 32 * e];
         dot += x[e] * b[e];
       }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      dot = warp_sum(dot);
       const int64_t ai = (t * H + h) * R + r;
       if (lane == 0) daq[ai] = from_acc<T>(dot * mul);
       const float wr = to_acc(fq.a_at(t, h)[r]) * mul;

@@ -9,10 +9,12 @@
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
 #include "ops/tpa/launch.h"
-#include "ops/tpa/mma.cuh"
+#include "core/cuda_mma.cuh"
+#include "core/cuda_reduce.cuh"
 
 namespace lintape::tpa_cuda::attention_parts {
 using namespace lintape::cuda;
+using namespace lintape::cuda_device;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
@@ -175,7 +177,7 @@ __device__ __forceinline__ void copy_rows_async(T* dst, const T* x, int64_t bb, 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Fragments (see ops/tpa/mma.cuh for the m16n8k16 layouts). Tiles are row-major with LD elements a row.
+// Fragments (see core/cuda_mma.cuh for the m16n8k16 layouts). Tiles are row-major with LD elements a row.
 
 // A (16 x 16) at rows r0.., columns k0..
 template <int LD, class T>

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include "core/cuda.h"
+#include "core/cuda_reduce.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/tpa/launch.h"
 #include "ops/tpa/decode.cuh"
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) decode_split(const T* __restrict__ a
 #pragma unroll
         for (int j = 0; j < kMaxDPerLane; ++j)
           if (lane + 32 * j < D) dot += qrow[lane + 32 * j] * kv[j];
-        for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        dot = cuda_device::warp_sum(dot);
         if (lane == 0) c_s[(m * Rq + rq) * Rk + rk] = dot;
       }
     }
@@ -196,12 +197,6 @@ __global__ void __launch_bounds__(kThreads) combine_splits(const float* __restri
   out[int64_t(b) * g.H * g.E + i] = from_acc<T>(num / den);
 }
 
-int sm_count(int device) {
-  int n = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
 }  // namespace
 
 void decode(const DecodeArgs& a, Tensor& out) {
@@ -211,17 +206,8 @@ void decode(const DecodeArgs& a, Tensor& out) {
   if (decode_uses_tensor_cores(a)) return decode_tensor_cores(a, out);
   const Device dev = a.aq.device();
   Geometry g{};
-  g.H = int(a.aq.size(2));
-  g.Rq = int(a.aq.size(3));
-  g.Rk = int(a.ak.size(3));
-  g.Rv = int(a.av.size(3));
-  g.D = int(a.bq.size(3));
-  g.E = int(a.bv.size(3));
+  fill_decode_dims(g, a);
   g.M = int(a.ak.size(1));
-  g.ak_b = a.ak.strides()[0];
-  g.bk_b = a.bk.strides()[0];
-  g.av_b = a.av.strides()[0];
-  g.bv_b = a.bv.strides()[0];
   g.scale = float(a.scale);
   const int64_t B = a.aq.size(0);
   LT_CHECK(g.D <= 32 * kMaxDPerLane, "[", op, "] the fused decode supports D <= ", 32 * kMaxDPerLane, "; got D = ",

@@ -24,10 +24,11 @@
 #include "core/cuda_types.cuh"
 #include "ops/tpa/launch.h"
 #include "ops/tpa/decode.cuh"
-#include "ops/tpa/mma.cuh"
+#include "core/cuda_mma.cuh"
 
 namespace lintape::tpa_cuda {
 using namespace lintape::cuda;
+using namespace lintape::cuda_device;
 
 namespace {
 
@@ -57,18 +58,9 @@ int head_groups(int64_t H) { return H <= 16 ? 1 : H <= 32 ? 2 : 4; }
 
 Geo make_geo(const DecodeArgs& a, int ch) {
   Geo g{};
-  g.H = int(a.aq.size(2));
-  g.Rq = int(a.aq.size(3));
-  g.Rk = int(a.ak.size(3));
-  g.Rv = int(a.av.size(3));
-  g.D = int(a.bq.size(3));
-  g.E = int(a.bv.size(3));
+  fill_decode_dims(g, a);
   g.chunks = ch;
   g.rows = 16 * (kWarps / head_groups(g.H)) * ch;
-  g.ak_b = a.ak.strides()[0];
-  g.bk_b = a.bk.strides()[0];
-  g.av_b = a.av.strides()[0];
-  g.bv_b = a.bv.strides()[0];
   g.q_mix = float(a.scale) * kLog2e / float(g.Rq * g.Rk);
   g.inv_rv = 1.f / float(g.Rv);
   g.bq_stride = g.bk_stride = g.D + kPad;
@@ -434,15 +426,6 @@ int choose_splits(int64_t B, int64_t M, int sms, int blocks_per_sm, const Geo& g
   const int64_t tiles = (M + g.rows - 1) / g.rows;
   const int64_t wave = std::max<int64_t>(1, int64_t(blocks_per_sm) * sms / B);
   return int(std::max<int64_t>(1, std::min<int64_t>({wave, (tiles + 1) / 2, kMaxSplits})));
-}
-
-int sm_count(int device) {
-  static int cached[kMaxDevices] = {};
-  if (device < kMaxDevices && cached[device]) return cached[device];
-  int n = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device < kMaxDevices) cached[device] = n;
-  return n;
 }
 
 // Zeroed counters (one per sequence) that the last block of each sequence resets: kept for the life

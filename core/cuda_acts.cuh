@@ -1,0 +1,33 @@
+// For CUDA kernels: the sigmoid in the precisions the kernels pick and the gradients of the sigmoid and silu
+// acts. The sigmoids share the exponential (ex2.approx of -x log2 e) and differ in the reciprocal; a kernel keeps
+// the one it was measured and tested with.
+#pragma once
+
+namespace lintape::cuda_device {
+
+// 2^x and 1 / x, one instruction each: subnormal results flush to zero (the library's versions add a fix-up
+// for them, three instructions more); ex2 of a large x is +inf and its reciprocal 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1 / (1 + e^-x) with the approximate reciprocal (the chunked FAL kernels), the fast division (the LRPE kernels)
+// or the correctly rounded reciprocal (the FAL sweep and step kernels).
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  return rcp_ftz(1.0f + exp2_ftz(-1.4426950408889634f * x));
+}
+__device__ __forceinline__ float sigmoid_fast(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid_rn(float x) { return __frcp_rn(1.0f + __expf(-x)); }
+
+// dx = act'(x) dy from s = sigmoid(x): for the sigmoid (s is then also its output) and for silu (x s).
+__device__ __forceinline__ float sigmoid_grad(float s, float dy) { return dy * s * (1.0f - s); }
+__device__ __forceinline__ float silu_grad(float x, float s, float dy) { return dy * s * (1.0f + x * (1.0f - s)); }
+
+}  // namespace lintape::cuda_device
