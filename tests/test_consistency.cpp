@@ -356,7 +356,9 @@ void run_table(const std::vector<Row>& rows, Device dev) {
       for (DType dt : row.fused) combos.push_back({Impl::Fused, dt});
       for (DType dt : row.composed) combos.push_back({Impl::Composed, dt});
     } else {
-      combos = {{Impl::Reference, DType::F32}, {Impl::Composed, DType::F64}, {Impl::Composed, DType::F32}};
+      combos.push_back({Impl::Reference, DType::F32});
+      combos.push_back({Impl::Composed, DType::F64});
+      combos.push_back({Impl::Composed, DType::F32});
     }
     for (const Combo& c : combos) {
       const std::string name = str(row.name, " / ", impl_name(c.impl), " / ", dtype_name(c.dt), " / ",
