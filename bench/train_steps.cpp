@@ -112,7 +112,8 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, siz
     const bool last = i + 1 == m.blocks.size();
     const RMSNorm& next_norm = last ? m.norm : m.blocks[i + 1]->norm1;
     const std::string next_name = last ? "norm" : "blocks." + std::to_string(i + 1) + ".norm1";
-    size_t mixed = add_part(p + (b.fal ? "fal" : "tpa"), b.fal ? "fal" : "tpa", {h}, 1,
+    const std::string kind = m.config().mixer(int64_t(i));
+    size_t mixed = add_part(p + kind, kind, {h}, 1,
                             one([&b](const std::vector<Tensor>& v) { return b.mix(v[0]); }));
     size_t y = add_part(p + "residual1 + norm2", "residual + norm", {x, mixed}, 2,
                         [&b, pair](const std::vector<Tensor>& v) { return pair(b.norm2.forward_sum(v[0], v[1])); });

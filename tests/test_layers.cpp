@@ -8,7 +8,9 @@
 #include <vector>
 #include "autograd/gradcheck.h"
 #include "helpers.h"
+#include "layers/fal_mixer.h"
 #include "layers/language_model.h"
+#include "layers/tpa_mixer.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 
@@ -150,7 +152,7 @@ TEST_CASE("LanguageModel parameter names and shapes follow MODEL.md") {
     return std::sqrt(s / double(t.numel()));
   };
   CHECK(stddev(model.wte) == doctest::Approx(0.02).epsilon(0.05));
-  CHECK(stddev(model.blocks[0]->fal->out.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
+  CHECK(stddev(dynamic_cast<const FalMixer&>(*model.blocks[0]->mixer).out.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
   CHECK(stddev(model.blocks[1]->mlp.down.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
 }
 
@@ -241,7 +243,7 @@ TEST_CASE("prefill then step by step gives the full forward's logits") {
     DecodeState state = model.start_decoding(2);
     const Tensor prompt = model.prefill(tokens.narrow(1, 0, 4).contiguous(), state);
     CHECK(state.position == 4);
-    CHECK(state.caches[1]->max_length() == 4);  // the tpa layer's cache holds the prompt
+    CHECK(dynamic_cast<const TpaState&>(*state.layers[1]).cache.max_length() == 4);  // the tpa layer's cache holds the prompt
     CHECK(rel_error(prompt, full.narrow(1, 0, 4)) < tol);
     for (int64_t t = 4; t < 7; ++t) {
       CAPTURE(t);

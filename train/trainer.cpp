@@ -14,6 +14,7 @@
 
 #include "autograd/tape.h"
 #include "core/allocator.h"
+#include "layers/mixer.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "train/checkpoint.h"
@@ -113,8 +114,7 @@ DType default_compute_dtype(Device device) { return device.is_cuda() ? DType::BF
 
 double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
   double flops = 6.0 * double(parameters);
-  const double H = double(c.heads), D = double(c.head_dim), N = double(c.seq_len);
-  for (int64_t i = 0; i < c.layers; ++i) flops += c.mixer(i) == "fal" ? 24.0 * H * D * D : 6.0 * H * D * N;
+  for (int64_t i = 0; i < c.layers; ++i) flops += mixer_kind(c.mixer(i)).train_flops_per_token(c);
   return flops;
 }
 

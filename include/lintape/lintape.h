@@ -31,10 +31,12 @@
 #include "ops/tpa/tpa.h"
 
 // Layers, the language model and its training loop.
+#include "layers/fal_mixer.h"
 #include "layers/language_model.h"
 #include "layers/layers.h"
-#include "layers/mixers.h"
+#include "layers/mixer.h"
 #include "layers/module.h"
+#include "layers/tpa_mixer.h"
 #include "train/checkpoint.h"
 #include "train/comm.h"
 #include "train/config.h"
