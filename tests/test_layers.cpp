@@ -152,7 +152,8 @@ TEST_CASE("LanguageModel parameter names and shapes follow MODEL.md") {
     return std::sqrt(s / double(t.numel()));
   };
   CHECK(stddev(model.wte) == doctest::Approx(0.02).epsilon(0.05));
-  CHECK(stddev(dynamic_cast<const FalMixer&>(*model.blocks[0]->mixer).out.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
+  const auto& fal = dynamic_cast<const FalMixer&>(*model.blocks[0]->mixer);
+  CHECK(stddev(fal.out.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
   CHECK(stddev(model.blocks[1]->mlp.down.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
 }
 
@@ -243,7 +244,8 @@ TEST_CASE("prefill then step by step gives the full forward's logits") {
     DecodeState state = model.start_decoding(2);
     const Tensor prompt = model.prefill(tokens.narrow(1, 0, 4).contiguous(), state);
     CHECK(state.position == 4);
-    CHECK(dynamic_cast<const TpaState&>(*state.layers[1]).cache.max_length() == 4);  // the tpa layer's cache holds the prompt
+    // The tpa layer's cache holds the prompt.
+    CHECK(dynamic_cast<const TpaState&>(*state.layers[1]).cache.max_length() == 4);
     CHECK(rel_error(prompt, full.narrow(1, 0, 4)) < tol);
     for (int64_t t = 4; t < 7; ++t) {
       CAPTURE(t);
