@@ -5,6 +5,7 @@
 // SIGINT finishes the current step, writes a checkpoint and returns. On CUDA the parameters, their
 // gradients and the AdamW moments are float32 on the device and the forward runs in the compute dtype.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
@@ -58,6 +59,8 @@ struct TrainResult {
   std::string message;  // why the run stopped early, if it did
 };
 
+class RunLog;
+
 class Trainer {
  public:
   Trainer(TrainConfig config, TrainerOptions options);
@@ -71,6 +74,22 @@ class Trainer {
   const GradReducer* reducer() const { return reducer_.get(); }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  struct StepNumbers {
+    double loss, grad_norm, lr;
+  };
+  // One step: the mean loss over the global batch (zero_grad, the micro-batches' forward and backward,
+  // the gradient all-reduce), then the clipping and the AdamW update ({grad norm, learning rate}).
+  double forward_backward();
+  std::pair<double, double> update();
+  // The step's row and progress line, the validation's, the stop on a NaN or Inf loss.
+  void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start,
+                TrainResult& result, RunLog& log) const;
+  void log_validation(TrainResult& result, RunLog& log);
+  void stop_nonfinite(double loss, TrainResult& result, RunLog& log) const;
+  // SIGINT on any rank or stop_after reached: sets the result's reason; the same answer on every rank.
+  bool stop_requested(TrainResult& result) const;
+  std::string summary_json(const TrainResult& result) const;
   void checkpoint();
   TrainConfig config_;
   TrainerOptions options_;
