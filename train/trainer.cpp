@@ -73,8 +73,6 @@ std::pair<double, std::string> peak_bf16_flops(Device device) {
   return {0.0, ""};
 }
 
-DType default_compute_dtype(Device device) { return device.is_cuda() ? DType::BF16 : DType::F32; }
-
 double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
   double flops = 6.0 * double(parameters);
   for (int64_t i = 0; i < c.layers; ++i) flops += mixer_kind(c.mixer(i)).train_flops_per_token(c);
@@ -91,12 +89,9 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
     const int64_t steps = config_.steps;
     config_ = c.config;
     config_.steps = std::max(steps, config_.steps);
-    model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
-    model_->load_state_dict(c.model, c.path + "/model.safetensors");
-    model_->to(options_.device);
-    model_->flatten_parameters(comm.size());  // shards of equal length for ZeRO-1
-    optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
-    optimizer_->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
+    session_ = TrainSession::build(config_.model, config_.seed, session_options(comm.size()), &c.model,
+                                   c.path + "/model.safetensors");
+    session_.optimizer->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
     data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
                       config_.val_batches);
     data_->seek(c.state.data_position);
@@ -107,12 +102,8 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
                       config_.val_batches);
     LT_CHECK(data_->vocab_size() <= config_.model.vocab_size, "[train] the data has tokens up to ",
              data_->vocab_size() - 1, "; the model's vocab_size is ", config_.model.vocab_size);
-    model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
-    model_->to(options_.device);
-    model_->flatten_parameters(comm.size());  // shards of equal length for ZeRO-1
-    optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
+    session_ = TrainSession::build(config_.model, config_.seed, session_options(comm.size()));
   }
-  model_->set_compute_dtype(options_.compute_dtype.value_or(default_compute_dtype(options_.device)));
   std::tie(peak_flops_, peak_name_) = peak_bf16_flops(options_.device);
   if (comm.distributed()) {
     LT_CHECK(config_.batch % comm.size() == 0, "[train] the batch (", config_.batch,
@@ -121,17 +112,26 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
     comm.check_same("the step to start from", std::to_string(step_));
     comm.check_same("--zero", std::to_string(options_.zero));
     // Every rank starts from rank 0's weights (the same seed gives the same ones; this makes it so).
-    Tensor params = model_->flat_parameters();
+    Tensor params = session_.model->flat_parameters();
     comm.broadcast(params, 0);
   }
   LT_CHECK(options_.zero == 0 || options_.zero == 1, "[train] --zero must be 0 or 1; got ", options_.zero);
-  if (options_.zero == 1) optimizer_->shard(comm);
+  if (options_.zero == 1) session_.optimizer->shard(comm);
   else
-    optimizer_->keep_compute_copy(model_->compute_dtype());  // the weights' bf16 copy comes with each update
+    session_.optimizer->keep_compute_copy(session_.model->compute_dtype());  // the weights' bf16 copy comes with each update
   LT_CHECK(options_.bucket_mib >= 0, "[train] --bucket-mib must be >= 0; got ", options_.bucket_mib);
   // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
   if (comm.distributed() && options_.zero == 0)
-    reducer_ = std::make_unique<GradReducer>(*model_, comm, options_.bucket_mib);
+    session_.reducer = std::make_unique<GradReducer>(*session_.model, comm, options_.bucket_mib);
+}
+
+SessionOptions Trainer::session_options(int64_t shards) const {
+  SessionOptions o;
+  o.device = options_.device;
+  o.compute_dtype = options_.compute_dtype;
+  o.shards = shards;
+  o.adamw = AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay};
+  return o;
 }
 
 std::pair<double, double> Trainer::validate() {
@@ -140,10 +140,10 @@ std::pair<double, double> Trainer::validate() {
   const int64_t n = data_->validation_batches();
   for (int64_t i = 0; i < n; ++i) {
     const Batch b = data_->validation(i);
-    const Tensor logits = model_->forward(b.tokens.to(options_.device));
+    const Tensor logits = session_.model->forward(b.tokens.to(options_.device));
     const int64_t rows = b.tokens.numel(), V = config_.model.vocab_size;
     const Tensor flat_logits = logits.reshape({rows, V});
-    loss_sum += model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device)).item();
+    loss_sum += session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device)).item();
     if (data_->reports_accuracy()) {
       const std::vector<int64_t> predicted = max(flat_logits, 1).indices.to_vector<int64_t>();
       const std::vector<int64_t> targets = b.targets.to_vector<int64_t>();
@@ -162,9 +162,9 @@ void Trainer::checkpoint() {
   // The state is the same on every rank: rank 0 writes it, the others wait, so that a checkpoint is
   // complete before any rank goes on (and a later run with any number of ranks can resume from it).
   Communicator& comm = Communicator::world();
-  const std::map<std::string, Tensor> moments = optimizer_->state_dict();  // sharded: gathered, by every rank
+  const std::map<std::string, Tensor> moments = session_.optimizer->state_dict();  // sharded: gathered, by every rank
   if (comm.rank() == 0)
-    save_checkpoint(options_.checkpoint_dir, *model_, moments, config_, {step_, data_->position()},
+    save_checkpoint(options_.checkpoint_dir, *session_.model, moments, config_, {step_, data_->position()},
                     config_.keep_checkpoints);
   comm.barrier();
 }
@@ -199,35 +199,29 @@ TrainResult Trainer::run() {
 
 double Trainer::forward_backward() {
   Communicator& comm = Communicator::world();
-  model_->zero_grad();
+  session_.model->zero_grad();
   double loss = 0;
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
     const Batch b = rank_slice(data_->next_train(), comm);
-    Tensor l = model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
+    Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
     if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
     // The last micro-batch's backward completes the gradients: it starts the buckets' all-reduces.
-    if (reducer_ && micro + 1 == config_.grad_accum)
-      backward(l, {}, false, reducer_->on_leaf_ready());
+    if (session_.reducer && micro + 1 == config_.grad_accum)
+      backward(l, {}, false, session_.reducer->on_leaf_ready());
     else
       backward(l);
     loss += l.item();  // after backward: on CUDA the forward and backward are queued without a wait
   }
   // Before any other collective: every rank issues them in the same order.
-  if (reducer_) reducer_->finish();
+  if (session_.reducer) session_.reducer->finish();
   // The mean over the global batch: every rank's slice has the same number of targets.
   if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
   return loss;
 }
 
 std::pair<double, double> Trainer::update() {
-  double grad_norm = 0;
-  if (optimizer_->sharded()) {
-    grad_norm = optimizer_->reduce_and_clip_gradients(config_.grad_clip);
-  } else {
-    grad_norm = clip_grad_norm(*model_, config_.grad_clip);  // of the mean over the ranks (reducer_)
-  }
   const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
-  optimizer_->step(lr);
+  const double grad_norm = session_.update(lr, config_.grad_clip);
   ++step_;
   return {grad_norm, lr};
 }
@@ -257,7 +251,7 @@ void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock
   const std::vector<double> rank_peaks = every_rank(row.peak_mem_mib, comm);  // a collective: every rank
   if (comm.distributed()) row.rank_peak_mibs = rank_peaks;
   if (peak_flops_ > 0)
-    row.mfu = row.tokens_per_s * train_flops_per_token(config_.model, model_->parameter_count()) / peak_flops_;
+    row.mfu = row.tokens_per_s * train_flops_per_token(config_.model, session_.model->parameter_count()) / peak_flops_;
   row.total_steps = config_.steps;
   row.eta_s = elapsed / double(steps_this_run) * double(config_.steps - step_);
   result.losses.push_back(n.loss);
@@ -296,7 +290,7 @@ std::string Trainer::summary_json(const TrainResult& result) const {
               {"device", options_.device.name()},
               {"ranks", Communicator::world().size()},
               {"zero", options_.zero},
-              {"compute_dtype", dtype_name(model_->compute_dtype())},
+              {"compute_dtype", dtype_name(session_.model->compute_dtype())},
               {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
               {"stopped", result.message}}
       .dump(2);

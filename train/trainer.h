@@ -19,6 +19,7 @@
 #include "data.h"
 #include "grad_reducer.h"
 #include "optimizer.h"
+#include "session.h"
 
 namespace lintape {
 
@@ -38,9 +39,6 @@ struct TrainerOptions {
   // (train/grad_reducer.h); 0: one bucket, the whole buffer, once backward is done.
   double bucket_mib = 25.0;
 };
-
-// bfloat16 on CUDA (MODEL.md's mixed precision), float32 on the CPU.
-DType default_compute_dtype(Device device);
 
 // Training FLOPs per token of a config: 6 x parameters plus the mixers' attention (FAL: the state
 // update and read, 24 H D^2 per layer; TPA: causal scores and values, 6 H D N per layer).
@@ -67,11 +65,11 @@ class Trainer {
   TrainResult run();
   // Mean validation loss and (mqar) accuracy over the data's validation batches.
   std::pair<double, double> validate();
-  LanguageModel& model() { return *model_; }
+  LanguageModel& model() { return *session_.model; }
   DataSource& data() { return *data_; }
   int64_t step() const { return step_; }
   // The gradient all-reduce in buckets: several ranks without ZeRO-1 only, null otherwise.
-  const GradReducer* reducer() const { return reducer_.get(); }
+  const GradReducer* reducer() const { return session_.reducer.get(); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -90,13 +88,12 @@ class Trainer {
   // SIGINT on any rank or stop_after reached: sets the result's reason; the same answer on every rank.
   bool stop_requested(TrainResult& result) const;
   std::string summary_json(const TrainResult& result) const;
+  SessionOptions session_options(int64_t shards) const;
   void checkpoint();
   TrainConfig config_;
   TrainerOptions options_;
-  std::unique_ptr<LanguageModel> model_;
+  TrainSession session_;  // its reducer: several ranks without ZeRO-1 only
   std::unique_ptr<DataSource> data_;
-  std::unique_ptr<AdamW> optimizer_;
-  std::unique_ptr<GradReducer> reducer_;  // several ranks without ZeRO-1 only
   int64_t step_ = 0;
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;
