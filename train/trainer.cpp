@@ -116,9 +116,10 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
     comm.broadcast(params, 0);
   }
   LT_CHECK(options_.zero == 0 || options_.zero == 1, "[train] --zero must be 0 or 1; got ", options_.zero);
+  // Unsharded, the weights' bf16 copy comes with each update.
   if (options_.zero == 1) session_.optimizer->shard(comm);
   else
-    session_.optimizer->keep_compute_copy(session_.model->compute_dtype());  // the weights' bf16 copy comes with each update
+    session_.optimizer->keep_compute_copy(session_.model->compute_dtype());
   LT_CHECK(options_.bucket_mib >= 0, "[train] --bucket-mib must be >= 0; got ", options_.bucket_mib);
   // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
   if (comm.distributed() && options_.zero == 0)
@@ -162,7 +163,8 @@ void Trainer::checkpoint() {
   // The state is the same on every rank: rank 0 writes it, the others wait, so that a checkpoint is
   // complete before any rank goes on (and a later run with any number of ranks can resume from it).
   Communicator& comm = Communicator::world();
-  const std::map<std::string, Tensor> moments = session_.optimizer->state_dict();  // sharded: gathered, by every rank
+  // Sharded: gathered, by every rank.
+  const std::map<std::string, Tensor> moments = session_.optimizer->state_dict();
   if (comm.rank() == 0)
     save_checkpoint(options_.checkpoint_dir, *session_.model, moments, config_, {step_, data_->position()},
                     config_.keep_checkpoints);
@@ -240,6 +242,7 @@ void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock
   const int64_t tokens_per_step = config_.batch * config_.model.seq_len * config_.grad_accum;
   const double step_ms = std::chrono::duration<double, std::milli>(Clock::now() - step_start).count();
   const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+  const int64_t parameters = session_.model->parameter_count();
   StepRow row;
   row.step = step_;
   row.loss = n.loss;
@@ -251,7 +254,7 @@ void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock
   const std::vector<double> rank_peaks = every_rank(row.peak_mem_mib, comm);  // a collective: every rank
   if (comm.distributed()) row.rank_peak_mibs = rank_peaks;
   if (peak_flops_ > 0)
-    row.mfu = row.tokens_per_s * train_flops_per_token(config_.model, session_.model->parameter_count()) / peak_flops_;
+    row.mfu = row.tokens_per_s * train_flops_per_token(config_.model, parameters) / peak_flops_;
   row.total_steps = config_.steps;
   row.eta_s = elapsed / double(steps_this_run) * double(config_.steps - step_);
   result.losses.push_back(n.loss);
