@@ -201,6 +201,20 @@ TEST_CASE("state_dict round trip and load errors") {
   check_throws_containing([&] { b.load_state_dict(state, "z.safetensors"); }, {"extra"});
 }
 
+TEST_CASE("mixer registry: the config's names, each kind's module and FLOPs") {
+  CHECK(mixer_names() == "fal or tpa");
+  CHECK(is_mixer_name("fal"));
+  CHECK(is_mixer_name("tpa"));
+  CHECK_FALSE(is_mixer_name("mamba"));
+  check_throws_containing([] { mixer_kind("mamba"); }, {"[config]", "mamba", "fal or tpa"});
+  const ModelConfig c = micro_config();
+  CHECK(dynamic_cast<FalMixer*>(mixer_kind("fal").make(c, 0.02, 0.01, 3).get()) != nullptr);
+  CHECK(dynamic_cast<TpaMixer*>(mixer_kind("tpa").make(c, 0.02, 0.01, 3).get()) != nullptr);
+  const double H = double(c.heads), D = double(c.head_dim), N = double(c.seq_len);
+  CHECK(mixer_kind("fal").train_flops_per_token(c) == 24.0 * H * D * D);
+  CHECK(mixer_kind("tpa").train_flops_per_token(c) == 6.0 * H * D * N);
+}
+
 TEST_CASE("bad input: model config") {
   check_throws_containing([] { ModelConfig::preset("huge"); }, {"[config]", "huge", "tiny"});
   ModelConfig c = micro_config();

@@ -43,4 +43,6 @@
 #include "train/data.h"
 #include "train/grad_reducer.h"
 #include "train/optimizer.h"
+#include "train/run_log.h"
+#include "train/session.h"
 #include "train/trainer.h"
