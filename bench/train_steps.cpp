@@ -112,7 +112,8 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, siz
     const bool last = i + 1 == m.blocks.size();
     const RMSNorm& next_norm = last ? m.norm : m.blocks[i + 1]->norm1;
     const std::string next_name = last ? "norm" : "blocks." + std::to_string(i + 1) + ".norm1";
-    size_t mixed = add_part(p + (b.fal ? "fal" : "tpa"), b.fal ? "fal" : "tpa", {h}, 1,
+    const std::string kind = m.config().mixer(int64_t(i));
+    size_t mixed = add_part(p + kind, kind, {h}, 1,
                             one([&b](const std::vector<Tensor>& v) { return b.mix(v[0]); }));
     size_t y = add_part(p + "residual1 + norm2", "residual + norm", {x, mixed}, 2,
                         [&b, pair](const std::vector<Tensor>& v) { return pair(b.norm2.forward_sum(v[0], v[1])); });
@@ -141,13 +142,13 @@ TrainSetup make_train_setup(const TrainBenchOptions& o) {
   if (o.vocab > 0) c.vocab_size = o.vocab;
   LT_CHECK(o.batch > 0 && o.steps > 0 && o.warmup >= 0, "[bench train] batch and steps must be positive; got batch ",
            o.batch, ", steps ", o.steps);
-  s.model = std::make_unique<LanguageModel>(c, 0);
-  s.model->to(o.device);
-  s.model->flatten_parameters();
-  s.model->set_compute_dtype(o.compute_dtype.value_or(default_compute_dtype(o.device)));
+  SessionOptions session;
+  session.device = o.device;
+  session.compute_dtype = o.compute_dtype;
+  s.session = TrainSession::build(c, 0, session);
+  s.model = s.session.model.get();
   s.params = s.model->parameter_count();
-  s.optimizer = std::make_unique<AdamW>(*s.model);
-  s.optimizer->keep_compute_copy(s.model->compute_dtype());
+  s.session.optimizer->keep_compute_copy(s.model->compute_dtype());
   std::mt19937_64 rng(0);
   std::uniform_int_distribution<int64_t> token(0, c.vocab_size - 1);
   for (int i = 0; i < 2; ++i) {
@@ -165,8 +166,7 @@ double train_step(TrainSetup& s, size_t i) {
   s.model->zero_grad();
   const Tensor loss = s.model->loss(tokens, targets);
   backward(loss);
-  clip_grad_norm(*s.model, 1.0);
-  s.optimizer->step(3e-4);
+  s.session.update(3e-4, 1.0);
   return loss.item();
 }
 
@@ -277,8 +277,7 @@ ProfileResult profile_train_step(TrainSetup& s) {
     autograd::set_forward_observer(nullptr);
     autograd::set_backward_observer(nullptr);
     const size_t opt_begin = stamps.mark();
-    clip_grad_norm(*s.model, 1.0);
-    s.optimizer->step(3e-4);
+    s.session.update(3e-4, 1.0);
     const size_t opt_end = stamps.mark();
     synchronize(d);
     auto add_span = [&](const OpSpan& span, bool forward) {

@@ -9,7 +9,7 @@
 #include <vector>
 #include "core/device.h"
 #include "layers/language_model.h"
-#include "train/optimizer.h"
+#include "train/session.h"
 
 namespace lintape::bench {
 
@@ -27,8 +27,8 @@ struct TrainBenchOptions {
 
 // A model, its optimizer and pre-drawn batches, ready to step.
 struct TrainSetup {
-  std::unique_ptr<LanguageModel> model;
-  std::unique_ptr<AdamW> optimizer;
+  TrainSession session;
+  LanguageModel* model = nullptr;  // session's
   std::vector<std::pair<Tensor, Tensor>> batches;  // (tokens, targets) on the device
   TrainBenchOptions options;
   int64_t params = 0;

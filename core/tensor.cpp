@@ -6,7 +6,6 @@
 #include <limits>
 #include <ostream>
 #include <sstream>
-#include "autograd/tape.h"
 #include "core/kernels.h"
 #if LINTAPE_WITH_CUDA
 #include "core/cuda.h"

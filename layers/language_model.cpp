@@ -8,7 +8,6 @@
 #include "ops/cross_entropy.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
-#include "ops/fal/fal.h"
 #include "ops/matmul.h"
 #include "ops/rms_norm.h"
 
@@ -57,9 +56,8 @@ void ModelConfig::validate() const {
   positive("mlp_hidden", mlp_hidden);
   positive("seq_len", seq_len);
   LT_CHECK(norm_eps > 0, "[config] norm_eps must be positive; got ", norm_eps);
-  LT_CHECK(!mixers.empty(), "[config] mixers must name at least one mixer (fal or tpa); got an empty list");
-  for (const std::string& m : mixers)
-    LT_CHECK(m == "fal" || m == "tpa", "[config] mixers: unknown mixer '", m, "'; expected fal or tpa");
+  LT_CHECK(!mixers.empty(), "[config] mixers must name at least one mixer (", mixer_names(), "); got an empty list");
+  for (const std::string& m : mixers) mixer_kind(m);  // throws for an unknown name
   LT_CHECK(tpa_ranks.size() == 3, "[config] tpa_ranks must be [R_q, R_k, R_v]; got ", tpa_ranks.size(),
            " values");
   for (int64_t r : tpa_ranks) positive("tpa_ranks entry", r);
@@ -74,24 +72,19 @@ Block::Block(const ModelConfig& c, int64_t layer, uint64_t seed)
   register_module("norm1", norm1);
   register_module("norm2", norm2);
   register_module("mlp", mlp);
-  if (c.mixer(layer) == "fal") {
-    fal = std::make_unique<FalMixer>(c.width, c.heads, c.head_dim, c.norm_eps, kInitStd, out_std, seed + 4);
-    register_module("fal", *fal);
-  } else {
-    tpa = std::make_unique<TpaMixer>(c.width, c.heads, c.head_dim, c.tpa_ranks[0], c.tpa_ranks[1], c.tpa_ranks[2],
-                                     kInitStd, out_std, seed + 4);
-    register_module("tpa", *tpa);
-  }
+  const MixerKind& kind = mixer_kind(c.mixer(layer));
+  mixer = kind.make(c, kInitStd, out_std, seed + 4);
+  register_module(kind.name, *mixer);
 }
 
-Tensor Block::mix(const Tensor& h) const { return fal ? fal->forward(h) : tpa->forward(h); }
+Tensor Block::mix(const Tensor& h) const { return mixer->forward(h); }
 
 Tensor Block::mix_prefill(const Tensor& h, DecodeState& state, size_t layer) const {
-  return fal ? fal->prefill(h, state.fal_states[layer], state.position) : tpa->prefill(h, *state.caches[layer]);
+  return mixer->prefill(h, *state.layers[layer], state.position);
 }
 
 Tensor Block::mix_step(const Tensor& h, DecodeState& state, size_t layer) const {
-  return fal ? fal->step(h, state.fal_states[layer], state.position) : tpa->step(h, *state.caches[layer]);
+  return mixer->step(h, *state.layers[layer], state.position);
 }
 
 std::pair<Tensor, Tensor> Block::finish(const Tensor& x, const Tensor& mixed, const RMSNorm& next) const {
@@ -104,10 +97,7 @@ Tensor Block::forward(const Tensor& x) const {
   return add(y, mlp.forward(h2));
 }
 
-void Block::set_impl(Impl impl) {
-  if (fal) fal->impl = impl;
-  if (tpa) tpa->impl = impl;
-}
+void Block::set_impl(Impl impl) { mixer->impl = impl; }
 
 LanguageModel::LanguageModel(const ModelConfig& config, uint64_t seed)
     : norm(config.width, config.norm_eps), config_(config) {
@@ -170,18 +160,7 @@ Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& w, const Tensor& 
 
 DecodeState LanguageModel::start_decoding(int64_t batch) const {
   DecodeState s;
-  const DType state_dtype = wte.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  for (const auto& block : blocks) {
-    if (block->fal) {
-      const FalMixer& f = *block->fal;
-      s.fal_states.push_back(
-          zeros({batch, f.heads, fal_state_rows(FalLrpe::Cosine, f.head_dim), f.head_dim}, state_dtype, wte.device()));
-      s.caches.push_back(nullptr);
-    } else {
-      s.fal_states.emplace_back();
-      s.caches.push_back(std::make_unique<TpaCache>(block->tpa->make_cache(batch, compute_dtype())));
-    }
-  }
+  for (const auto& block : blocks) s.layers.push_back(block->mixer->start_decoding(batch, compute_dtype()));
   return s;
 }
 

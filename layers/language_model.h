@@ -9,7 +9,7 @@
 #include "../core/tensor.h"
 #include "../ops/impl.h"
 #include "layers.h"
-#include "mixers.h"
+#include "mixer.h"
 #include "module.h"
 
 namespace lintape {
@@ -34,14 +34,14 @@ struct ModelConfig {
   static std::vector<std::string> mixers_from_list(const std::string& text);
 };
 
-// What decoding carries between tokens: per layer a FAL state or a TPA factor cache.
+// What decoding carries between tokens: per layer its mixer's state.
 struct DecodeState {
-  std::vector<Tensor> fal_states;              // by layer; undefined for tpa layers
-  std::vector<std::unique_ptr<TpaCache>> caches;  // by layer; null for fal layers
-  int64_t position = 0;                        // tokens consumed so far
+  std::vector<std::unique_ptr<MixerState>> layers;  // by layer
+  int64_t position = 0;                             // tokens consumed so far
 };
 
-// x + mixer(norm1(x)), then x + mlp(norm2(x)). Exactly one of fal, tpa is set, per the config's mixer.
+// x + mixer(norm1(x)), then x + mlp(norm2(x)). The mixer is the config's kind for the layer, registered
+// under the kind's name ("blocks.0.fal").
 class Block : public Module {
  public:
   Block(const ModelConfig& config, int64_t layer, uint64_t seed);
@@ -58,8 +58,7 @@ class Block : public Module {
   void set_impl(Impl impl);
   RMSNorm norm1, norm2;
   SwiGluMlp mlp;
-  std::unique_ptr<FalMixer> fal;
-  std::unique_ptr<TpaMixer> tpa;
+  std::unique_ptr<Mixer> mixer;
 };
 
 class LanguageModel : public Module {
@@ -81,8 +80,8 @@ class LanguageModel : public Module {
   DType compute_dtype() const;
 
   // Decoding. start_decoding makes the empty per-layer states; prefill runs the first tokens (B, N)
-  // through the whole-sequence ops (fal_with_state, tpa_attention filling the TpaCache) and decode_step
-  // one more token (B, 1) through fal_step and tpa_decode. Both return the logits of their tokens,
+  // through the mixers' whole-sequence ops and decode_step one more token (B, 1)
+  // through their decoding steps. Both return the logits of their tokens,
   // equal to the full forward's at those positions. No gradient is recorded.
   DecodeState start_decoding(int64_t batch) const;
   Tensor prefill(const Tensor& tokens, DecodeState& state) const;

@@ -8,7 +8,9 @@
 #include <vector>
 #include "autograd/gradcheck.h"
 #include "helpers.h"
+#include "layers/fal_mixer.h"
 #include "layers/language_model.h"
+#include "layers/tpa_mixer.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 
@@ -150,7 +152,8 @@ TEST_CASE("LanguageModel parameter names and shapes follow MODEL.md") {
     return std::sqrt(s / double(t.numel()));
   };
   CHECK(stddev(model.wte) == doctest::Approx(0.02).epsilon(0.05));
-  CHECK(stddev(model.blocks[0]->fal->out.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
+  const auto& fal = dynamic_cast<const FalMixer&>(*model.blocks[0]->mixer);
+  CHECK(stddev(fal.out.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
   CHECK(stddev(model.blocks[1]->mlp.down.weight) == doctest::Approx(0.02 / std::sqrt(8.0)).epsilon(0.05));
 }
 
@@ -198,6 +201,20 @@ TEST_CASE("state_dict round trip and load errors") {
   check_throws_containing([&] { b.load_state_dict(state, "z.safetensors"); }, {"extra"});
 }
 
+TEST_CASE("mixer registry: the config's names, each kind's module and FLOPs") {
+  CHECK(mixer_names() == "fal or tpa");
+  CHECK(is_mixer_name("fal"));
+  CHECK(is_mixer_name("tpa"));
+  CHECK_FALSE(is_mixer_name("mamba"));
+  check_throws_containing([] { mixer_kind("mamba"); }, {"[config]", "mamba", "fal or tpa"});
+  const ModelConfig c = micro_config();
+  CHECK(dynamic_cast<FalMixer*>(mixer_kind("fal").make(c, 0.02, 0.01, 3).get()) != nullptr);
+  CHECK(dynamic_cast<TpaMixer*>(mixer_kind("tpa").make(c, 0.02, 0.01, 3).get()) != nullptr);
+  const double H = double(c.heads), D = double(c.head_dim), N = double(c.seq_len);
+  CHECK(mixer_kind("fal").train_flops_per_token(c) == 24.0 * H * D * D);
+  CHECK(mixer_kind("tpa").train_flops_per_token(c) == 6.0 * H * D * N);
+}
+
 TEST_CASE("bad input: model config") {
   check_throws_containing([] { ModelConfig::preset("huge"); }, {"[config]", "huge", "tiny"});
   ModelConfig c = micro_config();
@@ -241,7 +258,8 @@ TEST_CASE("prefill then step by step gives the full forward's logits") {
     DecodeState state = model.start_decoding(2);
     const Tensor prompt = model.prefill(tokens.narrow(1, 0, 4).contiguous(), state);
     CHECK(state.position == 4);
-    CHECK(state.caches[1]->max_length() == 4);  // the tpa layer's cache holds the prompt
+    // The tpa layer's cache holds the prompt.
+    CHECK(dynamic_cast<const TpaState&>(*state.layers[1]).cache.max_length() == 4);
     CHECK(rel_error(prompt, full.narrow(1, 0, 4)) < tol);
     for (int64_t t = 4; t < 7; ++t) {
       CAPTURE(t);

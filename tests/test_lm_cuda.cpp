@@ -9,7 +9,9 @@
 #include <vector>
 #include "core/allocator.h"
 #include "helpers.h"
+#include "layers/fal_mixer.h"
 #include "layers/language_model.h"
+#include "layers/tpa_mixer.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "train/checkpoint.h"

@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "core/sha256.h"
 #include "helpers.h"
 #include "train_helpers.h"
 #include "ops/elementwise.h"
@@ -27,7 +28,6 @@
 #include "train/data.h"
 #include "train/grad_reducer.h"
 #include "train/optimizer.h"
-#include "train/sha256.h"
 #include "train/trainer.h"
 
 using namespace lintape;

@@ -11,7 +11,7 @@
 
 #include "core/config.h"
 #include "core/safetensors.h"
-#include "train/sha256.h"
+#include "core/sha256.h"
 
 namespace lintape {
 

@@ -4,20 +4,17 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <filesystem>
-#include <fstream>
-#include <iomanip>
 #include <nlohmann/json.hpp>
-#include <ostream>
-#include <sstream>
 #include <tuple>
 
 #include "autograd/tape.h"
 #include "core/allocator.h"
+#include "layers/mixer.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
 #include "train/checkpoint.h"
 #include "train/comm.h"
+#include "train/run_log.h"
 
 #if LINTAPE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -56,39 +53,6 @@ std::vector<double> every_rank(double value, Communicator& comm) {
   return t.to_vector<double>();
 }
 
-std::string sibling(const std::string& log_path, const std::string& suffix) {
-  const size_t dot = log_path.rfind(".jsonl");
-  return (dot == std::string::npos ? log_path : log_path.substr(0, dot)) + suffix;
-}
-
-void write_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train,
-               const std::vector<std::pair<int64_t, double>>& val) {
-  double lo = 1e300, hi = -1e300;
-  int64_t last = 1;
-  for (const auto* series : {&train, &val})
-    for (const auto& [s, l] : *series) {
-      lo = std::min(lo, l);
-      hi = std::max(hi, l);
-      last = std::max(last, s);
-    }
-  if (hi <= lo) hi = lo + 1;
-  const double W = 640, H = 360, pad = 40;
-  auto polyline = [&](const std::vector<std::pair<int64_t, double>>& series, const char* color) {
-    std::ostringstream o;
-    o << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" points=\"";
-    for (const auto& [s, l] : series)
-      o << pad + (W - 2 * pad) * double(s) / double(last) << ',' << H - pad - (H - 2 * pad) * (l - lo) / (hi - lo)
-        << ' ';
-    o << "\"/>\n";
-    return o.str();
-  };
-  std::ofstream out(path);
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\">\n"
-      << "<text x=\"" << pad << "\" y=\"20\">loss against step (blue: train, orange: validation); " << lo << " to "
-      << hi << "</text>\n"
-      << polyline(train, "#1f77b4") << polyline(val, "#ff7f0e") << "</svg>\n";
-}
-
 }  // namespace
 
 std::pair<double, std::string> peak_bf16_flops(Device device) {
@@ -109,12 +73,9 @@ std::pair<double, std::string> peak_bf16_flops(Device device) {
   return {0.0, ""};
 }
 
-DType default_compute_dtype(Device device) { return device.is_cuda() ? DType::BF16 : DType::F32; }
-
 double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
   double flops = 6.0 * double(parameters);
-  const double H = double(c.heads), D = double(c.head_dim), N = double(c.seq_len);
-  for (int64_t i = 0; i < c.layers; ++i) flops += c.mixer(i) == "fal" ? 24.0 * H * D * D : 6.0 * H * D * N;
+  for (int64_t i = 0; i < c.layers; ++i) flops += mixer_kind(c.mixer(i)).train_flops_per_token(c);
   return flops;
 }
 
@@ -128,12 +89,9 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
     const int64_t steps = config_.steps;
     config_ = c.config;
     config_.steps = std::max(steps, config_.steps);
-    model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
-    model_->load_state_dict(c.model, c.path + "/model.safetensors");
-    model_->to(options_.device);
-    model_->flatten_parameters(comm.size());  // shards of equal length for ZeRO-1
-    optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
-    optimizer_->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
+    session_ = TrainSession::build(config_.model, config_.seed, session_options(comm.size()), &c.model,
+                                   c.path + "/model.safetensors");
+    session_.optimizer->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
     data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
                       config_.val_batches);
     data_->seek(c.state.data_position);
@@ -144,12 +102,8 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
                       config_.val_batches);
     LT_CHECK(data_->vocab_size() <= config_.model.vocab_size, "[train] the data has tokens up to ",
              data_->vocab_size() - 1, "; the model's vocab_size is ", config_.model.vocab_size);
-    model_ = std::make_unique<LanguageModel>(config_.model, config_.seed);
-    model_->to(options_.device);
-    model_->flatten_parameters(comm.size());  // shards of equal length for ZeRO-1
-    optimizer_ = std::make_unique<AdamW>(*model_, AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay});
+    session_ = TrainSession::build(config_.model, config_.seed, session_options(comm.size()));
   }
-  model_->set_compute_dtype(options_.compute_dtype.value_or(default_compute_dtype(options_.device)));
   std::tie(peak_flops_, peak_name_) = peak_bf16_flops(options_.device);
   if (comm.distributed()) {
     LT_CHECK(config_.batch % comm.size() == 0, "[train] the batch (", config_.batch,
@@ -158,17 +112,27 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
     comm.check_same("the step to start from", std::to_string(step_));
     comm.check_same("--zero", std::to_string(options_.zero));
     // Every rank starts from rank 0's weights (the same seed gives the same ones; this makes it so).
-    Tensor params = model_->flat_parameters();
+    Tensor params = session_.model->flat_parameters();
     comm.broadcast(params, 0);
   }
   LT_CHECK(options_.zero == 0 || options_.zero == 1, "[train] --zero must be 0 or 1; got ", options_.zero);
-  if (options_.zero == 1) optimizer_->shard(comm);
+  // Unsharded, the weights' bf16 copy comes with each update.
+  if (options_.zero == 1) session_.optimizer->shard(comm);
   else
-    optimizer_->keep_compute_copy(model_->compute_dtype());  // the weights' bf16 copy comes with each update
+    session_.optimizer->keep_compute_copy(session_.model->compute_dtype());
   LT_CHECK(options_.bucket_mib >= 0, "[train] --bucket-mib must be >= 0; got ", options_.bucket_mib);
   // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
   if (comm.distributed() && options_.zero == 0)
-    reducer_ = std::make_unique<GradReducer>(*model_, comm, options_.bucket_mib);
+    session_.reducer = std::make_unique<GradReducer>(*session_.model, comm, options_.bucket_mib);
+}
+
+SessionOptions Trainer::session_options(int64_t shards) const {
+  SessionOptions o;
+  o.device = options_.device;
+  o.compute_dtype = options_.compute_dtype;
+  o.shards = shards;
+  o.adamw = AdamWOptions{0.9, 0.95, 1e-8, config_.weight_decay};
+  return o;
 }
 
 std::pair<double, double> Trainer::validate() {
@@ -177,10 +141,10 @@ std::pair<double, double> Trainer::validate() {
   const int64_t n = data_->validation_batches();
   for (int64_t i = 0; i < n; ++i) {
     const Batch b = data_->validation(i);
-    const Tensor logits = model_->forward(b.tokens.to(options_.device));
+    const Tensor logits = session_.model->forward(b.tokens.to(options_.device));
     const int64_t rows = b.tokens.numel(), V = config_.model.vocab_size;
     const Tensor flat_logits = logits.reshape({rows, V});
-    loss_sum += model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device)).item();
+    loss_sum += session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device)).item();
     if (data_->reports_accuracy()) {
       const std::vector<int64_t> predicted = max(flat_logits, 1).indices.to_vector<int64_t>();
       const std::vector<int64_t> targets = b.targets.to_vector<int64_t>();
@@ -199,145 +163,140 @@ void Trainer::checkpoint() {
   // The state is the same on every rank: rank 0 writes it, the others wait, so that a checkpoint is
   // complete before any rank goes on (and a later run with any number of ranks can resume from it).
   Communicator& comm = Communicator::world();
-  const std::map<std::string, Tensor> moments = optimizer_->state_dict();  // sharded: gathered, by every rank
+  // Sharded: gathered, by every rank.
+  const std::map<std::string, Tensor> moments = session_.optimizer->state_dict();
   if (comm.rank() == 0)
-    save_checkpoint(options_.checkpoint_dir, *model_, moments, config_, {step_, data_->position()},
+    save_checkpoint(options_.checkpoint_dir, *session_.model, moments, config_, {step_, data_->position()},
                     config_.keep_checkpoints);
   comm.barrier();
 }
 
 TrainResult Trainer::run() {
   SigintScope sigint;
+  const bool leader = Communicator::world().rank() == 0;  // logs, prints and writes checkpoints
+  RunLog log(leader ? options_.log_path : "", options_.resume, leader ? options_.progress : nullptr);
   TrainResult result;
   result.first_step = step_;
-  Communicator& comm = Communicator::world();
-  const bool leader = comm.rank() == 0;  // logs, prints and writes checkpoints
-  std::ostream* progress = leader ? options_.progress : nullptr;
-  std::ofstream log;
-  if (leader && !options_.log_path.empty()) {
-    const std::filesystem::path parent = std::filesystem::path(options_.log_path).parent_path();
-    if (!parent.empty()) {
-      std::error_code ignored;  // an unwritable place shows as the open failure below
-      std::filesystem::create_directories(parent, ignored);
-    }
-    log.open(options_.log_path, options_.resume ? std::ios::app : std::ios::trunc);
-    LT_CHECK(log.good(), "[train] cannot write the log '", options_.log_path, "'");
-  }
-  std::vector<std::pair<int64_t, double>> train_curve, val_curve;
-  const int64_t tokens_per_step = config_.batch * config_.model.seq_len * config_.grad_accum;
-  const double flops_per_token = train_flops_per_token(config_.model, model_->parameter_count());
-  const auto run_start = std::chrono::steady_clock::now();
-  int64_t steps_this_run = 0;
+  const Clock::time_point run_start = Clock::now();
   reset_peak_memory(options_.device);
   while (step_ < config_.steps) {
-    const auto t0 = std::chrono::steady_clock::now();
-    model_->zero_grad();
-    double loss = 0;
-    for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-      const Batch b = rank_slice(data_->next_train(), comm);
-      Tensor l = model_->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
-      if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
-      // The last micro-batch's backward completes the gradients: it starts the buckets' all-reduces.
-      if (reducer_ && micro + 1 == config_.grad_accum)
-        backward(l, {}, false, reducer_->on_leaf_ready());
-      else
-        backward(l);
-      loss += l.item();  // after backward: on CUDA the forward and backward are queued without a wait
-    }
-    // Before any other collective: every rank issues them in the same order.
-    if (reducer_) reducer_->finish();
-    // The mean over the global batch: every rank's slice has the same number of targets.
-    if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
+    const Clock::time_point step_start = Clock::now();
+    const double loss = forward_backward();
     if (!std::isfinite(loss)) {
-      result.stopped_nonfinite = true;
-      result.message = str("[train] the loss is ", loss, " at step ", step_ + 1,
-                           "; stopped before the update, the last checkpoint is the last good one");
-      if (progress) *progress << result.message << "\n";
+      stop_nonfinite(loss, result, log);
       break;
     }
-    double grad_norm = 0;
-    if (optimizer_->sharded()) {
-      grad_norm = optimizer_->reduce_and_clip_gradients(config_.grad_clip);
-    } else {
-      grad_norm = clip_grad_norm(*model_, config_.grad_clip);  // of the mean over the ranks (reducer_)
-    }
-    const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
-    optimizer_->step(lr);
-    ++step_;
-    ++steps_this_run;
-    result.losses.push_back(loss);
-    train_curve.emplace_back(step_, loss);
-    const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-    const double tok_s = double(tokens_per_step) * double(steps_this_run) / std::max(elapsed, 1e-9);
-    const double peak_mib = double(memory_stats(options_.device).peak) / (1024.0 * 1024.0);
-    const std::vector<double> rank_peaks = every_rank(peak_mib, comm);
-    result.tokens_per_s = tok_s;
-    result.step_ms = step_ms;
-    result.peak_mem_mib = peak_mib;
-    const json mfu = peak_flops_ > 0 ? json(tok_s * flops_per_token / peak_flops_) : json(nullptr);
-    if (log.is_open()) {
-      json row{{"step", step_},         {"loss", loss},       {"lr", lr},
-               {"grad_norm", grad_norm}, {"tokens_per_s", tok_s}, {"step_ms", step_ms},
-               {"peak_mem_mib", peak_mib}, {"mfu", mfu}};
-      if (comm.distributed()) row["peak_mem_mib_per_rank"] = rank_peaks;
-      log << row.dump() << std::endl;  // a row per line as it happens: the log can be followed
-    }
-    if (progress && (step_ % config_.log_every == 0 || step_ == config_.steps)) {
-      const double eta = elapsed / double(steps_this_run) * double(config_.steps - step_);
-      *progress << "step " << step_ << "/" << config_.steps << "  loss " << std::fixed
-                         << std::setprecision(4) << loss << "  " << std::setprecision(0) << tok_s << " tok/s  "
-                         << std::setprecision(1) << step_ms << " ms/step  peak " << peak_mib << " MiB  ETA "
-                         << std::setprecision(0) << eta << " s" << std::defaultfloat << std::endl;
-    }
-    if (step_ % config_.val_every == 0 || step_ == config_.steps) {
-      const auto [val_loss, accuracy] = validate();
-      result.val_loss = val_loss;
-      result.accuracy = accuracy;
-      if (val_loss >= 0) val_curve.emplace_back(step_, val_loss);
-      json row{{"step", step_}, {"val_loss", val_loss}};
-      if (accuracy >= 0) row["accuracy"] = accuracy;
-      if (log.is_open()) log << row.dump() << "\n";
-      if (progress)
-        *progress << "step " << step_ << "  val_loss " << std::setprecision(4) << val_loss
-                           << (accuracy >= 0 ? str("  accuracy ", accuracy) : std::string()) << std::endl;
-    }
-    const bool counted_out = options_.stop_after >= 0 && steps_this_run >= options_.stop_after;
-    bool interrupted = g_interrupted;
-    // A Ctrl-C reaches the ranks at slightly different times: they stop together, at the same step.
-    if (comm.distributed()) interrupted = comm.all_reduce_max(interrupted ? 1.0 : 0.0) > 0;
-    const bool stop_now = interrupted || counted_out;
-    if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || step_ == config_.steps ||
-        stop_now)
+    const auto [grad_norm, lr] = update();
+    log_step({loss, grad_norm, lr}, step_start, run_start, result, log);
+    if (step_ % config_.val_every == 0 || step_ == config_.steps) log_validation(result, log);
+    const bool stop = stop_requested(result);
+    if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || step_ == config_.steps || stop)
       checkpoint();
-    if (stop_now) {
-      result.interrupted = interrupted;
-      result.message = result.interrupted ? str("[train] interrupted at step ", step_, "; checkpoint written") : "";
-      break;
-    }
+    if (stop) break;
   }
   result.last_step = step_;
-  if (log.is_open()) {
-    std::ofstream summary(sibling(options_.log_path, ".summary.json"));
-    summary << json{{"config", json::parse(to_json(config_))},
-                    {"steps", step_},
-                    {"first_loss", result.losses.empty() ? 0.0 : result.losses.front()},
-                    {"last_loss", result.losses.empty() ? 0.0 : result.losses.back()},
-                    {"val_loss", result.val_loss},
-                    {"accuracy", result.accuracy},
-                    {"tokens_per_s", result.tokens_per_s},
-                    {"peak_mem_mib", double(memory_stats(options_.device).peak) / (1024.0 * 1024.0)},
-                    {"device", options_.device.name()},
-                    {"ranks", comm.size()},
-                    {"zero", options_.zero},
-                    {"compute_dtype", dtype_name(model_->compute_dtype())},
-                    {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
-                    {"stopped", result.message}}
-                   .dump(2)
-            << "\n";
-    write_svg(sibling(options_.log_path, ".svg"), train_curve, val_curve);
-  }
+  log.finish(summary_json(result));
   return result;
+}
+
+double Trainer::forward_backward() {
+  Communicator& comm = Communicator::world();
+  session_.model->zero_grad();
+  double loss = 0;
+  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
+    const Batch b = rank_slice(data_->next_train(), comm);
+    Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
+    if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
+    // The last micro-batch's backward completes the gradients: it starts the buckets' all-reduces.
+    if (session_.reducer && micro + 1 == config_.grad_accum)
+      backward(l, {}, false, session_.reducer->on_leaf_ready());
+    else
+      backward(l);
+    loss += l.item();  // after backward: on CUDA the forward and backward are queued without a wait
+  }
+  // Before any other collective: every rank issues them in the same order.
+  if (session_.reducer) session_.reducer->finish();
+  // The mean over the global batch: every rank's slice has the same number of targets.
+  if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
+  return loss;
+}
+
+std::pair<double, double> Trainer::update() {
+  const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
+  const double grad_norm = session_.update(lr, config_.grad_clip);
+  ++step_;
+  return {grad_norm, lr};
+}
+
+void Trainer::stop_nonfinite(double loss, TrainResult& result, RunLog& log) const {
+  result.stopped_nonfinite = true;
+  result.message = str("[train] the loss is ", loss, " at step ", step_ + 1,
+                       "; stopped before the update, the last checkpoint is the last good one");
+  log.message(result.message);
+}
+
+void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock::time_point run_start,
+                       TrainResult& result, RunLog& log) const {
+  Communicator& comm = Communicator::world();
+  const int64_t steps_this_run = step_ - result.first_step;
+  const int64_t tokens_per_step = config_.batch * config_.model.seq_len * config_.grad_accum;
+  const double step_ms = std::chrono::duration<double, std::milli>(Clock::now() - step_start).count();
+  const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+  const int64_t parameters = session_.model->parameter_count();
+  StepRow row;
+  row.step = step_;
+  row.loss = n.loss;
+  row.lr = n.lr;
+  row.grad_norm = n.grad_norm;
+  row.tokens_per_s = double(tokens_per_step) * double(steps_this_run) / std::max(elapsed, 1e-9);
+  row.step_ms = step_ms;
+  row.peak_mem_mib = double(memory_stats(options_.device).peak) / (1024.0 * 1024.0);
+  const std::vector<double> rank_peaks = every_rank(row.peak_mem_mib, comm);  // a collective: every rank
+  if (comm.distributed()) row.rank_peak_mibs = rank_peaks;
+  if (peak_flops_ > 0)
+    row.mfu = row.tokens_per_s * train_flops_per_token(config_.model, parameters) / peak_flops_;
+  row.total_steps = config_.steps;
+  row.eta_s = elapsed / double(steps_this_run) * double(config_.steps - step_);
+  result.losses.push_back(n.loss);
+  result.tokens_per_s = row.tokens_per_s;
+  result.step_ms = step_ms;
+  result.peak_mem_mib = row.peak_mem_mib;
+  log.step(row, step_ % config_.log_every == 0 || step_ == config_.steps);
+}
+
+void Trainer::log_validation(TrainResult& result, RunLog& log) {
+  std::tie(result.val_loss, result.accuracy) = validate();
+  log.validation(step_, result.val_loss, result.accuracy);
+}
+
+bool Trainer::stop_requested(TrainResult& result) const {
+  Communicator& comm = Communicator::world();
+  const bool counted_out = options_.stop_after >= 0 && step_ - result.first_step >= options_.stop_after;
+  bool interrupted = g_interrupted;
+  // A Ctrl-C reaches the ranks at slightly different times: they stop together, at the same step.
+  if (comm.distributed()) interrupted = comm.all_reduce_max(interrupted ? 1.0 : 0.0) > 0;
+  if (!interrupted && !counted_out) return false;
+  result.interrupted = interrupted;
+  result.message = interrupted ? str("[train] interrupted at step ", step_, "; checkpoint written") : "";
+  return true;
+}
+
+std::string Trainer::summary_json(const TrainResult& result) const {
+  return json{{"config", json::parse(to_json(config_))},
+              {"steps", step_},
+              {"first_loss", result.losses.empty() ? 0.0 : result.losses.front()},
+              {"last_loss", result.losses.empty() ? 0.0 : result.losses.back()},
+              {"val_loss", result.val_loss},
+              {"accuracy", result.accuracy},
+              {"tokens_per_s", result.tokens_per_s},
+              {"peak_mem_mib", double(memory_stats(options_.device).peak) / (1024.0 * 1024.0)},
+              {"device", options_.device.name()},
+              {"ranks", Communicator::world().size()},
+              {"zero", options_.zero},
+              {"compute_dtype", dtype_name(session_.model->compute_dtype())},
+              {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
+              {"stopped", result.message}}
+      .dump(2);
 }
 
 }  // namespace lintape

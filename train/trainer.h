@@ -5,6 +5,7 @@
 // SIGINT finishes the current step, writes a checkpoint and returns. On CUDA the parameters, their
 // gradients and the AdamW moments are float32 on the device and the forward runs in the compute dtype.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
@@ -18,6 +19,7 @@
 #include "data.h"
 #include "grad_reducer.h"
 #include "optimizer.h"
+#include "session.h"
 
 namespace lintape {
 
@@ -38,9 +40,6 @@ struct TrainerOptions {
   double bucket_mib = 25.0;
 };
 
-// bfloat16 on CUDA (MODEL.md's mixed precision), float32 on the CPU.
-DType default_compute_dtype(Device device);
-
 // Training FLOPs per token of a config: 6 x parameters plus the mixers' attention (FAL: the state
 // update and read, 24 H D^2 per layer; TPA: causal scores and values, 6 H D N per layer).
 double train_flops_per_token(const ModelConfig& config, int64_t parameters);
@@ -58,26 +57,43 @@ struct TrainResult {
   std::string message;  // why the run stopped early, if it did
 };
 
+class RunLog;
+
 class Trainer {
  public:
   Trainer(TrainConfig config, TrainerOptions options);
   TrainResult run();
   // Mean validation loss and (mqar) accuracy over the data's validation batches.
   std::pair<double, double> validate();
-  LanguageModel& model() { return *model_; }
+  LanguageModel& model() { return *session_.model; }
   DataSource& data() { return *data_; }
   int64_t step() const { return step_; }
   // The gradient all-reduce in buckets: several ranks without ZeRO-1 only, null otherwise.
-  const GradReducer* reducer() const { return reducer_.get(); }
+  const GradReducer* reducer() const { return session_.reducer.get(); }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  struct StepNumbers {
+    double loss, grad_norm, lr;
+  };
+  // One step: the mean loss over the global batch (zero_grad, the micro-batches' forward and backward,
+  // the gradient all-reduce), then the clipping and the AdamW update ({grad norm, learning rate}).
+  double forward_backward();
+  std::pair<double, double> update();
+  // The step's row and progress line, the validation's, the stop on a NaN or Inf loss.
+  void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start,
+                TrainResult& result, RunLog& log) const;
+  void log_validation(TrainResult& result, RunLog& log);
+  void stop_nonfinite(double loss, TrainResult& result, RunLog& log) const;
+  // SIGINT on any rank or stop_after reached: sets the result's reason; the same answer on every rank.
+  bool stop_requested(TrainResult& result) const;
+  std::string summary_json(const TrainResult& result) const;
+  SessionOptions session_options(int64_t shards) const;
   void checkpoint();
   TrainConfig config_;
   TrainerOptions options_;
-  std::unique_ptr<LanguageModel> model_;
+  TrainSession session_;  // its reducer: several ranks without ZeRO-1 only
   std::unique_ptr<DataSource> data_;
-  std::unique_ptr<AdamW> optimizer_;
-  std::unique_ptr<GradReducer> reducer_;  // several ranks without ZeRO-1 only
   int64_t step_ = 0;
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;

@@ -1,81 +1,15 @@
-#include "layers/mixers.h"
+#include "layers/tpa_mixer.h"
 
 #include <array>
-#include <cmath>
 #include <vector>
 
-#include "ops/fal/fal.h"
-#include "ops/matmul.h"
+#include "layers/language_model.h"
 #include "ops/lrpe/lrpe.h"
+#include "ops/matmul.h"
 #include "ops/shape.h"
 #include "ops/tpa/tpa.h"
 
 namespace lintape {
-
-FalMixer::FalMixer(int64_t width, int64_t heads, int64_t head_dim, double eps, double init_std, double out_std,
-                   uint64_t seed)
-    : qkvg(width, 4 * heads * head_dim, init_std, seed),
-      norm(head_dim, eps),
-      out(heads * head_dim, width, out_std, seed + 1),
-      heads(heads),
-      head_dim(head_dim) {
-  register_module("qkvg", qkvg);
-  register_module("norm", norm);
-  register_module("out", out);
-  theta = lrpe_theta(heads, head_dim);
-  std::vector<double> lambda(static_cast<size_t>(heads));
-  for (int64_t h = 0; h < heads; ++h) lambda[size_t(h)] = 1.0 - std::ldexp(1.0, int(-5 - h));
-  decay = from_vector(lambda, {heads});
-  register_buffer("theta", theta);
-  register_buffer("decay", decay);
-}
-
-namespace {
-// MODEL.md's FAL: silu on q, k and g, LRPE cosine, causal with the per-head decay.
-FalOptions fal_options(const FalMixer& m, int64_t position) {
-  FalOptions o;
-  o.q = o.k = o.g = ActSpec{Act::Silu, ActDim::None};
-  o.lrpe = FalLrpe::Cosine;
-  o.theta = m.theta;
-  o.offset = position;
-  o.causal = true;
-  o.decay = m.decay;
-  return o;
-}
-}  // namespace
-
-// q, k, v, g (B, N, H, D) of x (B, N, C), from one projection.
-std::array<Tensor, 4> FalMixer::project(const Tensor& x) const {
-  const int64_t B = x.size(0), N = x.size(1), HD = heads * head_dim;
-  const std::vector<Tensor> y = split(qkvg.forward(x), {HD, HD, HD, HD}, -1);
-  auto part = [&](int64_t i) { return y[size_t(i)].reshape({B, N, heads, head_dim}); };
-  return {part(0), part(1), part(2), part(3)};
-}
-
-Tensor FalMixer::finish(const Tensor& mixed) const {
-  return out.forward(norm.forward(mixed).reshape({mixed.size(0), mixed.size(1), heads * head_dim}));
-}
-
-Tensor FalMixer::forward(const Tensor& x) const {
-  LT_CHECK(x.dim() == 3, "[FalMixer] x must be (B, N, C); got ", shape_str(x.shape()));
-  const auto [q, k, v, g] = project(x);
-  return finish(fal(q, k, v, g, fal_options(*this, 0), impl));
-}
-
-Tensor FalMixer::prefill(const Tensor& x, Tensor& state, int64_t position) const {
-  LT_CHECK(x.dim() == 3, "[FalMixer] prefill takes x (B, N, C); got ", shape_str(x.shape()));
-  const auto [q, k, v, g] = project(x);
-  auto [mixed, next] = fal_with_state(q, k, v, g, state, fal_options(*this, position), impl);
-  state = next;
-  return finish(mixed);
-}
-
-Tensor FalMixer::step(const Tensor& x_t, Tensor& state, int64_t position) const {
-  LT_CHECK(x_t.dim() == 3 && x_t.size(1) == 1, "[FalMixer] a decoding step takes x_t (B, 1, C); got ",
-           shape_str(x_t.shape()));
-  const auto [q, k, v, g] = project(x_t);
-  return finish(fal_step(state, q, k, v, g, fal_options(*this, position)));
-}
 
 TpaMixer::TpaMixer(int64_t width, int64_t heads, int64_t head_dim, int64_t rank_q, int64_t rank_k, int64_t rank_v,
                    double init_std, double out_std, uint64_t seed)
@@ -143,6 +77,18 @@ Tensor TpaMixer::prefill(const Tensor& x, TpaCache& cache) const {
   return attend(f);
 }
 
+std::unique_ptr<MixerState> TpaMixer::start_decoding(int64_t batch, DType dtype) const {
+  return std::make_unique<TpaState>(make_cache(batch, dtype));
+}
+
+Tensor TpaMixer::prefill(const Tensor& x, MixerState& state, int64_t) const {
+  return prefill(x, dynamic_cast<TpaState&>(state).cache);
+}
+
+Tensor TpaMixer::step(const Tensor& x_t, MixerState& state, int64_t) const {
+  return step(x_t, dynamic_cast<TpaState&>(state).cache);
+}
+
 TpaCache TpaMixer::make_cache(int64_t batch, DType dtype) const {
   return TpaCache(batch, heads, rank_k, rank_v, head_dim, head_dim, dtype, out.weight.device(), theta);
 }
@@ -154,6 +100,16 @@ Tensor TpaMixer::step(const Tensor& x_t, TpaCache& cache) const {
   cache.append(ak, bk, av, bv);
   const Tensor mixed = tpa_decode(aq, bq, cache);
   return out.forward(mixed.reshape({x_t.size(0), 1, heads * head_dim}));
+}
+
+
+std::unique_ptr<Mixer> make_tpa_mixer(const ModelConfig& c, double init_std, double out_std, uint64_t seed) {
+  return std::make_unique<TpaMixer>(c.width, c.heads, c.head_dim, c.tpa_ranks[0], c.tpa_ranks[1], c.tpa_ranks[2],
+                                    init_std, out_std, seed);
+}
+
+double tpa_train_flops_per_token(const ModelConfig& c) {
+  return 6.0 * double(c.heads) * double(c.head_dim) * double(c.seq_len);
 }
 
 }  // namespace lintape

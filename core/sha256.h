@@ -1,4 +1,4 @@
-// SHA-256 (FIPS 180-4), for the checksums of checkpoint files.
+// SHA-256 (FIPS 180-4), for the checksums of checkpoint files. Internal: not installed.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -1,0 +1,41 @@
+// What a training step works on, built in one place for `lintape train` (Trainer), `bench train` and
+// `profile`: the model on its device (parameters flattened for the optimizer), its AdamW, and on several
+// ranks without ZeRO-1 the bucketed gradient all-reduce.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include "../core/device.h"
+#include "../layers/language_model.h"
+#include "grad_reducer.h"
+#include "optimizer.h"
+
+namespace lintape {
+
+struct SessionOptions {
+  Device device = Device::cpu();
+  std::optional<DType> compute_dtype;  // unset: default_compute_dtype(device)
+  int64_t shards = 1;                  // the ranks: the flat parameters split into this many equal shards
+  AdamWOptions adamw;
+};
+
+struct TrainSession {
+  std::unique_ptr<LanguageModel> model;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<GradReducer> reducer;  // set by the caller: several ranks without ZeRO-1 only
+
+  // The model of `config` from `seed` (then `weights`, a checkpoint's, when given; `source` names them in
+  // errors), moved to the device and flattened, its compute dtype set, and a fresh AdamW over it.
+  static TrainSession build(const ModelConfig& config, uint64_t seed, const SessionOptions& options,
+                            const std::map<std::string, Tensor>* weights = nullptr, const std::string& source = "");
+  // After backward: the global-norm clip at `clip` (sharded: with the moments' reduce-scatter) and the
+  // AdamW update at `lr`; returns the gradient norm before the clip.
+  double update(double lr, double clip);
+};
+
+// bfloat16 on CUDA (MODEL.md's mixed precision), float32 on the CPU.
+DType default_compute_dtype(Device device);
+
+}  // namespace lintape
