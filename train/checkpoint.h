@@ -33,6 +33,10 @@ struct Checkpoint {
 };
 
 // The checkpoint named by DIR/latest (or DIR itself when it is a step directory), verified.
+// The config is read and validated (sizes against overflow and memory, errors naming state.json) before
+// any tensor file is hashed or loaded.
 Checkpoint load_checkpoint(const std::string& dir);
+// The same without the tensors and their hashes: the config, the step and the data position.
+Checkpoint load_checkpoint_state(const std::string& dir);
 
 }  // namespace lintape

@@ -1,6 +1,7 @@
 #include "train/data.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -22,7 +23,12 @@ std::string read_file(const std::string& path) {
 }
 }  // namespace
 
-bool is_llmc_bin(const std::string& path) { return path.size() > 4 && path.substr(path.size() - 4) == ".bin"; }
+bool is_llmc_bin(const std::string& path) {
+  if (path.size() <= 4) return false;
+  std::string ext = path.substr(path.size() - 4);
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  return ext == ".bin";  // any case: .BIN too
+}
 
 std::vector<int32_t> load_tokens(const std::string& path) {
   if (std::filesystem::is_directory(path)) {
@@ -116,6 +122,8 @@ MqarData::MqarData(int64_t batch, int64_t seq_len, uint64_t seed, int64_t val_ba
     : batch_(batch), seq_len_(seq_len), val_batches_(val_batches), seed_(seed) {
   LT_CHECK(batch > 0, "[mqar] batch must be positive; got ", batch);
   LT_CHECK(seq_len >= 8, "[mqar] seq must be at least 8; got ", seq_len);
+  int64_t tokens = 0;
+  LT_CHECK(!__builtin_mul_overflow(batch, seq_len, &tokens), "[mqar] batch x seq overflows: ", batch, " x ", seq_len);
 }
 
 Batch MqarData::make(int64_t index, bool validation) const {
@@ -152,6 +160,8 @@ std::unique_ptr<DataSource> open_data(const std::string& data, const std::string
   std::vector<int32_t> train = load_tokens(data), val;
   if (!val_path.empty()) {
     val = load_tokens(val_path);
+    LT_CHECK(int64_t(val.size()) >= seq_len + 1, "[data] the validation file '", val_path, "' has ", val.size(),
+             " tokens; a sequence of --seq ", seq_len, " needs ", seq_len + 1);
   } else {
     const size_t held_out = size_t(double(train.size()) * val_fraction);
     val.assign(train.end() - std::ptrdiff_t(held_out), train.end());

@@ -28,7 +28,7 @@ class DataSource {
   virtual bool reports_accuracy() const { return false; }
 };
 
-// Tokens of a file: bytes for a text file; the uint16 tokens of an llm.c .bin file (header of 256 int32:
+// Tokens of a file: bytes for a text file; the uint16 tokens of an llm.c .bin (or .BIN) file (header of 256 int32:
 // magic 20240520, version 1, token count). Errors name the file: unreadable, wrong magic or version,
 // truncated. A directory gives the bytes of its plain files (not *.dat, *.u8 or links) in name order.
 std::vector<int32_t> load_tokens(const std::string& path);
