@@ -105,7 +105,7 @@ void train(const TrainArgs& a) {
     if (a.given("--seed")) c.seed = uint64_t(a.seed);
   }
   try {
-    c.validate();  // every size against overflow and memory, before anything is built
+    validate_with_sizes(c);  // every size against overflow and memory, before anything is built
   } catch (const Error& e) {
     const std::string model = a.resume ? "checkpoint's model" : a.config_file.empty() ? preset + " preset" : "config";
     throw UsageError(fmt::format("{} (from --batch {}, --seq {} and the {})", e.what(), c.batch, c.model.seq_len, model));

@@ -100,12 +100,10 @@ SizeEstimate estimate_sizes(const ModelConfig& m, int64_t batch) {
   e.tokens = checked_mul(batch, m.seq_len, "batch x seq_len");
   // f32 weights, gradients and two AdamW moments.
   e.parameter_bytes = checked_mul(params, 16, "the parameters' bytes");
-  // The activations the tape keeps: per token and layer about 16 vectors of the widest of C, hidden, H*D,
-  // and once the (tokens x vocab) logits, all f32.
+  // A lower bound of the activations the tape keeps: per token and layer four f32 vectors of the widest of
+  // C, hidden, H*D (a real step keeps several times more), so only what surely cannot fit is refused.
   const int64_t widest = std::max({C, m.mlp_hidden, HD});
-  const int64_t per_token = checked_add(checked_mul(checked_mul(16 * 4, widest, "the activations"), m.layers,
-                                                    "the activations"),
-                                        checked_mul(4, m.vocab_size, "the logits"), "the activations");
+  const int64_t per_token = checked_mul(checked_mul(4 * 4, widest, "the activations"), m.layers, "the activations");
   e.activation_bytes = checked_mul(e.tokens, per_token, "the activations' bytes (batch x seq_len x ...)");
   return e;
 }
@@ -116,7 +114,7 @@ void check_memory(const ModelConfig& m, int64_t batch, const std::string& source
   LT_CHECK(e.parameter_bytes <= limit, "[config] ", source, ": the model would need ", e.parameter_bytes,
            " bytes for its weights, gradients and optimizer state; this machine has ", limit);
   LT_CHECK(e.activation_bytes <= limit, "[config] ", source, ": batch ", batch, " x seq_len ", m.seq_len,
-           " would need about ", e.activation_bytes, " bytes of activations; this machine has ", limit);
+           " would need at least ", e.activation_bytes, " bytes of activations; this machine has ", limit);
 }
 
 TrainConfig TrainConfig::preset(const std::string& name) {
@@ -150,7 +148,11 @@ void TrainConfig::validate() const {
   LT_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "[config] min_lr_ratio must be in [0, 1]; got ", min_lr_ratio);
   LT_CHECK(grad_clip > 0, "[config] grad_clip must be positive; got ", grad_clip);
   LT_CHECK(!data.empty(), "[config] data must be mqar or a file; got an empty string");
-  check_memory(model, batch, "batch and the model");
+}
+
+void validate_with_sizes(const TrainConfig& c) {
+  c.validate();
+  check_memory(c.model, c.batch, "batch and the model");
 }
 
 std::string to_json(const ModelConfig& config) { return model_json(config).dump(2); }
@@ -212,7 +214,7 @@ TrainConfig train_config_from_json(const std::string& text, const std::string& s
   read_key(j, "checkpoint_every", c.checkpoint_every, source);
   read_key(j, "keep_checkpoints", c.keep_checkpoints, source);
   try {
-    c.validate();
+    validate_with_sizes(c);
   } catch (const Error& e) {  // the sizes are checked before anything is built: the message names the file
     fail(str(source, ": ", e.what()));
   }

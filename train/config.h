@@ -27,12 +27,11 @@ struct TrainConfig {
   int64_t keep_checkpoints = 3;
 
   static TrainConfig preset(const std::string& name);  // "tiny" or "small"
-  // Throws naming the key and the value; also checks every size against overflow and memory (check_memory).
-  void validate() const;
+  void validate() const;                                // throws naming the key and the value
 };
 
 // Sizes of a run, each product computed with overflow checks (a failure names the product): the f32
-// weights, gradients and AdamW moments, and an upper estimate of the activations a step keeps.
+// weights, gradients and AdamW moments, and a lower bound of the activations a step keeps.
 struct SizeEstimate {
   int64_t tokens = 0, parameter_bytes = 0, activation_bytes = 0;
 };
@@ -40,6 +39,9 @@ SizeEstimate estimate_sizes(const ModelConfig& model, int64_t batch);
 int64_t memory_limit_bytes();  // the machine's physical memory
 // Throws naming `source` and the bytes needed when the estimate exceeds memory_limit_bytes().
 void check_memory(const ModelConfig& model, int64_t batch, const std::string& source);
+// validate(), then every size against overflow and memory: what a command line, a config file and a
+// checkpoint's state.json go through before anything is built (train_config_from_json calls it).
+void validate_with_sizes(const TrainConfig& config);
 
 std::string to_json(const ModelConfig& config);
 std::string to_json(const TrainConfig& config);
