@@ -3,7 +3,10 @@
 // mutation with a lintape::Error, never crash, and stay within a time bound.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +16,7 @@
 #include "helpers.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
+#include "train/progress.h"
 #include "train/trainer.h"
 #include "train_helpers.h"
 
@@ -188,4 +192,42 @@ TEST_CASE("failures: loader fuzz over checkpoint files and llm.c token files") {
     write_all(model_path, model);
   }
   CHECK(load_checkpoint(dir.file("ckpt")).state.step == 2);  // the restored checkpoint still loads
+}
+
+TEST_CASE("failures: helpers for the run: a checkpoint directory checked before training, ETA in words") {
+  TempDir dir("failures_helpers");
+  CHECK_NOTHROW(check_checkpoint_dir_writable(dir.file("new/ckpt")));
+  CHECK(fs::is_directory(dir.file("new/ckpt")));
+  CHECK(fs::is_empty(dir.file("new/ckpt")));  // the probe is gone
+  write_all(dir.file("a_file"), "x");
+  check_throws_containing([&] { check_checkpoint_dir_writable(dir.file("a_file/ckpt")); },
+                          {"cannot create the checkpoint directory", "a_file/ckpt"});
+  if (::geteuid() != 0) {  // root writes anywhere
+    fs::create_directories(dir.file("ro"));
+    fs::permissions(dir.file("ro"), fs::perms::owner_read | fs::perms::owner_exec);
+    check_throws_containing([&] { check_checkpoint_dir_writable(dir.file("ro")); },
+                            {"cannot write in the checkpoint directory", "ro"});
+    fs::permissions(dir.file("ro"), fs::perms::owner_all);
+  }
+  CHECK(format_duration(0) == "0 s");
+  CHECK(format_duration(45.4) == "45 s");
+  CHECK(format_duration(185) == "3 min 05 s");
+  CHECK(format_duration(14597) == "4 h 03 min");
+  CHECK(format_duration(2 * 86400 + 5 * 3600 + 10) == "2 d 05 h");
+  CHECK(format_duration(-1) == "?");
+  CHECK(format_duration(std::nan("")) == "?");
+  CHECK(format_duration(1e300) == "1157407 d 09 h");
+}
+
+TEST_CASE("failures: a failed checkpoint write removes its temporary folder and keeps the last good one") {
+  TempDir dir("failures_save");
+  micro_checkpoint(dir);
+  TrainConfig c = micro_train_config("mqar");
+  LanguageModel model(c.model, 0);
+  const std::string before = read_all(dir.file("ckpt/latest"));
+  // An optimizer state holding an undefined tensor cannot be written: the save fails midway.
+  CHECK_THROWS(save_checkpoint(dir.file("ckpt"), model, {{"m.x", Tensor()}}, c, {3, 0}, 3));
+  CHECK(!fs::exists(dir.file("ckpt/.tmp_step_00000003")));
+  CHECK(read_all(dir.file("ckpt/latest")) == before);
+  CHECK(load_checkpoint(dir.file("ckpt")).state.step == 2);
 }

@@ -1,7 +1,9 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -59,31 +61,38 @@ std::string save_checkpoint(const std::string& dir, Module& model,
   const fs::path tmp = root / (".tmp_" + name), final_dir = root / name;
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  // The two files are written (with fsync) and hashed at once, each on its own thread.
-  auto write_and_hash = [&tmp](const char* file, const std::map<std::string, Tensor>& tensors) {
-    const std::string path = (tmp / file).string();
-    save_safetensors(path, tensors);
-    return sha256_file(path);
-  };
-  const std::map<std::string, Tensor> model_state = model.state_dict();
-  std::future<std::string> optim_hash =
-      std::async(std::launch::async, write_and_hash, kTensorFiles[1], std::cref(optimizer_state));
-  json files;
-  files[kTensorFiles[0]] = write_and_hash(kTensorFiles[0], model_state);
-  files[kTensorFiles[1]] = optim_hash.get();  // rethrows the thread's error, if any
-  const json train{{"step", state.step},
-                   {"data_position", state.data_position},
-                   {"seed", config.seed},
-                   {"lr_schedule",
-                    {{"peak", config.lr},
-                     {"warmup", config.warmup},
-                     {"total_steps", config.steps},
-                     {"min_lr_ratio", config.min_lr_ratio}}},
-                   {"rng", {{"kind", "data batches depend only on (seed, position)"}}}};
-  json doc{{"config", json::parse(to_json(config))}, {"train", train}, {"files", files}};
-  doc["state_sha256"] = state_hash(doc);
-  doc["lintape"] = LINTAPE_VERSION_STRING;
-  write_text(tmp / "state.json", doc.dump(2));
+  // A failed write (a full disk, an unwritable file) removes its temporary folder, then reports.
+  try {
+    // The two files are written (with fsync) and hashed at once, each on its own thread.
+    auto write_and_hash = [&tmp](const char* file, const std::map<std::string, Tensor>& tensors) {
+      const std::string path = (tmp / file).string();
+      save_safetensors(path, tensors);
+      return sha256_file(path);
+    };
+    const std::map<std::string, Tensor> model_state = model.state_dict();
+    std::future<std::string> optim_hash =
+        std::async(std::launch::async, write_and_hash, kTensorFiles[1], std::cref(optimizer_state));
+    json files;
+    files[kTensorFiles[0]] = write_and_hash(kTensorFiles[0], model_state);
+    files[kTensorFiles[1]] = optim_hash.get();  // rethrows the thread's error, if any
+    const json train{{"step", state.step},
+                     {"data_position", state.data_position},
+                     {"seed", config.seed},
+                     {"lr_schedule",
+                      {{"peak", config.lr},
+                       {"warmup", config.warmup},
+                       {"total_steps", config.steps},
+                       {"min_lr_ratio", config.min_lr_ratio}}},
+                     {"rng", {{"kind", "data batches depend only on (seed, position)"}}}};
+    json doc{{"config", json::parse(to_json(config))}, {"train", train}, {"files", files}};
+    doc["state_sha256"] = state_hash(doc);
+    doc["lintape"] = LINTAPE_VERSION_STRING;
+    write_text(tmp / "state.json", doc.dump(2));
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(tmp, ignored);
+    throw;
+  }
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);
   write_text(root / "latest.tmp", name + "\n");
@@ -132,6 +141,24 @@ std::pair<fs::path, json> read_state(const std::string& dir) {
 }
 
 }  // namespace
+
+void check_checkpoint_dir_writable(const std::string& dir) {
+  const fs::path root(dir);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  LT_CHECK(!ec, "[checkpoint] cannot create the checkpoint directory '", dir, "': ", ec.message());
+  const fs::path probe = root / ".write_check";
+  {
+    std::ofstream out(probe, std::ios::binary | std::ios::trunc);
+    out << std::string(4096, '\0');
+    out.close();
+    const bool good = out.good();
+    if (!good) fs::remove(probe, ec);
+    LT_CHECK(good, "[checkpoint] cannot write in the checkpoint directory '", dir, "': ", std::strerror(errno));
+  }
+  fs::remove(probe, ec);
+  LT_CHECK(!ec, "[checkpoint] cannot remove '", probe.string(), "': ", ec.message());
+}
 
 Checkpoint load_checkpoint_state(const std::string& dir) {
   const auto [step_dir, doc] = read_state(dir);

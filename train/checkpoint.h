@@ -1,7 +1,9 @@
-// Checkpoints of MODEL.md: DIR/step_<8 digits>/{model.safetensors, optim.safetensors, state.json} and
-// DIR/latest. A step directory is written under a temporary name and renamed when complete, and `latest`
-// is replaced by rename, so a run killed while writing leaves the previous checkpoint as the newest
-// complete one. Loading checks every file's sha256 and every shape and names the file that differs.
+// Checkpoints of docs/MODEL.md: DIR/step_<8 digits>/{model.safetensors, optim.safetensors, state.json} and
+// DIR/latest. A step directory is written under a temporary name (removed when a write fails) and renamed
+// when complete, and `latest` is replaced by rename, so a run killed while writing leaves the previous
+// checkpoint as the newest complete one. Loading checks state.json's own checksum (state_sha256, absent in
+// checkpoints of lintape 0.1, which still load) and its config's sizes before anything else, then every
+// file's sha256 and every shape, and names the file that differs.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -24,6 +26,10 @@ struct TrainState {
 std::string save_checkpoint(const std::string& dir, Module& model,
                             const std::map<std::string, Tensor>& optimizer_state, const TrainConfig& config,
                             const TrainState& state, int64_t keep);
+
+// Creates DIR if needed, writes and removes a small file in it: a run calls it before its first step, so an
+// unwritable or full directory is found before any training is lost. Throws naming DIR and the reason.
+void check_checkpoint_dir_writable(const std::string& dir);
 
 struct Checkpoint {
   std::string path;  // the step directory
