@@ -1,4 +1,4 @@
-// `lintape train` and `lintape eval`: train the language model of MODEL.md (train/trainer.h) and measure
+// `lintape train` and `lintape eval`: train the language model of docs/MODEL.md (train/trainer.h) and measure
 // a checkpoint's loss on a file.
 #include <cmath>
 #include <cstdlib>
@@ -108,7 +108,8 @@ void train(const TrainArgs& a) {
     validate_with_sizes(c);  // every size against overflow and memory, before anything is built
   } catch (const Error& e) {
     const std::string model = a.resume ? "checkpoint's model" : a.config_file.empty() ? preset + " preset" : "config";
-    throw UsageError(fmt::format("{} (from --batch {}, --seq {} and the {})", e.what(), c.batch, c.model.seq_len, model));
+    throw UsageError(
+        fmt::format("{} (from --batch {}, --seq {} and the {})", e.what(), c.batch, c.model.seq_len, model));
   }
   TrainerOptions o;
   o.device = device;
@@ -256,7 +257,7 @@ CLI::Validator non_negative_number() { return number_at_least(0, false, "must no
 
 Command add_train_command(CLI::App& app) {
   auto args = std::make_shared<TrainArgs>();
-  CLI::App* sub = app.add_subcommand("train", "Train the language model (MODEL.md) on mqar, a text or .bin file");
+  CLI::App* sub = app.add_subcommand("train", "Train the language model (docs/MODEL.md) on mqar, a text or .bin file");
   sub->add_option("--preset", args->preset,
                   "tiny (CPU, about a minute), small (one GPU), or auto: small on a GPU, tiny on the CPU")
       ->capture_default_str();

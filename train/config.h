@@ -1,4 +1,4 @@
-// TrainConfig: the model (MODEL.md's config) and the run's settings, with the presets tiny and small,
+// TrainConfig: the model (docs/MODEL.md's config) and the run's settings, with the presets tiny and small,
 // JSON load and save, and validation with errors that name the key.
 #pragma once
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Training data of MODEL.md: the in-process mqar task, a text file as bytes, an llm.c .bin token file.
+// Training data of docs/MODEL.md: the in-process mqar task, a text file as bytes, an llm.c .bin token file.
 // Batches are (B, N) int64 tokens and targets (targets = tokens shifted by one; -1 is ignored). A source
 // reads in a fixed order from a position that the checkpoint saves, so a resumed run sees the same batches.
 #pragma once
