@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -230,4 +231,29 @@ TEST_CASE("failures: a failed checkpoint write removes its temporary folder and 
   CHECK(!fs::exists(dir.file("ckpt/.tmp_step_00000003")));
   CHECK(read_all(dir.file("ckpt/latest")) == before);
   CHECK(load_checkpoint(dir.file("ckpt")).state.step == 2);
+}
+
+TEST_CASE("failures: file windows come in a seeded shuffled order that a position replays") {
+  std::vector<int32_t> tokens(1 + 8 * 50);  // 50 windows of 8 (+1) tokens; window w starts with token w
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i / 8);
+  auto starts = [&](uint64_t seed, int64_t from, int64_t count) {
+    TokenData d(tokens, {}, 1, 8, 0, "t", seed);
+    d.seek(from);
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i < count; ++i) {
+      out.push_back(d.next_train().tokens.to_vector<int64_t>()[0]);
+    }
+    return out;
+  };
+  const std::vector<int64_t> epoch = starts(7, 0, 50);
+  std::vector<int64_t> sorted = epoch;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());  // every window once an epoch
+  CHECK(sorted.size() == 50);
+  CHECK(sorted.back() == 49);
+  CHECK(epoch != sorted);  // not the file's order
+  CHECK(starts(7, 0, 50) == epoch);  // the same seed, the same order
+  CHECK(starts(8, 0, 50) != epoch);  // another seed, another order
+  const std::vector<int64_t> run = starts(7, 0, 130);
+  CHECK(starts(7, 37, 93) == std::vector<int64_t>(run.begin() + 37, run.end()));  // a resumed position replays
 }

@@ -44,6 +44,9 @@ std::string read_text(const fs::path& path) {
 }
 
 const char* const kTensorFiles[] = {"model.safetensors", "optim.safetensors"};
+// The data order state.json records. Before the shuffled windows, a file's data_position counted tokens.
+constexpr const char* kDataOrder = "data batches depend only on (seed, position); file windows shuffled";
+constexpr const char* kFileOrderInTokens = "data batches depend only on (seed, position)";
 
 // sha256 of state.json's config, train and files sections (nlohmann's dump is canonical: sorted keys).
 std::string state_hash(const json& doc) {
@@ -83,7 +86,7 @@ std::string save_checkpoint(const std::string& dir, Module& model,
                        {"warmup", config.warmup},
                        {"total_steps", config.steps},
                        {"min_lr_ratio", config.min_lr_ratio}}},
-                     {"rng", {{"kind", "data batches depend only on (seed, position)"}}}};
+                     {"rng", {{"kind", kDataOrder}}}};
     json doc{{"config", json::parse(to_json(config))}, {"train", train}, {"files", files}};
     doc["state_sha256"] = state_hash(doc);
     doc["lintape"] = LINTAPE_VERSION_STRING;
@@ -170,6 +173,10 @@ Checkpoint load_checkpoint_state(const std::string& dir) {
     c.config = train_config_from_json(doc.at("config").dump(), state_path);
     c.state.step = doc.at("train").at("step").get<int64_t>();
     c.state.data_position = doc.at("train").at("data_position").get<int64_t>();
+    // An older checkpoint of a file run: its token offset becomes the count of windows read so far.
+    const json& rng = doc.at("train").at("rng");
+    if (c.config.data != "mqar" && rng.is_object() && rng.value("kind", "") == kFileOrderInTokens)
+      c.state.data_position /= c.config.model.seq_len;
   } catch (const json::exception& e) {
     fail(str("[checkpoint] '", state_path, "' lacks a field: ", e.what()));
   }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <random>
 
 #include "core/error.h"
@@ -78,12 +79,13 @@ std::vector<int32_t> load_tokens(const std::string& path) {
 }
 
 TokenData::TokenData(std::vector<int32_t> train, std::vector<int32_t> val, int64_t batch, int64_t seq_len,
-                     int64_t max_val_batches, const std::string& source)
-    : train_(std::move(train)), val_(std::move(val)), batch_(batch), seq_len_(seq_len) {
+                     int64_t max_val_batches, const std::string& source, uint64_t seed)
+    : train_(std::move(train)), val_(std::move(val)), batch_(batch), seq_len_(seq_len), seed_(seed) {
   LT_CHECK(batch > 0 && seq_len > 0, "[data] batch and seq must be positive; got batch ", batch, ", seq ", seq_len);
   LT_CHECK(int64_t(train_.size()) >= seq_len + 1, "[data] --seq ", seq_len, " is longer than the data: '", source,
            "' has ", train_.size(), " training tokens, and a sequence needs seq + 1");
   for (int32_t t : train_) vocab_ = std::max<int64_t>(vocab_, int64_t(t) + 1);
+  windows_ = (int64_t(train_.size()) - 1) / seq_len;
   const int64_t windows = int64_t(val_.size()) / (seq_len + 1);
   val_batches_ = std::min(max_val_batches, windows / batch);
   if (val_batches_ == 0 && windows > 0) val_batches_ = 1;
@@ -103,7 +105,30 @@ Batch TokenData::window_batch(const std::vector<int32_t>& tokens, int64_t& curso
   return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
 }
 
-Batch TokenData::next_train() { return window_batch(train_, position_); }
+int64_t TokenData::window(int64_t drawn) const {
+  // Epoch e visits every window once in the order i -> (a i + b) mod W, with a coprime to W and a, b drawn
+  // from (seed, e): no state beyond the count of windows drawn, which the checkpoint saves.
+  const uint64_t W = uint64_t(windows_), epoch = uint64_t(drawn) / W, i = uint64_t(drawn) % W;
+  if (W == 1) return 0;
+  std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + epoch);
+  uint64_t a = 1 + rng() % (W - 1);
+  while (std::gcd(a, W) != 1) a = a % (W - 1) + 1;
+  const uint64_t b = rng() % W;
+  return int64_t((static_cast<unsigned __int128>(a) * i + b) % W);
+}
+
+Batch TokenData::next_train() {
+  const int64_t N = seq_len_;
+  std::vector<int64_t> in(size_t(batch_ * N)), out(size_t(batch_ * N));
+  for (int64_t b = 0; b < batch_; ++b) {
+    const size_t start = size_t(window(position_++) * N);
+    for (int64_t j = 0; j < N; ++j) {
+      in[size_t(b * N + j)] = train_[start + size_t(j)];
+      out[size_t(b * N + j)] = train_[start + size_t(j) + 1];
+    }
+  }
+  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
+}
 
 Batch TokenData::validation(int64_t index) const {
   LT_CHECK(index >= 0 && index < val_batches_, "[data] validation batch ", index, " out of range [0, ", val_batches_,
@@ -113,8 +138,7 @@ Batch TokenData::validation(int64_t index) const {
 }
 
 void TokenData::seek(int64_t position) {
-  LT_CHECK(position >= 0 && position < int64_t(train_.size()), "[data] position ", position,
-           " is outside the training tokens (", train_.size(), ")");
+  LT_CHECK(position >= 0, "[data] position ", position, " must not be negative");
   position_ = position;
 }
 
@@ -167,7 +191,7 @@ std::unique_ptr<DataSource> open_data(const std::string& data, const std::string
     val.assign(train.end() - std::ptrdiff_t(held_out), train.end());
     train.resize(train.size() - held_out);
   }
-  return std::make_unique<TokenData>(std::move(train), std::move(val), batch, seq_len, val_batches, data);
+  return std::make_unique<TokenData>(std::move(train), std::move(val), batch, seq_len, val_batches, data, seed);
 }
 
 }  // namespace lintape
