@@ -94,7 +94,8 @@ expect(0 "--steps.*default: the preset's.*--checkpoint-every.*default 0" train -
 # --resume: options that differ from the checkpoint's are refused naming its value; --steps extends the run.
 expect(0 "2 steps of 2 x 32 tokens" train --device cpu --data mqar --steps 2 --batch 2 --seq 32
        --checkpoint-dir "${WORK}/ck")
-expect(2 "--batch 4 differs from the checkpoint's 2" train --device cpu --resume --checkpoint-dir "${WORK}/ck" --batch 4)
+expect(2 "--batch 4 differs from the checkpoint's 2" train --device cpu --resume --checkpoint-dir "${WORK}/ck"
+       --batch 4)
 expect(2 "--seq 64 differs from the checkpoint's 32" train --device cpu --resume --checkpoint-dir "${WORK}/ck" --seq 64)
 expect(2 "--lr 0.1 differs from the checkpoint's 0.003" train --device cpu --resume --checkpoint-dir "${WORK}/ck"
        --lr 0.1)
@@ -104,7 +105,8 @@ expect(2 "--steps 1 is below the checkpoint's total of 2 steps" train --device c
        --checkpoint-dir "${WORK}/ck" --steps 1)
 expect(0 "3 steps of 2 x 32 tokens.*step 3/3" train --device cpu --resume --checkpoint-dir "${WORK}/ck" --steps 3)
 # The last good checkpoint loads after every refusal.
-file(WRITE "${WORK}/text.txt" "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.")
+file(WRITE "${WORK}/text.txt"
+     "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.")
 expect(0 "mean loss [0-9.]+" eval --checkpoint "${WORK}/ck" --data "${WORK}/text.txt" --batches 1)
 # An edited state.json is refused naming it.
 file(READ "${WORK}/ck/step_00000003/state.json" state)
