@@ -257,3 +257,18 @@ TEST_CASE("failures: file windows come in a seeded shuffled order that a positio
   const std::vector<int64_t> run = starts(7, 0, 130);
   CHECK(starts(7, 37, 93) == std::vector<int64_t>(run.begin() + 37, run.end()));  // a resumed position replays
 }
+
+TEST_CASE("failures: an older checkpoint of a file run resumes at the window its token offset had reached") {
+  TempDir dir("failures_oldpos");
+  TrainConfig c = micro_train_config(write_text_corpus(dir));
+  c.steps = 1;
+  Trainer(c, {Device::cpu(), "", dir.file("ckpt")}).run();
+  const std::string state_path = dir.file("ckpt/step_00000001/state.json");
+  nlohmann::json doc = nlohmann::json::parse(read_all(state_path));
+  CHECK(load_checkpoint_state(dir.file("ckpt")).state.data_position == c.batch);  // windows drawn
+  doc.erase("state_sha256");  // written before the checksum and the shuffled order
+  doc["train"]["rng"]["kind"] = "data batches depend only on (seed, position)";
+  doc["train"]["data_position"] = 10 * c.model.seq_len;
+  write_all(state_path, doc.dump(2));
+  CHECK(load_checkpoint_state(dir.file("ckpt")).state.data_position == 10);
+}
