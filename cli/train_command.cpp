@@ -120,9 +120,11 @@ void train(const TrainArgs& a) {
   o.progress = &std::cout;
   o.zero = int(a.zero);
   o.bucket_mib = a.bucket_mib;
-  Trainer trainer(c, o);
   const Communicator& comm = Communicator::world();
   const bool leader = comm.rank() == 0;  // rank 0 prints for the job
+  // An unwritable or full checkpoint directory is found now, not after the training it would have saved.
+  if (leader && !a.checkpoint_dir.empty()) check_checkpoint_dir_writable(a.checkpoint_dir);
+  Trainer trainer(c, o);
   if (leader)
     fmt::print("training {} parameters ({}) on {} ({}, {} activations), {} steps of {} x {} tokens{}\n",
                trainer.model().parameter_count(),

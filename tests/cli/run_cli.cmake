@@ -124,3 +124,11 @@ expect(0 "a 2000-byte prompt on the CPU takes a while" generate --device cpu --c
 file(WRITE "${WORK}/short.txt" "short")
 expect(1 "validation file .*short.txt' has 5 tokens" train --device cpu --data "${WORK}/text.txt" --seq 16
        --val-data "${WORK}/short.txt")
+
+# An unwritable --checkpoint-dir is found before the first step (a file stands where the folder would be).
+file(WRITE "${WORK}/a_file" "x")
+expect(1 "cannot create the checkpoint directory .*a_file/ck" train --device cpu --data mqar --steps 1 --batch 1
+       --seq 32 --checkpoint-dir "${WORK}/a_file/ck")
+if(last_output MATCHES "step 1/1")
+  message(SEND_ERROR "the checkpoint directory was checked only after training:\n${last_output}")
+endif()
