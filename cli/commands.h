@@ -9,6 +9,7 @@
 
 namespace CLI {
 class App;
+class Validator;
 }
 namespace lintape::bench {
 struct TrainBenchOptions;
@@ -42,6 +43,11 @@ void bench_train(bench::TrainBenchOptions options, const std::string& device, co
 // A --device value: cpu, cuda, cuda:N; empty or "auto" picks cuda:0 when a GPU is present, else the
 // CPU. A bad name or a device this machine lacks is a UsageError naming the value (cli/info.cpp).
 Device device_option(const std::string& value);
+
+// Option checks whose message names the value: "--steps: must be positive; got 0" (CLI11's own range
+// validators print the double's 300-digit limit). A value that is not a number is left to the conversion.
+CLI::Validator positive_number();
+CLI::Validator non_negative_number();
 
 // "lintape 0.1.0 (Release; CUDA on, architectures 90a)" or "... (Release; CUDA off)".
 std::string version_string();

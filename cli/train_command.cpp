@@ -1,6 +1,7 @@
-// `lintape train` and `lintape eval`: train the language model of MODEL.md (train/trainer.h) and measure
+// `lintape train` and `lintape eval`: train the language model of docs/MODEL.md (train/trainer.h) and measure
 // a checkpoint's loss on a file.
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -30,7 +31,44 @@ struct TrainArgs {
   int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0;
   double lr = 0, bucket_mib = 25;
   bool resume = false;
+  const CLI::App* app = nullptr;  // which options were given
+  bool given(const char* name) const { return app->count(name) > 0; }
 };
+
+// On --resume the checkpoint's config is the run's: --steps extends the run (the cosine decay is stretched to
+// the new total from the current step on; a total below the checkpoint's is refused); options that would
+// change the data, the model or the schedule's peak are refused when they differ from the checkpoint's,
+// naming its value.
+TrainConfig resumed_config(const TrainArgs& a) {
+  const Checkpoint ckpt = load_checkpoint_state(a.checkpoint_dir);
+  TrainConfig c = ckpt.config;
+  auto refuse = [&](const char* option, const std::string& given, const std::string& saved) {
+    if (given != saved)
+      throw UsageError(fmt::format("{} {} differs from the checkpoint's {} ({}); a resumed run keeps the "
+                                   "checkpoint's value: leave {} out or start a new run",
+                                   option, given, saved, ckpt.path, option));
+  };
+  if (a.given("--data")) refuse("--data", a.data, c.data);
+  if (a.given("--val-data")) refuse("--val-data", a.val_data, c.val_data);
+  if (a.given("--batch")) refuse("--batch", std::to_string(a.batch), std::to_string(c.batch));
+  if (a.given("--seq")) refuse("--seq", std::to_string(a.seq), std::to_string(c.model.seq_len));
+  if (a.given("--lr")) refuse("--lr", fmt::format("{:g}", a.lr), fmt::format("{:g}", c.lr));
+  if (a.given("--seed")) refuse("--seed", std::to_string(a.seed), std::to_string(c.seed));
+  if (a.given("--mixers"))
+    refuse("--mixers", a.mixers, fmt::format("{}", fmt::join(c.model.mixers, ",")));
+  if (a.given("--config") || a.given("--preset"))
+    throw UsageError("--config and --preset do not apply with --resume: the checkpoint holds the config");
+  if (a.given("--checkpoint-every"))
+    refuse("--checkpoint-every", std::to_string(a.checkpoint_every), std::to_string(c.checkpoint_every));
+  if (a.given("--steps")) {
+    if (a.steps < c.steps)
+      throw UsageError(fmt::format("--steps {} is below the checkpoint's total of {} steps ({}, at step {}); a "
+                                   "resumed run can extend its total, not shorten it",
+                                   a.steps, c.steps, ckpt.path, ckpt.state.step));
+    c.steps = a.steps;
+  }
+  return c;
+}
 
 // "auto": bf16 on CUDA, f32 on the CPU (the master weights are f32 either way).
 DType parse_compute_dtype(const std::string& text, Device device) {
@@ -45,26 +83,33 @@ void train(const TrainArgs& a) {
   const DType dtype = parse_compute_dtype(a.dtype, device);
   // "auto": small on a GPU, tiny on the CPU.
   const std::string preset = a.preset != "auto" ? a.preset : (device.is_cuda() ? "small" : "tiny");
+  if (a.resume && a.checkpoint_dir.empty()) throw UsageError("--resume needs --checkpoint-dir");
   TrainConfig c;
-  try {
-    c = a.config_file.empty() ? TrainConfig::preset(preset) : load_train_config(a.config_file);
-  } catch (const Error& e) {
-    if (a.config_file.empty()) throw UsageError(e.what());
-    throw;
+  if (a.resume) {
+    c = resumed_config(a);
+  } else {
+    try {
+      c = a.config_file.empty() ? TrainConfig::preset(preset) : load_train_config(a.config_file);
+    } catch (const Error& e) {
+      if (a.config_file.empty()) throw UsageError(e.what());
+      throw;
+    }
+    c.data = a.given("--data") ? a.data : (a.config_file.empty() ? kDefaultCorpus : c.data);
+    if (a.given("--val-data")) c.val_data = a.val_data;
+    if (a.given("--steps")) c.steps = a.steps;
+    if (a.given("--batch")) c.batch = a.batch;
+    if (a.given("--seq")) c.model.seq_len = a.seq;
+    if (a.given("--lr")) c.lr = a.lr;
+    if (a.given("--mixers")) c.model.mixers = ModelConfig::mixers_from_list(a.mixers);
+    if (a.given("--checkpoint-every")) c.checkpoint_every = a.checkpoint_every;
+    if (a.given("--seed")) c.seed = uint64_t(a.seed);
   }
-  c.data = !a.data.empty() ? a.data : (a.config_file.empty() ? kDefaultCorpus : c.data);
-  if (!a.val_data.empty()) c.val_data = a.val_data;
-  if (a.steps != 0) c.steps = a.steps;
-  if (a.batch != 0) c.batch = a.batch;
-  if (a.seq != 0) c.model.seq_len = a.seq;
-  if (a.lr != 0) c.lr = a.lr;
-  if (!a.mixers.empty()) c.model.mixers = ModelConfig::mixers_from_list(a.mixers);
-  if (a.checkpoint_every >= 0) c.checkpoint_every = a.checkpoint_every;
-  if (a.seed >= 0) c.seed = uint64_t(a.seed);
   try {
-    c.validate();
+    validate_with_sizes(c);  // every size against overflow and memory, before anything is built
   } catch (const Error& e) {
-    throw UsageError(e.what());
+    const std::string model = a.resume ? "checkpoint's model" : a.config_file.empty() ? preset + " preset" : "config";
+    throw UsageError(
+        fmt::format("{} (from --batch {}, --seq {} and the {})", e.what(), c.batch, c.model.seq_len, model));
   }
   TrainerOptions o;
   o.device = device;
@@ -75,13 +120,15 @@ void train(const TrainArgs& a) {
   o.progress = &std::cout;
   o.zero = int(a.zero);
   o.bucket_mib = a.bucket_mib;
-  if (a.resume && a.checkpoint_dir.empty()) throw UsageError("--resume needs --checkpoint-dir");
-  Trainer trainer(c, o);
   const Communicator& comm = Communicator::world();
   const bool leader = comm.rank() == 0;  // rank 0 prints for the job
+  // An unwritable or full checkpoint directory is found now, not after the training it would have saved.
+  if (leader && !a.checkpoint_dir.empty()) check_checkpoint_dir_writable(a.checkpoint_dir);
+  Trainer trainer(c, o);
   if (leader)
     fmt::print("training {} parameters ({}) on {} ({}, {} activations), {} steps of {} x {} tokens{}\n",
-               trainer.model().parameter_count(), a.config_file.empty() ? preset : a.config_file, c.data,
+               trainer.model().parameter_count(),
+               a.resume ? a.checkpoint_dir : a.config_file.empty() ? preset : a.config_file, c.data,
                comm.distributed() ? fmt::format("{} ranks, {} each", comm.size(), o.device.is_cuda() ? "a GPU" : "the CPU")
                                   : o.device.name(),
                dtype_name(dtype), c.steps, c.batch, c.model.seq_len,
@@ -174,6 +221,11 @@ void generate(const GenerateArgs& a) {
   std::vector<int64_t> prompt;
   for (unsigned char c : a.prompt) prompt.push_back(int64_t(c));
   const int64_t n = int64_t(prompt.size());
+  // The CPU's prefill runs at a few hundred bytes a second on the default model: say so for a long prompt.
+  constexpr int64_t kLongCpuPrompt = 2000;
+  if (!device.is_cuda() && n >= kLongCpuPrompt)
+    fmt::print(stderr, "a {}-byte prompt on the CPU takes a while (about {} s on 2 cores) before the first token\n",
+               n, n / 300 + 1);
   Tensor logits = model.prefill(from_vector_i64(prompt, {1, n}).to(device), state).narrow(1, n - 1, 1);
   std::cout << a.prompt << std::flush;
   for (int64_t i = 0; i < a.tokens; ++i) {
@@ -189,31 +241,62 @@ void generate(const GenerateArgs& a) {
 
 }  // namespace
 
+namespace {
+CLI::Validator number_at_least(double min, bool strict, const std::string& words) {
+  return CLI::Validator(
+      [=](std::string& value) {
+        char* end = nullptr;
+        const double v = std::strtod(value.c_str(), &end);
+        if (end == value.c_str() || *end != '\0') return std::string();  // not a number: the conversion says so
+        return (strict ? v > min : v >= min) ? std::string() : words + "; got " + value;
+      },
+      strict ? "POSITIVE" : "NONNEGATIVE");
+}
+}  // namespace
+
+CLI::Validator positive_number() { return number_at_least(0, true, "must be positive"); }
+CLI::Validator non_negative_number() { return number_at_least(0, false, "must not be negative"); }
+
 Command add_train_command(CLI::App& app) {
   auto args = std::make_shared<TrainArgs>();
-  CLI::App* sub = app.add_subcommand("train", "Train the language model (MODEL.md) on mqar, a text or .bin file");
-  sub->add_option("--preset", args->preset, "tiny (CPU, about a minute), small (one GPU), or auto: small on a GPU, tiny on the CPU");
+  CLI::App* sub = app.add_subcommand("train", "Train the language model (docs/MODEL.md) on mqar, a text or .bin file");
+  sub->add_option("--preset", args->preset,
+                  "tiny (CPU, about a minute), small (one GPU), or auto: small on a GPU, tiny on the CPU")
+      ->capture_default_str();
   sub->add_option("--config", args->config_file, "a TrainConfig JSON file (instead of a preset)");
   sub->add_option("--data", args->data, std::string("mqar, a text file, a directory of text, or an llm.c .bin; default ") +
                                             kDefaultCorpus);
   sub->add_option("--val-data", args->val_data, "validation file (default: the held-out tail of --data)");
-  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)");
-  sub->add_option("--dtype", args->dtype, "activations and matrix products: bf16, f32 or auto (bf16 on CUDA, f32 on the CPU); weights stay f32");
-  sub->add_option("--steps", args->steps, "optimizer steps");
-  sub->add_option("--batch", args->batch, "sequences per step");
-  sub->add_option("--seq", args->seq, "tokens per sequence");
-  sub->add_option("--lr", args->lr, "peak learning rate");
+  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)")->capture_default_str();
+  sub->add_option("--dtype", args->dtype,
+                  "activations and matrix products: bf16, f32 or auto (bf16 on CUDA, f32 on the CPU); weights stay f32")
+      ->capture_default_str();
+  args->app = sub;
+  sub->add_option("--steps", args->steps,
+                  "optimizer steps in all (default: the preset's, tiny 60, small 1000); with --resume, a larger "
+                  "total extends the run and stretches the cosine decay to it")
+      ->check(positive_number());
+  sub->add_option("--batch", args->batch, "sequences per step (default: the preset's, 8)")
+      ->check(positive_number());
+  sub->add_option("--seq", args->seq, "tokens per sequence (default: the preset's, 256)")
+      ->check(positive_number());
+  sub->add_option("--lr", args->lr, "peak learning rate (default: the preset's, tiny 3e-3, small 1e-3)")
+      ->check(positive_number());
   sub->add_option("--mixers", args->mixers, "comma-separated mixers per layer: fal, tpa (a shorter list repeats)");
   sub->add_option("--log", args->log, "JSONL log; the summary JSON and loss SVG go next to it");
   sub->add_option("--checkpoint-dir", args->checkpoint_dir, "checkpoint directory");
-  sub->add_option("--checkpoint-every", args->checkpoint_every, "steps between checkpoints (0: at the end)");
+  sub->add_option("--checkpoint-every", args->checkpoint_every, "steps between checkpoints (default 0: at the end)")
+      ->check(non_negative_number());
   sub->add_flag("--resume", args->resume, "continue from the checkpoint directory's latest checkpoint");
-  sub->add_option("--seed", args->seed, "seed of the initialisation and the data");
+  sub->add_option("--seed", args->seed, "seed of the initialisation and the data (default 0)")
+      ->check(non_negative_number());
   sub->add_option("--zero", args->zero, "under mpirun: 1 shards the AdamW moments over the ranks (ZeRO-1)")
+      ->capture_default_str()
       ->check(CLI::IsMember({0, 1}));
   sub->add_option("--bucket-mib", args->bucket_mib,
                   "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; 0: one")
-      ->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(non_negative_number());
   return {sub, [args] { train(*args); }};
 }
 
@@ -222,10 +305,11 @@ Command add_eval_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("eval", "Mean loss and perplexity of a checkpoint over a file");
   sub->add_option("--checkpoint", args->checkpoint, "checkpoint directory")->required();
   sub->add_option("--data", args->data, "text file, directory of text or llm.c .bin")->required();
-  sub->add_option("--batches", args->batches, "sequences to evaluate");
+  sub->add_option("--batches", args->batches, "sequences to evaluate")->capture_default_str()
+      ->check(positive_number());
   sub->add_option("--json", args->json_path, "write the result as JSON");
-  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)");
-  sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)");
+  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)")->capture_default_str();
+  sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)")->capture_default_str();
   return {sub, [args] { eval(*args); }};
 }
 
@@ -234,12 +318,18 @@ Command add_generate_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("generate", "Sample text from a checkpoint, token by token");
   sub->add_option("--checkpoint", args->checkpoint, "checkpoint directory")->required();
   sub->add_option("--prompt", args->prompt, "the text to continue (bytes)")->required();
-  sub->add_option("--tokens", args->tokens, "tokens to generate");
-  sub->add_option("--temperature", args->temperature, "sampling temperature (0: greedy)");
-  sub->add_option("--top-k", args->top_k, "sample among the k most likely (0: all)");
-  sub->add_option("--seed", args->seed, "sampling seed");
-  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)");
-  sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)");
+  sub->add_option("--tokens", args->tokens, "tokens to generate")
+      ->capture_default_str()
+      ->check(positive_number());
+  sub->add_option("--temperature", args->temperature, "sampling temperature (0: greedy)")
+      ->capture_default_str()
+      ->check(non_negative_number());
+  sub->add_option("--top-k", args->top_k, "sample among the k most likely (0: all)")
+      ->capture_default_str()
+      ->check(non_negative_number());
+  sub->add_option("--seed", args->seed, "sampling seed")->capture_default_str();
+  sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)")->capture_default_str();
+  sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)")->capture_default_str();
   return {sub, [args] { generate(*args); }};
 }
 

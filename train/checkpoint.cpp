@@ -1,7 +1,9 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -42,6 +44,14 @@ std::string read_text(const fs::path& path) {
 }
 
 const char* const kTensorFiles[] = {"model.safetensors", "optim.safetensors"};
+// The data order state.json records. Before the shuffled windows, a file's data_position counted tokens.
+constexpr const char* kDataOrder = "data batches depend only on (seed, position); file windows shuffled";
+constexpr const char* kFileOrderInTokens = "data batches depend only on (seed, position)";
+
+// sha256 of state.json's config, train and files sections (nlohmann's dump is canonical: sorted keys).
+std::string state_hash(const json& doc) {
+  return sha256_hex(json{{"config", doc.at("config")}, {"train", doc.at("train")}, {"files", doc.at("files")}}.dump());
+}
 
 }  // namespace
 
@@ -54,32 +64,38 @@ std::string save_checkpoint(const std::string& dir, Module& model,
   const fs::path tmp = root / (".tmp_" + name), final_dir = root / name;
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  // The two files are written (with fsync) and hashed at once, each on its own thread.
-  auto write_and_hash = [&tmp](const char* file, const std::map<std::string, Tensor>& tensors) {
-    const std::string path = (tmp / file).string();
-    save_safetensors(path, tensors);
-    return sha256_file(path);
-  };
-  const std::map<std::string, Tensor> model_state = model.state_dict();
-  std::future<std::string> optim_hash =
-      std::async(std::launch::async, write_and_hash, kTensorFiles[1], std::cref(optimizer_state));
-  json files;
-  files[kTensorFiles[0]] = write_and_hash(kTensorFiles[0], model_state);
-  files[kTensorFiles[1]] = optim_hash.get();  // rethrows the thread's error, if any
-  const json train{{"step", state.step},
-                   {"data_position", state.data_position},
-                   {"seed", config.seed},
-                   {"lr_schedule",
-                    {{"peak", config.lr},
-                     {"warmup", config.warmup},
-                     {"total_steps", config.steps},
-                     {"min_lr_ratio", config.min_lr_ratio}}},
-                   {"rng", {{"kind", "data batches depend only on (seed, position)"}}}};
-  const json doc{{"config", json::parse(to_json(config))},
-                 {"train", train},
-                 {"files", files},
-                 {"lintape", LINTAPE_VERSION_STRING}};
-  write_text(tmp / "state.json", doc.dump(2));
+  // A failed write (a full disk, an unwritable file) removes its temporary folder, then reports.
+  try {
+    // The two files are written (with fsync) and hashed at once, each on its own thread.
+    auto write_and_hash = [&tmp](const char* file, const std::map<std::string, Tensor>& tensors) {
+      const std::string path = (tmp / file).string();
+      save_safetensors(path, tensors);
+      return sha256_file(path);
+    };
+    const std::map<std::string, Tensor> model_state = model.state_dict();
+    std::future<std::string> optim_hash =
+        std::async(std::launch::async, write_and_hash, kTensorFiles[1], std::cref(optimizer_state));
+    json files;
+    files[kTensorFiles[0]] = write_and_hash(kTensorFiles[0], model_state);
+    files[kTensorFiles[1]] = optim_hash.get();  // rethrows the thread's error, if any
+    const json train{{"step", state.step},
+                     {"data_position", state.data_position},
+                     {"seed", config.seed},
+                     {"lr_schedule",
+                      {{"peak", config.lr},
+                       {"warmup", config.warmup},
+                       {"total_steps", config.steps},
+                       {"min_lr_ratio", config.min_lr_ratio}}},
+                     {"rng", {{"kind", kDataOrder}}}};
+    json doc{{"config", json::parse(to_json(config))}, {"train", train}, {"files", files}};
+    doc["state_sha256"] = state_hash(doc);
+    doc["lintape"] = LINTAPE_VERSION_STRING;
+    write_text(tmp / "state.json", doc.dump(2));
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(tmp, ignored);
+    throw;
+  }
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);
   write_text(root / "latest.tmp", name + "\n");
@@ -95,7 +111,10 @@ std::string save_checkpoint(const std::string& dir, Module& model,
   return final_dir.string();
 }
 
-Checkpoint load_checkpoint(const std::string& dir) {
+namespace {
+
+// The step directory DIR names and its parsed state.json.
+std::pair<fs::path, json> read_state(const std::string& dir) {
   fs::path step_dir(dir);
   if (fs::exists(step_dir / "latest")) {
     std::string name = read_text(step_dir / "latest");
@@ -108,13 +127,68 @@ Checkpoint load_checkpoint(const std::string& dir) {
   LT_CHECK(fs::exists(state_path), "[checkpoint] no checkpoint at '", dir, "': '", state_path.string(),
            "' does not exist");
   json doc;
+  std::string expected, got;
   try {
     doc = json::parse(read_text(state_path));
+    // Checkpoints written before the state's checksum have none: their config is still validated.
+    if (doc.contains("state_sha256")) {
+      expected = doc.at("state_sha256").get<std::string>();
+      got = state_hash(doc);
+    }
   } catch (const json::exception& e) {
     fail(str("[checkpoint] '", state_path.string(), "' is corrupt or truncated: ", e.what()));
   }
+  LT_CHECK(got == expected, "[checkpoint] '", state_path.string(), "' was edited or corrupted: sha256 of its config, "
+           "train and files ", got, "; it records ", expected);
+  return {step_dir, doc};
+}
+
+}  // namespace
+
+void check_checkpoint_dir_writable(const std::string& dir) {
+  const fs::path root(dir);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  LT_CHECK(!ec, "[checkpoint] cannot create the checkpoint directory '", dir, "': ", ec.message());
+  const fs::path probe = root / ".write_check";
+  {
+    std::ofstream out(probe, std::ios::binary | std::ios::trunc);
+    out << std::string(4096, '\0');
+    out.close();
+    const bool good = out.good();
+    if (!good) fs::remove(probe, ec);
+    LT_CHECK(good, "[checkpoint] cannot write in the checkpoint directory '", dir, "': ", std::strerror(errno));
+  }
+  fs::remove(probe, ec);
+  LT_CHECK(!ec, "[checkpoint] cannot remove '", probe.string(), "': ", ec.message());
+}
+
+Checkpoint load_checkpoint_state(const std::string& dir) {
+  const auto [step_dir, doc] = read_state(dir);
+  const std::string state_path = (step_dir / "state.json").string();
   Checkpoint c;
   c.path = step_dir.string();
+  try {
+    // The config (its sizes checked against overflow and memory) before any file is read or allocated.
+    c.config = train_config_from_json(doc.at("config").dump(), state_path);
+    c.state.step = doc.at("train").at("step").get<int64_t>();
+    c.state.data_position = doc.at("train").at("data_position").get<int64_t>();
+    // An older checkpoint of a file run: its token offset becomes the count of windows read so far.
+    const json& rng = doc.at("train").at("rng");
+    if (c.config.data != "mqar" && rng.is_object() && rng.value("kind", "") == kFileOrderInTokens)
+      c.state.data_position /= c.config.model.seq_len;
+  } catch (const json::exception& e) {
+    fail(str("[checkpoint] '", state_path, "' lacks a field: ", e.what()));
+  }
+  LT_CHECK(c.state.step >= 0 && c.state.data_position >= 0, "[checkpoint] '", state_path,
+           "': step and data_position must not be negative; got ", c.state.step, ", ", c.state.data_position);
+  return c;
+}
+
+Checkpoint load_checkpoint(const std::string& dir) {
+  Checkpoint c = load_checkpoint_state(dir);
+  const fs::path step_dir(c.path);
+  const json doc = json::parse(read_text(step_dir / "state.json"));
   try {
     for (const char* f : kTensorFiles) {
       const std::string path = (step_dir / f).string();
@@ -124,11 +198,8 @@ Checkpoint load_checkpoint(const std::string& dir) {
       LT_CHECK(got == expected, "[checkpoint] '", path, "' is corrupt or truncated: sha256 ", got,
                "; state.json records ", expected);
     }
-    c.config = train_config_from_json(doc.at("config").dump(), state_path.string());
-    c.state.step = doc.at("train").at("step").get<int64_t>();
-    c.state.data_position = doc.at("train").at("data_position").get<int64_t>();
   } catch (const json::exception& e) {
-    fail(str("[checkpoint] '", state_path.string(), "' lacks a field: ", e.what()));
+    fail(str("[checkpoint] '", (step_dir / "state.json").string(), "' lacks a field: ", e.what()));
   }
   c.model = load_safetensors((step_dir / kTensorFiles[0]).string());
   c.optim = load_safetensors((step_dir / kTensorFiles[1]).string());

@@ -1,7 +1,9 @@
-// Checkpoints of MODEL.md: DIR/step_<8 digits>/{model.safetensors, optim.safetensors, state.json} and
-// DIR/latest. A step directory is written under a temporary name and renamed when complete, and `latest`
-// is replaced by rename, so a run killed while writing leaves the previous checkpoint as the newest
-// complete one. Loading checks every file's sha256 and every shape and names the file that differs.
+// Checkpoints of docs/MODEL.md: DIR/step_<8 digits>/{model.safetensors, optim.safetensors, state.json} and
+// DIR/latest. A step directory is written under a temporary name (removed when a write fails) and renamed
+// when complete, and `latest` is replaced by rename, so a run killed while writing leaves the previous
+// checkpoint as the newest complete one. Loading checks state.json's own checksum (state_sha256, absent in
+// checkpoints of lintape 0.1, which still load) and its config's sizes before anything else, then every
+// file's sha256 and every shape, and names the file that differs.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -25,6 +27,10 @@ std::string save_checkpoint(const std::string& dir, Module& model,
                             const std::map<std::string, Tensor>& optimizer_state, const TrainConfig& config,
                             const TrainState& state, int64_t keep);
 
+// Creates DIR if needed, writes and removes a small file in it: a run calls it before its first step, so an
+// unwritable or full directory is found before any training is lost. Throws naming DIR and the reason.
+void check_checkpoint_dir_writable(const std::string& dir);
+
 struct Checkpoint {
   std::string path;  // the step directory
   TrainConfig config;
@@ -33,6 +39,10 @@ struct Checkpoint {
 };
 
 // The checkpoint named by DIR/latest (or DIR itself when it is a step directory), verified.
+// The config is read and validated (sizes against overflow and memory, errors naming state.json) before
+// any tensor file is hashed or loaded.
 Checkpoint load_checkpoint(const std::string& dir);
+// The same without the tensors and their hashes: the config, the step and the data position.
+Checkpoint load_checkpoint_state(const std::string& dir);
 
 }  // namespace lintape

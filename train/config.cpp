@@ -1,6 +1,10 @@
 #include "train/config.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -52,7 +56,66 @@ json parse(const std::string& text, const std::string& source) {
   }
 }
 
+// a * b, or a failure naming `what` when it does not fit in int64.
+int64_t checked_mul(int64_t a, int64_t b, const std::string& what) {
+  int64_t r = 0;
+  LT_CHECK(!__builtin_mul_overflow(a, b, &r), "[config] ", what, " overflows: ", a, " x ", b,
+           " is beyond 2^63, far more than any memory holds");
+  return r;
+}
+
+int64_t checked_add(int64_t a, int64_t b, const std::string& what) {
+  int64_t r = 0;
+  LT_CHECK(!__builtin_add_overflow(a, b, &r), "[config] ", what, " overflows: ", a, " + ", b);
+  return r;
+}
+
 }  // namespace
+
+int64_t memory_limit_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return int64_t(1) << 40;
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(int64_t(pages), int64_t(page), &bytes)) return std::numeric_limits<int64_t>::max();
+  return bytes;
+}
+
+SizeEstimate estimate_sizes(const ModelConfig& m, int64_t batch) {
+  m.validate();
+  LT_CHECK(batch > 0, "[config] batch must be positive; got ", batch);
+  const int64_t C = m.width, HD = checked_mul(m.heads, m.head_dim, "heads x head_dim");
+  // Per layer: two norms, the MLP (three C x hidden), the mixer's projections (at most four C x H*D plus
+  // the TPA factors, bounded by C x H*D x (sum of the ranks)).
+  int64_t ranks = 0;
+  for (int64_t r : m.tpa_ranks) ranks = checked_add(ranks, r, "tpa_ranks' sum");
+  int64_t layer = checked_mul(3, checked_mul(C, m.mlp_hidden, "width x mlp_hidden"), "the MLP's parameters");
+  layer = checked_add(layer, checked_mul(4, checked_mul(C, HD, "width x heads x head_dim"), "a mixer's projections"),
+                      "a layer's parameters");
+  layer = checked_add(layer, checked_mul(checked_mul(C, HD, "width x heads x head_dim"), ranks, "tpa's factors"),
+                      "a layer's parameters");
+  layer = checked_add(layer, checked_mul(4, C, "the norms"), "a layer's parameters");
+  int64_t params = checked_mul(layer, m.layers, "layers x a layer's parameters");
+  params = checked_add(params, checked_mul(m.vocab_size, C, "vocab_size x width"), "the parameter count");
+  SizeEstimate e;
+  e.tokens = checked_mul(batch, m.seq_len, "batch x seq_len");
+  // f32 weights, gradients and two AdamW moments.
+  e.parameter_bytes = checked_mul(params, 16, "the parameters' bytes");
+  // A lower bound of the activations the tape keeps: per token and layer four f32 vectors of the widest of
+  // C, hidden, H*D (a real step keeps several times more), so only what surely cannot fit is refused.
+  const int64_t widest = std::max({C, m.mlp_hidden, HD});
+  const int64_t per_token = checked_mul(checked_mul(4 * 4, widest, "the activations"), m.layers, "the activations");
+  e.activation_bytes = checked_mul(e.tokens, per_token, "the activations' bytes (batch x seq_len x ...)");
+  return e;
+}
+
+void check_memory(const ModelConfig& m, int64_t batch, const std::string& source) {
+  const SizeEstimate e = estimate_sizes(m, batch);
+  const int64_t limit = memory_limit_bytes();
+  LT_CHECK(e.parameter_bytes <= limit, "[config] ", source, ": the model would need ", e.parameter_bytes,
+           " bytes for its weights, gradients and optimizer state; this machine has ", limit);
+  LT_CHECK(e.activation_bytes <= limit, "[config] ", source, ": batch ", batch, " x seq_len ", m.seq_len,
+           " would need at least ", e.activation_bytes, " bytes of activations; this machine has ", limit);
+}
 
 TrainConfig TrainConfig::preset(const std::string& name) {
   TrainConfig c;
@@ -87,6 +150,11 @@ void TrainConfig::validate() const {
   LT_CHECK(!data.empty(), "[config] data must be mqar or a file; got an empty string");
 }
 
+void validate_with_sizes(const TrainConfig& c) {
+  c.validate();
+  check_memory(c.model, c.batch, "batch and the model");
+}
+
 std::string to_json(const ModelConfig& config) { return model_json(config).dump(2); }
 
 std::string to_json(const TrainConfig& c) {
@@ -112,7 +180,12 @@ std::string to_json(const TrainConfig& c) {
 
 ModelConfig model_config_from_json(const std::string& text, const std::string& source) {
   ModelConfig c = model_from(parse(text, source), source, ModelConfig());
-  c.validate();
+  try {
+    c.validate();
+    check_memory(c, 1, "the model");
+  } catch (const Error& e) {
+    fail(str(source, ": ", e.what()));
+  }
   return c;
 }
 
@@ -140,7 +213,11 @@ TrainConfig train_config_from_json(const std::string& text, const std::string& s
   read_key(j, "val_batches", c.val_batches, source);
   read_key(j, "checkpoint_every", c.checkpoint_every, source);
   read_key(j, "keep_checkpoints", c.keep_checkpoints, source);
-  c.validate();
+  try {
+    validate_with_sizes(c);
+  } catch (const Error& e) {  // the sizes are checked before anything is built: the message names the file
+    fail(str(source, ": ", e.what()));
+  }
   return c;
 }
 

@@ -1,4 +1,4 @@
-// TrainConfig: the model (MODEL.md's config) and the run's settings, with the presets tiny and small,
+// TrainConfig: the model (docs/MODEL.md's config) and the run's settings, with the presets tiny and small,
 // JSON load and save, and validation with errors that name the key.
 #pragma once
 #include <cstdint>
@@ -29,6 +29,19 @@ struct TrainConfig {
   static TrainConfig preset(const std::string& name);  // "tiny" or "small"
   void validate() const;                                // throws naming the key and the value
 };
+
+// Sizes of a run, each product computed with overflow checks (a failure names the product): the f32
+// weights, gradients and AdamW moments, and a lower bound of the activations a step keeps.
+struct SizeEstimate {
+  int64_t tokens = 0, parameter_bytes = 0, activation_bytes = 0;
+};
+SizeEstimate estimate_sizes(const ModelConfig& model, int64_t batch);
+int64_t memory_limit_bytes();  // the machine's physical memory
+// Throws naming `source` and the bytes needed when the estimate exceeds memory_limit_bytes().
+void check_memory(const ModelConfig& model, int64_t batch, const std::string& source);
+// validate(), then every size against overflow and memory: what a command line, a config file and a
+// checkpoint's state.json go through before anything is built (train_config_from_json calls it).
+void validate_with_sizes(const TrainConfig& config);
 
 std::string to_json(const ModelConfig& config);
 std::string to_json(const TrainConfig& config);

@@ -1,10 +1,12 @@
 #include "train/data.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <random>
 
 #include "core/error.h"
@@ -22,7 +24,12 @@ std::string read_file(const std::string& path) {
 }
 }  // namespace
 
-bool is_llmc_bin(const std::string& path) { return path.size() > 4 && path.substr(path.size() - 4) == ".bin"; }
+bool is_llmc_bin(const std::string& path) {
+  if (path.size() <= 4) return false;
+  std::string ext = path.substr(path.size() - 4);
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  return ext == ".bin";  // any case: .BIN too
+}
 
 std::vector<int32_t> load_tokens(const std::string& path) {
   if (std::filesystem::is_directory(path)) {
@@ -72,12 +79,13 @@ std::vector<int32_t> load_tokens(const std::string& path) {
 }
 
 TokenData::TokenData(std::vector<int32_t> train, std::vector<int32_t> val, int64_t batch, int64_t seq_len,
-                     int64_t max_val_batches, const std::string& source)
-    : train_(std::move(train)), val_(std::move(val)), batch_(batch), seq_len_(seq_len) {
+                     int64_t max_val_batches, const std::string& source, uint64_t seed)
+    : train_(std::move(train)), val_(std::move(val)), batch_(batch), seq_len_(seq_len), seed_(seed) {
   LT_CHECK(batch > 0 && seq_len > 0, "[data] batch and seq must be positive; got batch ", batch, ", seq ", seq_len);
   LT_CHECK(int64_t(train_.size()) >= seq_len + 1, "[data] --seq ", seq_len, " is longer than the data: '", source,
            "' has ", train_.size(), " training tokens, and a sequence needs seq + 1");
   for (int32_t t : train_) vocab_ = std::max<int64_t>(vocab_, int64_t(t) + 1);
+  windows_ = (int64_t(train_.size()) - 1) / seq_len;
   const int64_t windows = int64_t(val_.size()) / (seq_len + 1);
   val_batches_ = std::min(max_val_batches, windows / batch);
   if (val_batches_ == 0 && windows > 0) val_batches_ = 1;
@@ -97,7 +105,30 @@ Batch TokenData::window_batch(const std::vector<int32_t>& tokens, int64_t& curso
   return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
 }
 
-Batch TokenData::next_train() { return window_batch(train_, position_); }
+int64_t TokenData::window(int64_t drawn) const {
+  // Epoch e visits every window once in the order i -> (a i + b) mod W, with a coprime to W and a, b drawn
+  // from (seed, e): no state beyond the count of windows drawn, which the checkpoint saves.
+  const uint64_t W = uint64_t(windows_), epoch = uint64_t(drawn) / W, i = uint64_t(drawn) % W;
+  if (W == 1) return 0;
+  std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + epoch);
+  uint64_t a = 1 + rng() % (W - 1);
+  while (std::gcd(a, W) != 1) a = a % (W - 1) + 1;
+  const uint64_t b = rng() % W;
+  return int64_t((static_cast<unsigned __int128>(a) * i + b) % W);
+}
+
+Batch TokenData::next_train() {
+  const int64_t N = seq_len_;
+  std::vector<int64_t> in(size_t(batch_ * N)), out(size_t(batch_ * N));
+  for (int64_t b = 0; b < batch_; ++b) {
+    const size_t start = size_t(window(position_++) * N);
+    for (int64_t j = 0; j < N; ++j) {
+      in[size_t(b * N + j)] = train_[start + size_t(j)];
+      out[size_t(b * N + j)] = train_[start + size_t(j) + 1];
+    }
+  }
+  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
+}
 
 Batch TokenData::validation(int64_t index) const {
   LT_CHECK(index >= 0 && index < val_batches_, "[data] validation batch ", index, " out of range [0, ", val_batches_,
@@ -107,8 +138,7 @@ Batch TokenData::validation(int64_t index) const {
 }
 
 void TokenData::seek(int64_t position) {
-  LT_CHECK(position >= 0 && position < int64_t(train_.size()), "[data] position ", position,
-           " is outside the training tokens (", train_.size(), ")");
+  LT_CHECK(position >= 0, "[data] position ", position, " must not be negative");
   position_ = position;
 }
 
@@ -116,6 +146,8 @@ MqarData::MqarData(int64_t batch, int64_t seq_len, uint64_t seed, int64_t val_ba
     : batch_(batch), seq_len_(seq_len), val_batches_(val_batches), seed_(seed) {
   LT_CHECK(batch > 0, "[mqar] batch must be positive; got ", batch);
   LT_CHECK(seq_len >= 8, "[mqar] seq must be at least 8; got ", seq_len);
+  int64_t tokens = 0;
+  LT_CHECK(!__builtin_mul_overflow(batch, seq_len, &tokens), "[mqar] batch x seq overflows: ", batch, " x ", seq_len);
 }
 
 Batch MqarData::make(int64_t index, bool validation) const {
@@ -152,12 +184,14 @@ std::unique_ptr<DataSource> open_data(const std::string& data, const std::string
   std::vector<int32_t> train = load_tokens(data), val;
   if (!val_path.empty()) {
     val = load_tokens(val_path);
+    LT_CHECK(int64_t(val.size()) >= seq_len + 1, "[data] the validation file '", val_path, "' has ", val.size(),
+             " tokens; a sequence of --seq ", seq_len, " needs ", seq_len + 1);
   } else {
     const size_t held_out = size_t(double(train.size()) * val_fraction);
     val.assign(train.end() - std::ptrdiff_t(held_out), train.end());
     train.resize(train.size() - held_out);
   }
-  return std::make_unique<TokenData>(std::move(train), std::move(val), batch, seq_len, val_batches, data);
+  return std::make_unique<TokenData>(std::move(train), std::move(val), batch, seq_len, val_batches, data, seed);
 }
 
 }  // namespace lintape

@@ -1,6 +1,7 @@
-// Training data of MODEL.md: the in-process mqar task, a text file as bytes, an llm.c .bin token file.
-// Batches are (B, N) int64 tokens and targets (targets = tokens shifted by one; -1 is ignored). A source
-// reads in a fixed order from a position that the checkpoint saves, so a resumed run sees the same batches.
+// Training data of docs/MODEL.md: the in-process mqar task, a text file as bytes, an llm.c .bin token file.
+// Batches are (B, N) int64 tokens and targets (targets = tokens shifted by one; -1 is ignored). A source's
+// order depends only on its seed and a position that the checkpoint saves, so a resumed run sees the same
+// batches.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -28,18 +29,20 @@ class DataSource {
   virtual bool reports_accuracy() const { return false; }
 };
 
-// Tokens of a file: bytes for a text file; the uint16 tokens of an llm.c .bin file (header of 256 int32:
+// Tokens of a file: bytes for a text file; the uint16 tokens of an llm.c .bin (or .BIN) file (header of 256 int32:
 // magic 20240520, version 1, token count). Errors name the file: unreadable, wrong magic or version,
 // truncated. A directory gives the bytes of its plain files (not *.dat, *.u8 or links) in name order.
 std::vector<int32_t> load_tokens(const std::string& path);
 bool is_llmc_bin(const std::string& path);  // by the .bin extension
 
-// Contiguous windows of N + 1 tokens over a token array, read in order and wrapping. The validation part is
-// a separate array, or else the last val_fraction of the training tokens (never trained on).
+// Windows of N + 1 tokens over a token array (starting at multiples of N), drawn in a seeded shuffled order:
+// each epoch visits every window once, in an order that depends only on (seed, epoch); the position is the
+// count of windows drawn. The validation part is a separate array, or else the last val_fraction of the
+// training tokens (never trained on), read in order.
 class TokenData : public DataSource {
  public:
   TokenData(std::vector<int32_t> train, std::vector<int32_t> val, int64_t batch, int64_t seq_len,
-            int64_t max_val_batches, const std::string& source);
+            int64_t max_val_batches, const std::string& source, uint64_t seed = 0);
   Batch next_train() override;
   Batch validation(int64_t index) const override;
   int64_t validation_batches() const override { return val_batches_; }
@@ -49,8 +52,10 @@ class TokenData : public DataSource {
 
  private:
   Batch window_batch(const std::vector<int32_t>& tokens, int64_t& cursor) const;
+  int64_t window(int64_t drawn) const;  // the index of the drawn-th training window
   std::vector<int32_t> train_, val_;
-  int64_t batch_, seq_len_, val_batches_, vocab_ = 256, position_ = 0;
+  int64_t batch_, seq_len_, val_batches_, vocab_ = 256, position_ = 0, windows_ = 0;
+  uint64_t seed_;
 };
 
 // mqar: P key-value pairs (keys in [0, 128), values in [128, 256)), then queries of those keys, each

@@ -70,3 +70,65 @@ expect(2 "--batch applies to bench train only" bench copy --device cpu --batch 4
 expect(0 "fal +3 .*tpa +1 .*optimizer .*sum of the parts [0-9.]+ ms; a whole step timed alone.*by op .*fwd ms +bwd ms .*fal +fal +3 +[0-9.]+ +[0-9.]+ +[0-9.]+%" profile --device cpu
        --preset tiny --batch 1 --seq 32 --vocab 256 --steps 1 --warmup 0)
 expect(2 "--preset: huge not in" profile --device cpu --preset huge)
+
+# Zero, negative and absurd values: a usage error naming the option and the value (no 300-digit range).
+expect(2 "--steps: must be positive; got 0" train --device cpu --steps 0)
+expect(2 "--batch: must be positive; got 0" train --device cpu --batch 0 --seq 0 --lr 0 --checkpoint-every -3)
+expect(2 "--checkpoint-every: must not be negative; got -3" train --device cpu --checkpoint-every -3)
+expect(2 "--lr: must be positive; got 0" train --device cpu --lr 0)
+expect(2 "--temperature: must not be negative; got -1" generate --checkpoint x --prompt a --temperature -1)
+expect(2 "--top-k: must not be negative; got -3" generate --checkpoint x --prompt a --top-k -3)
+expect(2 "--steps: must be positive; got 0" profile --device cpu --steps 0)
+expect(2 "batch x seq_len overflows.*--batch 1152921504606846976" train --device cpu --data mqar --steps 1
+       --batch 1152921504606846976)
+expect(2 "batch x seq_len overflows.*--seq 2305843009213693952" train --device cpu --data mqar --steps 1
+       --seq 2305843009213693952)
+expect(2 "batch 1000000000 x seq_len 256 would need at least [0-9]+ bytes" train --device cpu --data mqar --steps 1
+       --batch 1000000000)
+file(WRITE "${WORK}/big.json" "{\"model\": {\"width\": 100000000}}")
+expect(1 "big.json: .*would need [0-9]+ bytes" train --device cpu --config "${WORK}/big.json")
+# --help shows the defaults.
+expect(0 "--temperature FLOAT[^\n]*0\\.8.*--top-k INT[^\n]*0" generate --help)  # CLI11 2.1: =0.8, 2.4: [0.8]
+expect(0 "--steps.*default: the preset's.*--checkpoint-every.*default 0" train --help)
+
+# --resume: options that differ from the checkpoint's are refused naming its value; --steps extends the run.
+expect(0 "2 steps of 2 x 32 tokens" train --device cpu --data mqar --steps 2 --batch 2 --seq 32
+       --checkpoint-dir "${WORK}/ck")
+expect(2 "--batch 4 differs from the checkpoint's 2" train --device cpu --resume --checkpoint-dir "${WORK}/ck"
+       --batch 4)
+expect(2 "--seq 64 differs from the checkpoint's 32" train --device cpu --resume --checkpoint-dir "${WORK}/ck" --seq 64)
+expect(2 "--lr 0.1 differs from the checkpoint's 0.003" train --device cpu --resume --checkpoint-dir "${WORK}/ck"
+       --lr 0.1)
+expect(2 "--data README differs from the checkpoint's mqar" train --device cpu --resume --checkpoint-dir "${WORK}/ck"
+       --data README)
+expect(2 "--steps 1 is below the checkpoint's total of 2 steps" train --device cpu --resume
+       --checkpoint-dir "${WORK}/ck" --steps 1)
+expect(0 "3 steps of 2 x 32 tokens.*step 3/3" train --device cpu --resume --checkpoint-dir "${WORK}/ck" --steps 3)
+# The last good checkpoint loads after every refusal.
+file(WRITE "${WORK}/text.txt"
+     "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.")
+expect(0 "mean loss [0-9.]+" eval --checkpoint "${WORK}/ck" --data "${WORK}/text.txt" --batches 1)
+# An edited state.json is refused naming it.
+file(READ "${WORK}/ck/step_00000003/state.json" state)
+string(REGEX REPLACE "\"layers\": [0-9]+" "\"layers\": 1099511627776" edited "${state}")
+file(WRITE "${WORK}/ck/step_00000003/state.json" "${edited}")
+expect(1 "state.json' was edited or corrupted" eval --checkpoint "${WORK}/ck" --data "${WORK}/text.txt")
+file(WRITE "${WORK}/ck/step_00000003/state.json" "${state}")
+
+# A long prompt on the CPU says it will take a while.
+string(REPEAT "a" 2000 long_prompt)
+expect(0 "a 2000-byte prompt on the CPU takes a while" generate --device cpu --checkpoint "${WORK}/ck"
+       --prompt "${long_prompt}" --tokens 1)
+
+# A short --val-data is refused naming the file, before training.
+file(WRITE "${WORK}/short.txt" "short")
+expect(1 "validation file .*short.txt' has 5 tokens" train --device cpu --data "${WORK}/text.txt" --seq 16
+       --val-data "${WORK}/short.txt")
+
+# An unwritable --checkpoint-dir is found before the first step (a file stands where the folder would be).
+file(WRITE "${WORK}/a_file" "x")
+expect(1 "cannot create the checkpoint directory .*a_file/ck" train --device cpu --data mqar --steps 1 --batch 1
+       --seq 32 --checkpoint-dir "${WORK}/a_file/ck")
+if(last_output MATCHES "step 1/1")
+  message(SEND_ERROR "the checkpoint directory was checked only after training:\n${last_output}")
+endif()
