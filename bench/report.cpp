@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <fmt/format.h>
+#include "train/svg_plot.h"
 
 namespace lintape::bench {
 namespace {
@@ -28,26 +29,6 @@ std::vector<std::string> format_column(const std::vector<double>& values) {
   for (std::string& s : out)
     if (s != "NaN") s.resize(s.size() - trim);
   return out;
-}
-
-std::string xml_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '&') out += "&amp;";
-    else if (c == '<') out += "&lt;";
-    else if (c == '>') out += "&gt;";
-    else if (c == '"') out += "&quot;";
-    else out += c;
-  }
-  return out;
-}
-
-// The smallest of 1, 2, 5 times a power of ten that is >= x.
-double nice_step(double x) {
-  double p = std::pow(10.0, std::floor(std::log10(x)));
-  for (double m : {1.0, 2.0, 5.0, 10.0})
-    if (m * p >= x * (1 - 1e-9)) return m * p;
-  return 10 * p;
 }
 
 }  // namespace
@@ -174,105 +155,24 @@ nlohmann::json json_rows(const Table& t, const std::string& device) {
 }
 
 std::string svg_plot(const Table& t) {
-  const double width = 760, height = 460, left = 80, right = 190, top = 48, bottom = 60;
-  const double pw = width - left - right, ph = height - top - bottom;
-  static const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728",
-                                 "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"};
-
-  double nmin = t.ns.empty() ? 1 : double(*std::min_element(t.ns.begin(), t.ns.end()));
-  double nmax = t.ns.empty() ? 2 : double(*std::max_element(t.ns.begin(), t.ns.end()));
-  double x0 = std::log2(std::max(nmin, 1.0)), x1 = std::log2(std::max(nmax, 1.0));
-  x0 -= 0.3, x1 += 0.3;  // keep the end points off the frame
-
   double vmin = INFINITY, vmax = 0;
-  for (const auto& series : t.values)
-    for (double v : series)
+  for (const auto& values : t.values)
+    for (double v : values)
       if (v > 0) vmin = std::min(vmin, v), vmax = std::max(vmax, v);
-  bool any = vmax > 0;
-  bool log_y = any && vmax / vmin > 10;
-  auto valid = [&](double v) { return log_y ? v > 0 : v >= 0; };
-  double y0 = 0, y1 = 1, step = 0.2;  // linear axis by default
-  if (log_y) {
-    y0 = std::floor(std::log10(vmin));
-    y1 = std::ceil(std::log10(vmax));
-  } else if (any) {
-    step = nice_step(vmax / 5);
-    y1 = std::ceil(vmax / step * (1 - 1e-9)) * step;
-  }
-  auto X = [&](double n) { return left + (std::log2(n) - x0) / (x1 - x0) * pw; };
-  auto Y = [&](double v) {
-    double f = log_y ? (std::log10(v) - y0) / (y1 - y0) : (v - y0) / (y1 - y0);
-    return top + ph - f * ph;
-  };
-
-  std::string s = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
-      "font-family=\"sans-serif\" font-size=\"11\">\n"
-      "<rect width=\"{0}\" height=\"{1}\" fill=\"white\"/>\n"
-      "<text x=\"{2}\" y=\"24\" text-anchor=\"middle\" font-size=\"13\">{3}</text>\n",
-      width, height, left + pw / 2, xml_escape(t.title));
-
-  // y ticks and grid: decades (with 2 and 5 when the axis spans at most two) or a linear step
-  std::vector<double> yticks;
-  if (log_y) {
-    for (double d = y0; d <= y1 + 1e-9; d += 1)
-      for (double m : {1.0, 2.0, 5.0})
-        if (m == 1.0 || y1 - y0 <= 2) {
-          double v = m * std::pow(10.0, d);
-          if (std::log10(v) <= y1 + 1e-9) yticks.push_back(v);
-        }
-  } else {
-    for (double v = y0; v <= y1 + step * 1e-6; v += step) yticks.push_back(v);
-  }
-  for (double v : yticks) {
-    double y = Y(v);
-    s += fmt::format(
-        "<line x1=\"{0}\" y1=\"{1:.1f}\" x2=\"{2}\" y2=\"{1:.1f}\" stroke=\"#e0e0e0\"/>\n"
-        "<text x=\"{3}\" y=\"{4:.1f}\" text-anchor=\"end\">{5:g}</text>\n",
-        left, y, left + pw, left - 6, y + 4, v);
-  }
-  for (int64_t n : t.ns) {
-    double x = X(double(n));
-    s += fmt::format(
-        "<line x1=\"{0:.1f}\" y1=\"{1}\" x2=\"{0:.1f}\" y2=\"{2}\" stroke=\"#e0e0e0\"/>\n"
-        "<text x=\"{0:.1f}\" y=\"{3}\" text-anchor=\"middle\">{4}</text>\n",
-        x, top, top + ph, top + ph + 16, n);
-  }
-  s += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"black\"/>\n", left,
-                   top, pw, ph);
-  s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{} (log2 scale)</text>\n", left + pw / 2,
-                   height - 16, xml_escape(t.x_name));
-  s += fmt::format(
-      "<text x=\"18\" y=\"{0}\" text-anchor=\"middle\" transform=\"rotate(-90 18 {0})\">{1}{2}</text>\n",
-      top + ph / 2, xml_escape(t.unit), log_y ? " (log scale)" : "");
-
+  PlotOptions o;
+  o.title = t.title;
+  o.x_title = t.x_name;
+  o.y_title = t.unit;
+  o.x_scale = AxisScale::Log;
+  o.y_scale = vmax > 0 && vmax / vmin > 10 ? AxisScale::Log : AxisScale::Linear;
+  for (int64_t n : t.ns) o.x_ticks.push_back(double(n));
+  std::vector<PlotSeries> series;
   for (size_t p = 0; p < t.providers.size(); ++p) {
-    const char* color = colors[p % 8];
-    std::string points;
-    auto flush = [&] {
-      if (!points.empty())
-        s += fmt::format("<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>\n", points,
-                         color);
-      points.clear();
-    };
-    for (size_t i = 0; i < t.ns.size(); ++i) {
-      double v = t.values[p][i];
-      if (!valid(v)) {
-        flush();  // a failed value breaks the line
-        continue;
-      }
-      double x = X(double(t.ns[i])), y = Y(v);
-      points += fmt::format("{}{:.1f},{:.1f}", points.empty() ? "" : " ", x, y);
-      s += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"{}\"/>\n", x, y, color);
-    }
-    flush();
-    double ly = top + 12 + 20 * double(p), lx = left + pw + 16;
-    s += fmt::format(
-        "<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"{3}\" stroke-width=\"2\"/>\n"
-        "<text x=\"{4}\" y=\"{5}\">{6}</text>\n",
-        lx, ly, lx + 24, color, lx + 30, ly + 4, xml_escape(t.providers[p]));
+    series.push_back({t.providers[p], {}});
+    for (size_t i = 0; i < t.ns.size(); ++i)  // NaN for a failed value (-1): it breaks the line
+      series.back().points.emplace_back(double(t.ns[i]), t.values[p][i] < 0 ? kNaN : t.values[p][i]);
   }
-  return s + "</svg>\n";
+  return svg_line_plot(series, o);
 }
 
 }  // namespace lintape::bench

@@ -1,12 +1,11 @@
 #include "train/run_log.h"
 
-#include <algorithm>
 #include <filesystem>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <ostream>
-#include <sstream>
 #include "core/error.h"
+#include "train/svg_plot.h"
 
 namespace lintape {
 
@@ -19,32 +18,22 @@ std::string sibling(const std::string& log_path, const std::string& suffix) {
   return (dot == std::string::npos ? log_path : log_path.substr(0, dot)) + suffix;
 }
 
+// Loss against step, linear axes: the train loss as a line, the validation losses with a dot each.
 void write_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train,
                const std::vector<std::pair<int64_t, double>>& val) {
-  double lo = 1e300, hi = -1e300;
-  int64_t last = 1;
-  for (const auto* series : {&train, &val})
-    for (const auto& [s, l] : *series) {
-      lo = std::min(lo, l);
-      hi = std::max(hi, l);
-      last = std::max(last, s);
-    }
-  if (hi <= lo) hi = lo + 1;
-  const double W = 640, H = 360, pad = 40;
-  auto polyline = [&](const std::vector<std::pair<int64_t, double>>& series, const char* color) {
-    std::ostringstream o;
-    o << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" points=\"";
-    for (const auto& [s, l] : series)
-      o << pad + (W - 2 * pad) * double(s) / double(last) << ',' << H - pad - (H - 2 * pad) * (l - lo) / (hi - lo)
-        << ' ';
-    o << "\"/>\n";
-    return o.str();
+  std::vector<PlotSeries> series;
+  auto add = [&](const char* name, const std::vector<std::pair<int64_t, double>>& curve, bool markers) {
+    series.push_back({name, {}, markers});
+    for (const auto& [step, loss] : curve) series.back().points.emplace_back(double(step), loss);
   };
+  add("train", train, false);
+  if (!val.empty()) add("validation", val, true);
+  PlotOptions o;
+  o.title = "loss against step";
+  o.x_title = "step";
+  o.y_title = "loss";
   std::ofstream out(path);
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\">\n"
-      << "<text x=\"" << pad << "\" y=\"20\">loss against step (blue: train, orange: validation); " << lo << " to "
-      << hi << "</text>\n"
-      << polyline(train, "#1f77b4") << polyline(val, "#ff7f0e") << "</svg>\n";
+  out << svg_line_plot(series, o);
 }
 
 }  // namespace
