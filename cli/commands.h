@@ -24,6 +24,12 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A command that ends with an exit status of its own after its output: `train` stopped by SIGINT or SIGTERM
+// exits with the shell's 128 + the signal (130, 143) once its checkpoint is written. main returns it.
+struct ExitStatus {
+  int status;
+};
+
 // A subcommand added to the app, and what to do when the command line selected it.
 struct Command {
   CLI::App* app = nullptr;

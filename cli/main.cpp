@@ -67,6 +67,9 @@ int main(int argc, char** argv) {
         c.run();
         return 0;
       }
+  } catch (const ExitStatus& e) {
+    std::fflush(stdout);
+    return e.status;
   } catch (const UsageError& e) {
     return usage_error(e.what());
   } catch (const std::exception& e) {  // lintape::Error, and the standard library's (bad_alloc, ...)

@@ -103,7 +103,7 @@ void add_model_options(CLI::App* sub, bench::TrainBenchOptions& o, std::string& 
   sub->add_option("--mixers", o.mixers, "comma-separated mixers per layer: fal, tpa (default: the preset's)");
   sub->add_option("--batch", o.batch, "sequences per step (default 16)")->check(CLI::PositiveNumber);
   sub->add_option("--seq", o.seq, "tokens per sequence (default: the preset's)")->check(CLI::PositiveNumber);
-  sub->add_option("--vocab", o.vocab, "vocabulary size (default 32768, MODEL.md's benchmark)")
+  sub->add_option("--vocab", o.vocab, "vocabulary size (default 32768, docs/MODEL.md's benchmark)")
       ->check(CLI::PositiveNumber);
   sub->add_option("--steps", o.steps, "timed steps (default 10)")->check(positive_number());
   sub->add_option("--warmup", o.warmup, "untimed steps first (default 3)")->check(CLI::NonNegativeNumber);

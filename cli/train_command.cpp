@@ -139,12 +139,15 @@ void train(const TrainArgs& a) {
   std::cout << std::flush;
   const TrainResult r = trainer.run();
   if (r.stopped_nonfinite) fail(r.message);
-  if (!leader) return;
-  if (!r.message.empty()) fmt::print("{}\n", r.message);
-  if (!r.losses.empty())
-    fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s, {:.1f} ms/step, peak {:.0f} MiB\n",
-               r.losses.front(), r.losses.back(), r.first_step + 1, r.last_step, r.tokens_per_s, r.step_ms,
-               r.peak_mem_mib);
+  if (leader) {
+    if (!r.message.empty()) fmt::print("{}\n", r.message);
+    if (!r.losses.empty())
+      fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s, {:.1f} ms/step, peak {:.0f} MiB\n",
+                 r.losses.front(), r.losses.back(), r.first_step + 1, r.last_step, r.tokens_per_s, r.step_ms,
+                 r.peak_mem_mib);
+  }
+  // The shell's convention for a process ended by a signal, so that a script tells it from a finished run.
+  if (r.signal != 0) throw ExitStatus{128 + r.signal};
 }
 
 struct EvalArgs {
@@ -161,7 +164,7 @@ void eval(const EvalArgs& a) {
   model.load_state_dict(ckpt.model, ckpt.path + "/model.safetensors");
   model.to(device);
   model.set_compute_dtype(dtype);
-  std::vector<int32_t> tokens = load_tokens(a.data);
+  std::vector<int32_t> tokens = load_tokens(a.data, ckpt.config.model.vocab_size);
   TokenData data(tokens, tokens, 1, ckpt.config.model.seq_len, a.batches, a.data);
   NoGradGuard no_grad;
   double sum = 0;
@@ -170,6 +173,9 @@ void eval(const EvalArgs& a) {
     sum += model.loss(b.tokens.to(device), b.targets.to(device)).item();
   }
   const double loss = sum / double(data.validation_batches());
+  if (!std::isfinite(loss))
+    fail(fmt::format("[eval] the mean loss of '{}' on {} is {}: the checkpoint's weights overflow on this data",
+                     ckpt.path, a.data, loss));
   fmt::print("{}: mean loss {:.4f}, perplexity {:.2f} over {} sequences of {} tokens\n", a.data, loss, std::exp(loss),
              data.validation_batches(), ckpt.config.model.seq_len);
   if (!a.json_path.empty()) {
@@ -229,7 +235,14 @@ void generate(const GenerateArgs& a) {
   Tensor logits = model.prefill(from_vector_i64(prompt, {1, n}).to(device), state).narrow(1, n - 1, 1);
   std::cout << a.prompt << std::flush;
   for (int64_t i = 0; i < a.tokens; ++i) {
-    const int64_t next = sample(logits.to(DType::F64).to_vector<double>(), a.temperature, a.top_k, rng);
+    const std::vector<double> values = logits.to(DType::F64).to_vector<double>();
+    const auto bad = std::find_if(values.begin(), values.end(), [](double v) { return !std::isfinite(v); });
+    if (bad != values.end()) {
+      std::cout << std::endl;
+      fail(fmt::format("[generate] the logits of token {} hold {}: the checkpoint '{}' overflows on this text",
+                       i + 1, *bad, ckpt.path));
+    }
+    const int64_t next = sample(values, a.temperature, a.top_k, rng);
     if (bytes)
       std::cout << char(next) << std::flush;
     else

@@ -1,18 +1,21 @@
 // What a user meets when something goes wrong: absurd sizes, edited or corrupt checkpoints, bad data
-// files; and a seeded fuzz of the loaders (state.json, safetensors, llm.c .bin) that must refuse every
-// mutation with a lintape::Error, never crash, and stay within a time bound.
+// files, a diverging run, SIGTERM and SIGINT; and a seeded fuzz of the loaders (state.json, safetensors,
+// llm.c .bin) that must refuse every mutation with a lintape::Error, never crash, and stay within a time bound.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
+#include <thread>
 #include "core/safetensors.h"
 #include "helpers.h"
 #include "train/checkpoint.h"
@@ -271,4 +274,77 @@ TEST_CASE("failures: an older checkpoint of a file run resumes at the window its
   doc["train"]["data_position"] = 10 * c.model.seq_len;
   write_all(state_path, doc.dump(2));
   CHECK(load_checkpoint_state(dir.file("ckpt")).state.data_position == 10);
+}
+
+TEST_CASE("failures: a diverging run writes no checkpoint from weights that give NaN; the last good one loads") {
+  TempDir dir("failures_nan");
+  micro_checkpoint(dir);
+  TrainConfig c = micro_train_config("mqar");
+  c.steps = 3;
+  c.lr = 1e30;  // one finite step leaves weights of about 1e29: the next forward is NaN
+  c.checkpoint_every = 1;
+  const TrainResult r = Trainer(c, {Device::cpu(), "", dir.file("ckpt")}).run();
+  CHECK(r.stopped_nonfinite);
+  CHECK(r.message.find("the weights after step 1 give a loss of") != std::string::npos);
+  CHECK(r.message.find("is the last good one") != std::string::npos);
+  CHECK(read_all(dir.file("ckpt/latest")).find("step_00000002") == 0);
+  const Checkpoint good = load_checkpoint(dir.file("ckpt"));
+  CHECK(good.state.step == 2);
+  // Weights that are not finite (written before this check existed) are refused naming the tensor.
+  LanguageModel model(c.model, 0);
+  model.norm.weight.detach().fill_(std::nan(""));
+  save_checkpoint(dir.file("bad"), model, good.optim, c, {2, 0}, 3);
+  check_throws_containing([&] { load_checkpoint(dir.file("bad")); },
+                          {"bad/step_00000002/model.safetensors", "norm.weight", "nan", "diverged"});
+}
+
+TEST_CASE("failures: SIGTERM and SIGINT write a checkpoint and return the signal") {
+  for (const int signal : {SIGTERM, SIGINT}) {
+    CAPTURE(signal);
+    TempDir dir("failures_signal");
+    TrainConfig c = micro_train_config("mqar");
+    c.steps = 100000;
+    Trainer trainer(c, {Device::cpu(), "", dir.file("ckpt")});
+    std::thread sender([signal] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ::kill(::getpid(), signal);
+    });
+    const TrainResult r = trainer.run();
+    sender.join();
+    CHECK(r.interrupted);
+    CHECK(r.signal == signal);
+    CHECK(r.message.find(signal == SIGTERM ? "SIGTERM at step" : "SIGINT at step") != std::string::npos);
+    CHECK(r.last_step < c.steps);
+    CHECK(load_checkpoint(dir.file("ckpt")).state.step == r.last_step);
+  }
+}
+
+TEST_CASE("failures: without validation data no val_loss is logged; a smaller total on resume is refused") {
+  TempDir dir("failures_noval");
+  write_all(dir.file("short.txt"), std::string(200, 'a'));
+  TrainConfig c = micro_train_config(dir.file("short.txt"));
+  c.steps = 2;
+  c.batch = 4;
+  std::ostringstream progress;
+  const TrainResult r = Trainer(c, {Device::cpu(), dir.file("log.jsonl"), dir.file("ckpt"), false, &progress}).run();
+  CHECK(r.val_loss < 0);
+  CHECK(progress.str().find("no validation data") != std::string::npos);
+  CHECK(progress.str().find("val_loss") == std::string::npos);
+  CHECK(read_all(dir.file("log.jsonl")).find("val_loss") == std::string::npos);
+  CHECK(nlohmann::json::parse(read_all(dir.file("log.summary.json"))).at("val_loss").is_null());
+  c.steps = 1;
+  check_throws_containing([&] { Trainer(c, {Device::cpu(), "", dir.file("ckpt"), true}); },
+                          {"1 steps is below the checkpoint's total of 2", "ckpt/step_00000002"});
+}
+
+TEST_CASE("failures: a token beyond the vocabulary is refused naming the file, the token and the vocabulary") {
+  TempDir dir("failures_vocab");
+  std::string bytes = llmc_bytes(100);
+  const uint16_t big = 300;
+  std::memcpy(&bytes[256 * 4 + 2 * 7], &big, 2);
+  write_all(dir.file("big.bin"), bytes);
+  check_throws_containing([&] { load_tokens(dir.file("big.bin"), 256); },
+                          {"big.bin", "token 300 at position 7", "256 tokens"});
+  CHECK(load_tokens(dir.file("big.bin")).size() == 100);  // no vocabulary: no check
+  check_throws_containing([&] { open_data(dir.file("big.bin"), "", 1, 16, 0, 4, 256); }, {"big.bin", "token 300"});
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -203,6 +204,14 @@ Checkpoint load_checkpoint(const std::string& dir) {
   }
   c.model = load_safetensors((step_dir / kTensorFiles[0]).string());
   c.optim = load_safetensors((step_dir / kTensorFiles[1]).string());
+  // A diverged run's weights (written before the trainer checked them) would evaluate to NaN.
+  for (const auto& [name, tensor] : c.model) {
+    const std::vector<float> values = tensor.to(DType::F32).to_vector<float>();
+    const auto bad = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
+    LT_CHECK(bad == values.end(), "[checkpoint] '", (step_dir / kTensorFiles[0]).string(), "': ", name, " holds ",
+             bad == values.end() ? 0.0f : *bad, " at index ", bad - values.begin(),
+             "; the run diverged before this checkpoint: take an earlier one");
+  }
   return c;
 }
 

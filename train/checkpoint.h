@@ -40,7 +40,7 @@ struct Checkpoint {
 
 // The checkpoint named by DIR/latest (or DIR itself when it is a step directory), verified.
 // The config is read and validated (sizes against overflow and memory, errors naming state.json) before
-// any tensor file is hashed or loaded.
+// any tensor file is hashed or loaded; weights that are not all finite are refused, naming the tensor.
 Checkpoint load_checkpoint(const std::string& dir);
 // The same without the tensors and their hashes: the config, the step and the data position.
 Checkpoint load_checkpoint_state(const std::string& dir);

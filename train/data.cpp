@@ -31,7 +31,19 @@ bool is_llmc_bin(const std::string& path) {
   return ext == ".bin";  // any case: .BIN too
 }
 
-std::vector<int32_t> load_tokens(const std::string& path) {
+namespace {
+
+// A token at or above the model's vocabulary would index past the embedding: refused with the file named.
+void check_vocab(const std::vector<int32_t>& tokens, int64_t vocab, const std::string& path) {
+  if (vocab <= 0) return;
+  const auto bad = std::find_if(tokens.begin(), tokens.end(), [&](int32_t t) { return int64_t(t) >= vocab; });
+  LT_CHECK(bad == tokens.end(), "[data] '", path, "' holds token ", bad == tokens.end() ? 0 : *bad, " at position ",
+           bad - tokens.begin(), "; the model's vocabulary has ", vocab, " tokens (0..", vocab - 1, ")");
+}
+
+}  // namespace
+
+std::vector<int32_t> load_tokens(const std::string& path, int64_t vocab) {
   if (std::filesystem::is_directory(path)) {
     // A corpus directory (the fortunes package): its plain files in name order, skipping strfile's
     // .dat indexes and the links it installs.
@@ -46,7 +58,7 @@ std::vector<int32_t> load_tokens(const std::string& path) {
     LT_CHECK(!files.empty(), "[data] the data directory '", path, "' holds no text files");
     std::vector<int32_t> tokens;
     for (const std::string& f : files) {
-      const std::vector<int32_t> part = load_tokens(f);
+      const std::vector<int32_t> part = load_tokens(f, vocab);
       tokens.insert(tokens.end(), part.begin(), part.end());
     }
     return tokens;
@@ -56,6 +68,7 @@ std::vector<int32_t> load_tokens(const std::string& path) {
   if (!is_llmc_bin(path)) {
     tokens.reserve(bytes.size());
     for (char c : bytes) tokens.push_back(int32_t(static_cast<unsigned char>(c)));
+    check_vocab(tokens, vocab, path);
     return tokens;
   }
   const size_t header_bytes = kLlmcHeaderInts * sizeof(int32_t);
@@ -75,6 +88,7 @@ std::vector<int32_t> load_tokens(const std::string& path) {
     std::memcpy(&t, bytes.data() + header_bytes + 2 * i, 2);
     tokens[i] = int32_t(t);
   }
+  check_vocab(tokens, vocab, path);
   return tokens;
 }
 
@@ -179,11 +193,12 @@ Batch MqarData::make(int64_t index, bool validation) const {
 }
 
 std::unique_ptr<DataSource> open_data(const std::string& data, const std::string& val_path, int64_t batch,
-                                      int64_t seq_len, uint64_t seed, int64_t val_batches, double val_fraction) {
+                                      int64_t seq_len, uint64_t seed, int64_t val_batches, int64_t vocab,
+                                      double val_fraction) {
   if (data == "mqar") return std::make_unique<MqarData>(batch, seq_len, seed, val_batches);
-  std::vector<int32_t> train = load_tokens(data), val;
+  std::vector<int32_t> train = load_tokens(data, vocab), val;
   if (!val_path.empty()) {
-    val = load_tokens(val_path);
+    val = load_tokens(val_path, vocab);
     LT_CHECK(int64_t(val.size()) >= seq_len + 1, "[data] the validation file '", val_path, "' has ", val.size(),
              " tokens; a sequence of --seq ", seq_len, " needs ", seq_len + 1);
   } else {

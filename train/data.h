@@ -32,7 +32,8 @@ class DataSource {
 // Tokens of a file: bytes for a text file; the uint16 tokens of an llm.c .bin (or .BIN) file (header of 256 int32:
 // magic 20240520, version 1, token count). Errors name the file: unreadable, wrong magic or version,
 // truncated. A directory gives the bytes of its plain files (not *.dat, *.u8 or links) in name order.
-std::vector<int32_t> load_tokens(const std::string& path);
+// vocab > 0: a token at or above it is refused, naming the file, the token, its position and the vocabulary.
+std::vector<int32_t> load_tokens(const std::string& path, int64_t vocab = 0);
 bool is_llmc_bin(const std::string& path);  // by the .bin extension
 
 // Windows of N + 1 tokens over a token array (starting at multiples of N), drawn in a seeded shuffled order:
@@ -77,9 +78,10 @@ class MqarData : public DataSource {
   uint64_t seed_;
 };
 
-// "mqar" or a file path (text or .bin); val_path may be empty (then the held-out tail of the file).
+// "mqar" or a file path (text or .bin); val_path may be empty (then the held-out tail of the file). vocab > 0:
+// the files' tokens are checked against it (load_tokens).
 std::unique_ptr<DataSource> open_data(const std::string& data, const std::string& val_path, int64_t batch,
-                                      int64_t seq_len, uint64_t seed, int64_t val_batches = 4,
+                                      int64_t seq_len, uint64_t seed, int64_t val_batches = 4, int64_t vocab = 0,
                                       double val_fraction = 0.05);
 
 }  // namespace lintape

@@ -1,5 +1,5 @@
 // AdamW over a module's flat parameter and gradient buffers, the warm-up + cosine schedule and the
-// global gradient-norm clip of MODEL.md. The module must be flattened (Module::flatten_parameters).
+// global gradient-norm clip of docs/MODEL.md. The module must be flattened (Module::flatten_parameters).
 // CPU: float32 loops in a fixed order, so a run is bit-reproducible. CUDA (parameters on a GPU): one fused
 // kernel for the update and a deterministic device reduction for the norm; only the norm comes back.
 #pragma once

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include "core/error.h"
+#include "train/progress.h"
 #include "train/svg_plot.h"
 
 namespace lintape {
@@ -62,13 +63,13 @@ void RunLog::step(const StepRow& r, bool progress_line) {
   if (progress_ && progress_line) {
     *progress_ << "step " << r.step << "/" << r.total_steps << "  loss " << std::fixed << std::setprecision(4)
                << r.loss << "  " << std::setprecision(0) << r.tokens_per_s << " tok/s  " << std::setprecision(1)
-               << r.step_ms << " ms/step  peak " << r.peak_mem_mib << " MiB  ETA " << std::setprecision(0) << r.eta_s
-               << " s" << std::defaultfloat << std::endl;
+               << r.step_ms << " ms/step  peak " << r.peak_mem_mib << " MiB  ETA " << format_duration(r.eta_s)
+               << std::defaultfloat << std::endl;
   }
 }
 
 void RunLog::validation(int64_t step, double val_loss, double accuracy) {
-  if (val_loss >= 0) val_curve_.emplace_back(step, val_loss);
+  val_curve_.emplace_back(step, val_loss);
   json row{{"step", step}, {"val_loss", val_loss}};
   if (accuracy >= 0) row["accuracy"] = accuracy;
   if (jsonl_.is_open()) jsonl_ << row.dump() << "\n";

@@ -27,7 +27,8 @@ class RunLog {
   RunLog(const std::string& path, bool append, std::ostream* progress);
   // The step's JSONL row; with `progress_line`, its progress line too.
   void step(const StepRow& row, bool progress_line);
-  // accuracy < 0: none (left out of the row and the line).
+  // A validation's row and line (the trainer calls it only when there is validation data); accuracy < 0:
+  // none (left out of the row and the line).
   void validation(int64_t step, double val_loss, double accuracy);
   void message(const std::string& text);  // a progress line
   // The summary (JSON text) and the loss SVG; nothing without a JSONL.

@@ -1,4 +1,5 @@
 #include "train/session.h"
+#include <cmath>
 
 namespace lintape {
 
@@ -21,7 +22,7 @@ double TrainSession::update(double lr, double clip) {
   // ranks already (reducer).
   const double grad_norm = optimizer->sharded() ? optimizer->reduce_and_clip_gradients(clip)
                                                 : clip_grad_norm(*model, clip);
-  optimizer->step(lr);
+  if (std::isfinite(grad_norm)) optimizer->step(lr);
   return grad_norm;
 }
 

@@ -31,11 +31,12 @@ struct TrainSession {
   static TrainSession build(const ModelConfig& config, uint64_t seed, const SessionOptions& options,
                             const std::map<std::string, Tensor>* weights = nullptr, const std::string& source = "");
   // After backward: the global-norm clip at `clip` (sharded: with the moments' reduce-scatter) and the
-  // AdamW update at `lr`; returns the gradient norm before the clip.
+  // AdamW update at `lr`; returns the gradient norm before the clip. A non-finite norm leaves the weights
+  // as they are (no update).
   double update(double lr, double clip);
 };
 
-// bfloat16 on CUDA (MODEL.md's mixed precision), float32 on the CPU.
+// bfloat16 on CUDA (docs/MODEL.md's mixed precision), float32 on the CPU.
 DType default_compute_dtype(Device device);
 
 }  // namespace lintape

@@ -4,7 +4,9 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <tuple>
 
 #include "autograd/tape.h"
@@ -26,15 +28,25 @@ using nlohmann::json;
 
 namespace {
 
-std::atomic<bool> g_interrupted{false};
-extern "C" void on_sigint(int) { g_interrupted = true; }
+// The signal (SIGINT or SIGTERM) that asks the run to stop; 0 while none has come.
+std::atomic<int> g_signal{0};
+extern "C" void on_stop_signal(int signal) { g_signal = signal; }
 
-// Installs the SIGINT handler for the trainer's lifetime of run() and restores the previous one.
-struct SigintScope {
-  SigintScope() : previous(std::signal(SIGINT, on_sigint)) { g_interrupted = false; }
-  ~SigintScope() { std::signal(SIGINT, previous); }
-  void (*previous)(int);
+// Installs the SIGINT and SIGTERM handlers for the lifetime of run() and restores the previous ones.
+struct StopSignalScope {
+  StopSignalScope()
+      : previous_int(std::signal(SIGINT, on_stop_signal)), previous_term(std::signal(SIGTERM, on_stop_signal)) {
+    g_signal = 0;
+  }
+  ~StopSignalScope() {
+    std::signal(SIGINT, previous_int);
+    std::signal(SIGTERM, previous_term);
+  }
+  void (*previous_int)(int);
+  void (*previous_term)(int);
 };
+
+const char* signal_name(int signal) { return signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "a signal"; }
 
 // This rank's rows of a global batch: rank r of R takes rows [r B / R, (r + 1) B / R).
 Batch rank_slice(const Batch& global, Communicator& comm) {
@@ -86,20 +98,23 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
   if (options_.resume) {
     LT_CHECK(!options_.checkpoint_dir.empty(), "[train] --resume needs a checkpoint directory");
     Checkpoint c = load_checkpoint(options_.checkpoint_dir);
+    // The caller's config is the checkpoint's, with --steps at or above its total (cli/ refuses a smaller one).
+    LT_CHECK(config_.steps >= c.config.steps, "[train] ", config_.steps, " steps is below the checkpoint's total of ",
+             c.config.steps, " (", c.path, "); a resumed run can extend its total, not shorten it");
     const int64_t steps = config_.steps;
     config_ = c.config;
-    config_.steps = std::max(steps, config_.steps);
+    config_.steps = steps;
     session_ = TrainSession::build(config_.model, config_.seed, session_options(comm.size()), &c.model,
                                    c.path + "/model.safetensors");
     session_.optimizer->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
     data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
-                      config_.val_batches);
+                      config_.val_batches, config_.model.vocab_size);
     data_->seek(c.state.data_position);
     step_ = c.state.step;
   } else {
     config_.validate();
     data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
-                      config_.val_batches);
+                      config_.val_batches, config_.model.vocab_size);
     LT_CHECK(data_->vocab_size() <= config_.model.vocab_size, "[train] the data has tokens up to ",
              data_->vocab_size() - 1, "; the model's vocab_size is ", config_.model.vocab_size);
     session_ = TrainSession::build(config_.model, config_.seed, session_options(comm.size()));
@@ -158,40 +173,72 @@ std::pair<double, double> Trainer::validate() {
   return {n > 0 ? loss_sum / double(n) : -1.0, answers > 0 ? correct / answers : -1.0};
 }
 
-void Trainer::checkpoint() {
-  if (options_.checkpoint_dir.empty()) return;
+bool Trainer::checkpoint(TrainResult& result) {
+  if (options_.checkpoint_dir.empty()) return true;
+  Communicator& comm = Communicator::world();
+  // A finite step can still leave weights that give NaN (a huge learning rate): they are checked on the
+  // last batch before they are saved, so that the latest checkpoint is always one to resume or evaluate.
+  double check_loss = 0;
+  {
+    NoGradGuard no_grad;
+    check_loss = session_.model->loss(last_batch_.tokens.to(options_.device), last_batch_.targets.to(options_.device))
+                     .item();
+  }
+  bool sound = std::isfinite(check_loss);
+  if (comm.distributed()) sound = comm.all_reduce_max(sound ? 0.0 : 1.0) == 0;
+  if (!sound) {
+    result.stopped_nonfinite = true;
+    const bool earlier = std::filesystem::exists(std::filesystem::path(options_.checkpoint_dir) / "latest");
+    result.message = str("[train] the weights after step ", step_, " give a loss of ", check_loss,
+                         " on its batch; no checkpoint written from them, ",
+                         earlier ? str("the latest in '", options_.checkpoint_dir, "' is the last good one")
+                                 : std::string("and none was written before"));
+    return false;
+  }
   // The state is the same on every rank: rank 0 writes it, the others wait, so that a checkpoint is
   // complete before any rank goes on (and a later run with any number of ranks can resume from it).
-  Communicator& comm = Communicator::world();
   // Sharded: gathered, by every rank.
   const std::map<std::string, Tensor> moments = session_.optimizer->state_dict();
   if (comm.rank() == 0)
     save_checkpoint(options_.checkpoint_dir, *session_.model, moments, config_, {step_, data_->position()},
                     config_.keep_checkpoints);
   comm.barrier();
+  return true;
 }
 
 TrainResult Trainer::run() {
-  SigintScope sigint;
+  StopSignalScope signals;
   const bool leader = Communicator::world().rank() == 0;  // logs, prints and writes checkpoints
   RunLog log(leader ? options_.log_path : "", options_.resume, leader ? options_.progress : nullptr);
   TrainResult result;
   result.first_step = step_;
   const Clock::time_point run_start = Clock::now();
+  Clock::time_point last_line = run_start;
   reset_peak_memory(options_.device);
+  if (data_->validation_batches() == 0)
+    log.message("no validation data (the held-out part is shorter than a batch of sequences): the run is not "
+                "validated");
   while (step_ < config_.steps) {
     const Clock::time_point step_start = Clock::now();
     const double loss = forward_backward();
-    if (!std::isfinite(loss)) {
+    const std::optional<StepNumbers> numbers = update(loss);
+    if (!numbers) {
       stop_nonfinite(loss, result, log);
       break;
     }
-    const auto [grad_norm, lr] = update();
-    log_step({loss, grad_norm, lr}, step_start, run_start, result, log);
+    // The first step's line, then every log_every steps, and at least every kLineSeconds on a slow run.
+    const bool line = step_ == result.first_step + 1 || step_ % config_.log_every == 0 || step_ == config_.steps ||
+                      Clock::now() - last_line >= std::chrono::seconds(kLineSeconds);
+    if (line) last_line = Clock::now();
+    log_step(*numbers, step_start, run_start, line, result, log);
     if (step_ % config_.val_every == 0 || step_ == config_.steps) log_validation(result, log);
     const bool stop = stop_requested(result);
-    if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || step_ == config_.steps || stop)
-      checkpoint();
+    if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || step_ == config_.steps || stop) {
+      if (!checkpoint(result)) {
+        log.message(result.message);
+        break;
+      }
+    }
     if (stop) break;
   }
   result.last_step = step_;
@@ -204,7 +251,8 @@ double Trainer::forward_backward() {
   session_.model->zero_grad();
   double loss = 0;
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    const Batch b = rank_slice(data_->next_train(), comm);
+    last_batch_ = rank_slice(data_->next_train(), comm);
+    const Batch& b = last_batch_;
     Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
     if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
     // The last micro-batch's backward completes the gradients: it starts the buckets' all-reduces.
@@ -221,21 +269,28 @@ double Trainer::forward_backward() {
   return loss;
 }
 
-std::pair<double, double> Trainer::update() {
+std::optional<Trainer::StepNumbers> Trainer::update(double loss) {
+  // Every rank has the same loss and gradient norm (reduced): they stop together.
+  if (!std::isfinite(loss)) return std::nullopt;
   const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
+  // A non-finite gradient norm stops the run: the session applied no update, the weights are untouched.
   const double grad_norm = session_.update(lr, config_.grad_clip);
+  last_grad_norm_ = grad_norm;
+  if (!std::isfinite(grad_norm)) return std::nullopt;
   ++step_;
-  return {grad_norm, lr};
+  return StepNumbers{loss, grad_norm, lr};
 }
 
 void Trainer::stop_nonfinite(double loss, TrainResult& result, RunLog& log) const {
   result.stopped_nonfinite = true;
-  result.message = str("[train] the loss is ", loss, " at step ", step_ + 1,
+  const std::string what =
+      std::isfinite(loss) ? str("the gradient norm is ", last_grad_norm_) : str("the loss is ", loss);
+  result.message = str("[train] ", what, " at step ", step_ + 1,
                        "; stopped before the update, the last checkpoint is the last good one");
   log.message(result.message);
 }
 
-void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock::time_point run_start,
+void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock::time_point run_start, bool line,
                        TrainResult& result, RunLog& log) const {
   Communicator& comm = Communicator::world();
   const int64_t steps_this_run = step_ - result.first_step;
@@ -261,10 +316,11 @@ void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock
   result.tokens_per_s = row.tokens_per_s;
   result.step_ms = step_ms;
   result.peak_mem_mib = row.peak_mem_mib;
-  log.step(row, step_ % config_.log_every == 0 || step_ == config_.steps);
+  log.step(row, line);
 }
 
 void Trainer::log_validation(TrainResult& result, RunLog& log) {
+  if (data_->validation_batches() == 0) return;  // said once, at the start
   std::tie(result.val_loss, result.accuracy) = validate();
   log.validation(step_, result.val_loss, result.accuracy);
 }
@@ -272,12 +328,17 @@ void Trainer::log_validation(TrainResult& result, RunLog& log) {
 bool Trainer::stop_requested(TrainResult& result) const {
   Communicator& comm = Communicator::world();
   const bool counted_out = options_.stop_after >= 0 && step_ - result.first_step >= options_.stop_after;
-  bool interrupted = g_interrupted;
-  // A Ctrl-C reaches the ranks at slightly different times: they stop together, at the same step.
-  if (comm.distributed()) interrupted = comm.all_reduce_max(interrupted ? 1.0 : 0.0) > 0;
-  if (!interrupted && !counted_out) return false;
-  result.interrupted = interrupted;
-  result.message = interrupted ? str("[train] interrupted at step ", step_, "; checkpoint written") : "";
+  int signal = g_signal;
+  // A signal reaches the ranks at slightly different times (or only one): they stop together, at the same
+  // step, all with the same signal (SIGTERM before SIGINT).
+  if (comm.distributed()) signal = int(comm.all_reduce_max(double(signal)));
+  if (signal == 0 && !counted_out) return false;
+  result.interrupted = signal != 0;
+  result.signal = signal;
+  const std::string saved = options_.checkpoint_dir.empty()
+                                ? std::string("no checkpoint directory, nothing saved")
+                                : str("checkpoint written to '", options_.checkpoint_dir, "' (continue with --resume)");
+  result.message = signal == 0 ? "" : str("[train] ", signal_name(signal), " at step ", step_, "; ", saved);
   return true;
 }
 
@@ -286,8 +347,8 @@ std::string Trainer::summary_json(const TrainResult& result) const {
               {"steps", step_},
               {"first_loss", result.losses.empty() ? 0.0 : result.losses.front()},
               {"last_loss", result.losses.empty() ? 0.0 : result.losses.back()},
-              {"val_loss", result.val_loss},
-              {"accuracy", result.accuracy},
+              {"val_loss", result.val_loss >= 0 ? json(result.val_loss) : json(nullptr)},
+              {"accuracy", result.accuracy >= 0 ? json(result.accuracy) : json(nullptr)},
               {"tokens_per_s", result.tokens_per_s},
               {"peak_mem_mib", double(memory_stats(options_.device).peak) / (1024.0 * 1024.0)},
               {"device", options_.device.name()},

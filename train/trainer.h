@@ -1,8 +1,10 @@
 // The training loop: builds the model and data of a TrainConfig, steps AdamW with the schedule, clipping
 // and gradient accumulation, prints progress lines (step/total, loss, tok/s, ms/step, peak MiB, ETA),
 // validates every val_every steps, writes JSONL rows, the summary JSON and the loss SVG, and checkpoints.
-// A NaN or Inf loss stops the run before the update (the last checkpoint stays the last good one);
-// SIGINT finishes the current step, writes a checkpoint and returns. On CUDA the parameters, their
+// A NaN or Inf loss or gradient norm stops the run before the update, and weights that give a non-finite
+// loss on their last batch are never saved: the latest checkpoint stays the last good one. SIGINT or SIGTERM
+// finishes the current step, writes a checkpoint and returns with the signal in the result (cli/ makes it the
+// exit status 128 + signal). On CUDA the parameters, their
 // gradients and the AdamW moments are float32 on the device and the forward runs in the compute dtype.
 #pragma once
 #include <chrono>
@@ -54,6 +56,7 @@ struct TrainResult {
   double tokens_per_s = 0;       // over this run so far
   double step_ms = 0, peak_mem_mib = 0;  // of the last step
   bool stopped_nonfinite = false, interrupted = false;
+  int signal = 0;       // the signal that interrupted the run (SIGINT, SIGTERM), 0 if none
   std::string message;  // why the run stopped early, if it did
 };
 
@@ -76,25 +79,32 @@ class Trainer {
   struct StepNumbers {
     double loss, grad_norm, lr;
   };
+  // A slow run prints a progress line at least this often (seconds), besides every log_every steps.
+  static constexpr int kLineSeconds = 10;
   // One step: the mean loss over the global batch (zero_grad, the micro-batches' forward and backward,
-  // the gradient all-reduce), then the clipping and the AdamW update ({grad norm, learning rate}).
+  // the gradient all-reduce), then the clipping and the AdamW update; none when the loss or the gradient
+  // norm is NaN or Inf (the weights are left as they were).
   double forward_backward();
-  std::pair<double, double> update();
-  // The step's row and progress line, the validation's, the stop on a NaN or Inf loss.
-  void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start,
+  std::optional<StepNumbers> update(double loss);
+  // The step's row (and with `line`, its progress line), the validation's, the stop on a NaN or Inf.
+  void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start, bool line,
                 TrainResult& result, RunLog& log) const;
   void log_validation(TrainResult& result, RunLog& log);
   void stop_nonfinite(double loss, TrainResult& result, RunLog& log) const;
-  // SIGINT on any rank or stop_after reached: sets the result's reason; the same answer on every rank.
+  // SIGINT or SIGTERM on any rank or stop_after reached: sets the result's reason; the same answer on every rank.
   bool stop_requested(TrainResult& result) const;
   std::string summary_json(const TrainResult& result) const;
   SessionOptions session_options(int64_t shards) const;
-  void checkpoint();
+  // Writes a checkpoint (with a checkpoint directory) unless the weights give a non-finite loss on the last
+  // batch: then false, and the result says why the run stops.
+  bool checkpoint(TrainResult& result);
   TrainConfig config_;
   TrainerOptions options_;
   TrainSession session_;  // its reducer: several ranks without ZeRO-1 only
   std::unique_ptr<DataSource> data_;
   int64_t step_ = 0;
+  Batch last_batch_;             // this rank's last micro-batch: the weights' check before a checkpoint
+  double last_grad_norm_ = 0;    // of the last update (tried)
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;
 };

@@ -132,3 +132,60 @@ expect(1 "cannot create the checkpoint directory .*a_file/ck" train --device cpu
 if(last_output MATCHES "step 1/1")
   message(SEND_ERROR "the checkpoint directory was checked only after training:\n${last_output}")
 endif()
+
+# A diverging run (--lr 1e30) stops at the NaN and writes no checkpoint from it: the latest stays the earlier
+# run's, and it evaluates.
+expect(0 "2 steps of 2 x 32 tokens" train --device cpu --data mqar --steps 2 --batch 2 --seq 32
+       --checkpoint-dir "${WORK}/nan")
+expect(1 "the weights after step 1 give a loss of -?nan on its batch; no checkpoint written from them, the latest in"
+       train --device cpu --data mqar --steps 3 --batch 2 --seq 32 --lr 1e30 --checkpoint-every 1
+       --checkpoint-dir "${WORK}/nan")
+file(READ "${WORK}/nan/latest" latest)
+string(STRIP "${latest}" latest)
+if(NOT latest STREQUAL "step_00000002")
+  message(SEND_ERROR "a diverged run replaced the last good checkpoint: latest is '${latest}'")
+endif()
+expect(0 "mean loss [0-9.]+" eval --checkpoint "${WORK}/nan" --data "${WORK}/text.txt" --batches 1)
+expect(1 "the loss is -?nan at step 2; stopped before the update" train --device cpu --data mqar --steps 3 --batch 2
+       --seq 32 --lr 1e30)
+
+# Progress: the first step's line comes at once, the ETA in hours and minutes; data too short for a held-out
+# batch says so once and logs no val_loss.
+expect(0 "step 1/30 .* ETA [0-9]+ s\nstep 10/30" train --device cpu --data mqar --steps 30 --batch 1 --seq 16)
+expect(0 "no validation data.*step 1/1 " train --device cpu --data "${WORK}/text.txt" --steps 1 --batch 1 --seq 16
+       --log "${WORK}/noval.jsonl")
+if(last_output MATCHES "val_loss")
+  message(SEND_ERROR "val_loss printed without validation data:\n${last_output}")
+endif()
+file(READ "${WORK}/noval.jsonl" noval)
+if(noval MATCHES "val_loss")
+  message(SEND_ERROR "val_loss logged without validation data:\n${noval}")
+endif()
+
+# A token beyond the model's vocabulary is refused naming the file, the token and the vocabulary.
+file(WRITE "${WORK}/vocab100.json"
+     "{\"data\": \"${WORK}/text.txt\", \"model\": {\"vocab_size\": 100, \"seq_len\": 16}}")
+expect(1 "text.txt' holds token 116 at position 0; the model's vocabulary has 100 tokens" train --device cpu
+       --config "${WORK}/vocab100.json" --steps 1 --batch 1)
+
+# SIGTERM and SIGINT: the step ends, a checkpoint is written and the exit status is 128 + the signal (143,
+# 130). The run waits for its first JSONL row (at most a minute) before the signal; it ends within 2 minutes.
+foreach(signal_status TERM:143 INT:130)
+  string(REPLACE ":" ";" pair "${signal_status}")
+  list(GET pair 0 signal)
+  list(GET pair 1 status)
+  set(dir "${WORK}/sig${signal}")
+  execute_process(
+    COMMAND sh -c "\"$0\" train --device cpu --data mqar --steps 1000000 --batch 2 --seq 32 --checkpoint-dir \"$1\" \
+--log \"$1.jsonl\" > \"$1.out\" 2>&1 & pid=$!; i=0; \
+while [ ! -s \"$1.jsonl\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done; \
+kill -$2 $pid; wait $pid; echo $?" "${LINTAPE}" "${dir}" "${signal}"
+    OUTPUT_VARIABLE rc OUTPUT_STRIP_TRAILING_WHITESPACE TIMEOUT 120)
+  file(READ "${dir}.out" out)
+  if(NOT rc STREQUAL "${status}" OR NOT out MATCHES "SIG${signal} at step [0-9]+; checkpoint written to")
+    message(SEND_ERROR "train stopped by SIG${signal}: expected status ${status} and a checkpoint; got ${rc}:\n${out}")
+  else()
+    message(STATUS "ok (${rc}): train stopped by SIG${signal}")
+  endif()
+  expect(0 "mean loss [0-9.]+" eval --checkpoint "${dir}" --data "${WORK}/text.txt" --batches 1)
+endforeach()
