@@ -322,7 +322,7 @@ TEST_CASE("gradcheck swiglu_linear") {
                   (std::vector<Tensor>{leaf({2, 3, 8}, 25), leaf({5, 4}, 26)}));
 }
 
-TEST_CASE("swiglu_linear equals swiglu then matmul, values and gradients; holds no SwiGLU output") {
+TEST_CASE("swiglu_linear equals swiglu then matmul, values and gradients, and holds no SwiGLU output") {
   Tensor h = leaf({4, 16, 64}, 27), w = leaf({3, 32}, 28);
   Tensor h2 = h.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_();
   const size_t before = memory_stats(Device::cpu()).in_use;

@@ -93,7 +93,7 @@ TEST_CASE("failures: sizes are checked against overflow and memory before anythi
   check_throws_containing([] { MqarData(int64_t(1) << 60, 256, 0); }, {"[mqar] batch x seq overflows"});
 }
 
-TEST_CASE("failures: an edited state.json is refused naming it before anything is allocated; old ones load") {
+TEST_CASE("failures: an edited state.json is refused naming it before anything is allocated, and old ones load") {
   TempDir dir("failures_state");
   const std::string step = micro_checkpoint(dir);
   const std::string state_path = step + "/state.json";
@@ -276,7 +276,7 @@ TEST_CASE("failures: an older checkpoint of a file run resumes at the window its
   CHECK(load_checkpoint_state(dir.file("ckpt")).state.data_position == 10);
 }
 
-TEST_CASE("failures: a diverging run writes no checkpoint from weights that give NaN; the last good one loads") {
+TEST_CASE("failures: a diverging run writes no checkpoint from weights that give NaN, and the last good one loads") {
   TempDir dir("failures_nan");
   micro_checkpoint(dir);
   TrainConfig c = micro_train_config("mqar");
@@ -319,7 +319,7 @@ TEST_CASE("failures: SIGTERM and SIGINT write a checkpoint and return the signal
   }
 }
 
-TEST_CASE("failures: without validation data no val_loss is logged; a smaller total on resume is refused") {
+TEST_CASE("failures: without validation data no val_loss is logged, and a smaller total on resume is refused") {
   TempDir dir("failures_noval");
   write_all(dir.file("short.txt"), std::string(200, 'a'));
   TrainConfig c = micro_train_config(dir.file("short.txt"));
