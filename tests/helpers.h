@@ -74,6 +74,15 @@ inline void check_throws_containing(const std::function<void()>& fn, const std::
   FAIL("expected a lintape::Error mentioning '" << (parts.empty() ? std::string() : parts[0]) << "'");
 }
 
+// LRPE-like rates for theta (H, E): theta[h, k] = 10000^(-k / E) * (1 + h / 4), f32.
+inline Tensor rates(const Shape& shape, Device dev = Device::cpu()) {
+  std::vector<double> v;
+  for (int64_t h = 0; h < shape[0]; ++h)
+    for (int64_t k = 0; k < shape[1]; ++k)
+      v.push_back(std::pow(10000.0, -double(k) / double(shape[1])) * (1 + double(h) / 4));
+  return from_vector(v, shape, DType::F32, dev);
+}
+
 // An f64 CPU leaf requiring grad, with random values (shifted away from 0 with `shift` if asked).
 inline Tensor leaf(const Shape& shape, uint64_t seed, double shift = 0.0) {
   Tensor t = randn(shape, DType::F64, Device::cpu(), seed);

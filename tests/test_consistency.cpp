@@ -37,15 +37,6 @@ struct Row {
 const std::vector<DType> kFloats = {DType::F32, DType::BF16, DType::F16};
 const std::vector<DType> kF32 = {DType::F32};
 
-// LRPE-like rates: theta[h, k] = 10000^(-k / E) * (1 + h / 4), f32.
-Tensor rates(const Shape& shape, Device dev) {
-  std::vector<double> v;
-  for (int64_t h = 0; h < shape[0]; ++h)
-    for (int64_t k = 0; k < shape[1]; ++k)
-      v.push_back(std::pow(10000.0, -double(k) / double(shape[1])) * (1 + double(h) / 4));
-  return from_vector(v, shape, DType::F32, dev);
-}
-
 // Random values kept away from 0, so that relu's kink sits between the same neighbours in every dtype.
 Tensor values(const Shape& shape, uint64_t seed) { return leaf(shape, seed, 0.05).detach(); }
 

@@ -15,15 +15,6 @@ using namespace lintape::test;
 
 namespace {
 
-// LRPE-like rates: theta[h, k] = 10000^(-k / E) * (1 + h / 4), f32.
-Tensor rates(const Shape& shape) {
-  std::vector<double> v;
-  for (int64_t h = 0; h < shape[0]; ++h)
-    for (int64_t k = 0; k < shape[1]; ++k)
-      v.push_back(std::pow(10000.0, -double(k) / double(shape[1])) * (1 + double(h) / 4));
-  return from_vector(v, shape, DType::F32);
-}
-
 const ActSpec kNone{}, kSilu{Act::Silu, ActDim::None}, kSigmoid{Act::Sigmoid, ActDim::None},
     kRelu{Act::Relu, ActDim::None}, kSoftFeature{Act::Softmax, ActDim::Feature},
     kSoftSequence{Act::Softmax, ActDim::Sequence};

@@ -19,14 +19,6 @@ using namespace lintape::test;
 
 namespace {
 
-Tensor rates(const Shape& shape, Device dev) {
-  std::vector<double> v;
-  for (int64_t h = 0; h < shape[0]; ++h)
-    for (int64_t k = 0; k < shape[1]; ++k)
-      v.push_back(std::pow(10000.0, -double(k) / double(shape[1])) * (1 + double(h) / 4));
-  return from_vector(v, shape, DType::F32, dev);
-}
-
 struct StepConfig {
   std::string name;
   FalLrpe lrpe;

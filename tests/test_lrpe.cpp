@@ -33,15 +33,6 @@ MdLrpeOptions md_opts(std::vector<int64_t> grid, int64_t L, Act act = Act::None,
   return {std::move(grid), L, act, dim, cache};
 }
 
-// LRPE-like rates: theta[h, k] = 10000^(-k / E) * (1 + h / 4), f32.
-Tensor rates(const Shape& shape, Device dev = Device::cpu()) {
-  std::vector<double> v;
-  for (int64_t h = 0; h < shape[0]; ++h)
-    for (int64_t k = 0; k < shape[1]; ++k)
-      v.push_back(std::pow(10000.0, -double(k) / double(shape[1])) * (1 + double(h) / 4));
-  return from_vector(v, shape, DType::F32, dev);
-}
-
 struct Act2 {
   const char* name;
   Act act;
