@@ -223,7 +223,7 @@ TrainResult Trainer::run() {
     const double loss = forward_backward();
     const std::optional<StepNumbers> numbers = update(loss);
     if (!numbers) {
-      stop_nonfinite(loss, result, log);
+      stop_nonfinite(loss, result);
       break;
     }
     // The first step's line, then every log_every steps, and at least every kLineSeconds on a slow run.
@@ -234,10 +234,7 @@ TrainResult Trainer::run() {
     if (step_ % config_.val_every == 0 || step_ == config_.steps) log_validation(result, log);
     const bool stop = stop_requested(result);
     if ((config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) || step_ == config_.steps || stop) {
-      if (!checkpoint(result)) {
-        log.message(result.message);
-        break;
-      }
+      if (!checkpoint(result)) break;  // result.message says why; the caller reports it
     }
     if (stop) break;
   }
@@ -281,13 +278,12 @@ std::optional<Trainer::StepNumbers> Trainer::update(double loss) {
   return StepNumbers{loss, grad_norm, lr};
 }
 
-void Trainer::stop_nonfinite(double loss, TrainResult& result, RunLog& log) const {
+void Trainer::stop_nonfinite(double loss, TrainResult& result) const {
   result.stopped_nonfinite = true;
   const std::string what =
       std::isfinite(loss) ? str("the gradient norm is ", last_grad_norm_) : str("the loss is ", loss);
   result.message = str("[train] ", what, " at step ", step_ + 1,
                        "; stopped before the update, the last checkpoint is the last good one");
-  log.message(result.message);
 }
 
 void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock::time_point run_start, bool line,

@@ -90,7 +90,7 @@ class Trainer {
   void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start, bool line,
                 TrainResult& result, RunLog& log) const;
   void log_validation(TrainResult& result, RunLog& log);
-  void stop_nonfinite(double loss, TrainResult& result, RunLog& log) const;
+  void stop_nonfinite(double loss, TrainResult& result) const;
   // SIGINT or SIGTERM on any rank or stop_after reached: sets the result's reason; the same answer on every rank.
   bool stop_requested(TrainResult& result) const;
   std::string summary_json(const TrainResult& result) const;
