@@ -49,6 +49,35 @@ CoreInputs core_inputs(const Tensor& qb, const Tensor& kb, const Tensor& vb, con
           gb.to_vector<double>()};
 }
 
+// The states of (b, h) walked forward from S0's block (zeros when s0 is empty). Causal: S_t = lambda S_{t-1} +
+// kb_t^T vb_t, then at_query(t) at each token; noncausal: every key first (S = kv), then at_query(t) for each
+// query. S holds the last state on return.
+template <class AtQuery>
+void walk_states(const CoreInputs& c, bool causal, double lambda, const std::vector<double>& s0, int64_t b,
+                 int64_t h, std::vector<double>& S, AtQuery at_query) {
+  const int64_t P = c.P, E = c.E;
+  if (s0.empty())
+    std::fill(S.begin(), S.end(), 0.0);
+  else
+    std::copy_n(s0.begin() + (b * c.H + h) * P * E, P * E, S.begin());
+  auto add_token = [&](int64_t t) {
+    const double* kr = &c.k[c.ki(b, t, h)];
+    const double* vr = &c.v[c.vi(b, t, h)];
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t e = 0; e < E; ++e) S[size_t(p * E + e)] += kr[p] * vr[e];
+  };
+  if (causal) {
+    for (int64_t t = 0; t < c.N; ++t) {
+      for (double& x : S) x *= lambda;
+      add_token(t);
+      at_query(t);
+    }
+  } else {
+    for (int64_t t = 0; t < c.M; ++t) add_token(t);
+    for (int64_t t = 0; t < c.N; ++t) at_query(t);
+  }
+}
+
 // Forward: y = qb S (before the gate), o = gb * y; S per (b, h) is kv (noncausal) or S_t (causal). Returns o
 // and, causal, the final state. s0 empty means zeros.
 std::pair<std::vector<double>, std::vector<double>> core_forward(const CoreInputs& c, bool causal,
@@ -60,16 +89,6 @@ std::pair<std::vector<double>, std::vector<double>> core_forward(const CoreInput
   parallel_for(c.B * c.H, [&](int64_t bh) {
       const int64_t b = bh / c.H, h = bh % c.H;
       std::vector<double> S(size_t(P * E));
-      if (s0.empty())
-        std::fill(S.begin(), S.end(), 0.0);
-      else
-        std::copy_n(s0.begin() + (b * c.H + h) * P * E, P * E, S.begin());
-      auto add_token = [&](int64_t t) {
-        const double* kr = &c.k[c.ki(b, t, h)];
-        const double* vr = &c.v[c.vi(b, t, h)];
-        for (int64_t p = 0; p < P; ++p)
-          for (int64_t e = 0; e < E; ++e) S[size_t(p * E + e)] += kr[p] * vr[e];
-      };
       auto emit = [&](int64_t t) {
         const double* qr = &c.q[c.qi(b, t, h)];
         for (int64_t e = 0; e < E; ++e) {
@@ -78,17 +97,8 @@ std::pair<std::vector<double>, std::vector<double>> core_forward(const CoreInput
           o[c.gi(b, t, h) + size_t(e)] = c.g[c.gi(b, t, h) + size_t(e)] * y;
         }
       };
-      if (causal) {
-        for (int64_t t = 0; t < c.N; ++t) {
-          for (double& s : S) s *= lam[size_t(h)];
-          add_token(t);
-          emit(t);
-        }
-        std::copy(S.begin(), S.end(), S_final.begin() + (b * c.H + h) * P * E);
-      } else {
-        for (int64_t t = 0; t < c.M; ++t) add_token(t);
-        for (int64_t t = 0; t < c.N; ++t) emit(t);
-      }
+      walk_states(c, causal, lam.empty() ? 1.0 : lam[size_t(h)], s0, b, h, S, emit);
+      if (causal) std::copy(S.begin(), S.end(), S_final.begin() + (b * c.H + h) * P * E);
   });
   return {o, S_final};
 }
@@ -112,16 +122,6 @@ CoreGrads core_backward(const CoreInputs& c, bool causal, const std::vector<doub
       std::vector<double> S(size_t(P * E)), G(size_t(P * E)), dy(static_cast<size_t>(E));
       const double l = lam.empty() ? 1.0 : lam[size_t(h)];
       // Pass 1: states forward; dqb and dgb at each query.
-      if (s0.empty())
-        std::fill(S.begin(), S.end(), 0.0);
-      else
-        std::copy_n(s0.begin() + (b * c.H + h) * P * E, P * E, S.begin());
-      auto add_token = [&](int64_t t) {
-        const double* kr = &c.k[c.ki(b, t, h)];
-        const double* vr = &c.v[c.vi(b, t, h)];
-        for (int64_t p = 0; p < P; ++p)
-          for (int64_t e = 0; e < E; ++e) S[size_t(p * E + e)] += kr[p] * vr[e];
-      };
       auto query_grads = [&](int64_t t) {
         const double* qr = &c.q[c.qi(b, t, h)];
         const size_t gi = c.gi(b, t, h);
@@ -137,16 +137,7 @@ CoreGrads core_backward(const CoreInputs& c, bool causal, const std::vector<doub
           gr.q[c.qi(b, t, h) + size_t(p)] = s;
         }
       };
-      if (causal) {
-        for (int64_t t = 0; t < c.N; ++t) {
-          for (double& s : S) s *= l;
-          add_token(t);
-          query_grads(t);
-        }
-      } else {
-        for (int64_t t = 0; t < c.M; ++t) add_token(t);
-        for (int64_t t = 0; t < c.N; ++t) query_grads(t);
-      }
+      walk_states(c, causal, l, s0, b, h, S, query_grads);
       // Pass 2: G, the gradient of the state (noncausal: dkv = qb^T dy, one for all keys).
       if (causal && !dS_final.empty())
         std::copy_n(dS_final.begin() + (b * c.H + h) * P * E, P * E, G.begin());
