@@ -186,8 +186,38 @@ __device__ __forceinline__ void from_stage(const void* stage, int c0, Raw<W, kFu
   }
 }
 
+// S_c as staged for the products (rows of LD elements) into its slot of a.states (P x E in T) for the backward,
+// in 16-byte pieces.
+template <class T, int EP, int LD>
+__device__ __forceinline__ void save_state(const Args& a, const T* ss, T* dst) {
+  constexpr int kPieces = EP / 8;
+  for (int idx = threadIdx.x; idx < a.P * kPieces; idx += kFusedThreads) {
+    const int p = idx / kPieces, c8 = (idx % kPieces) * 8;
+    if (c8 < a.E)
+      *reinterpret_cast<uint4*>(dst + size_t(p) * a.E + c8) = *reinterpret_cast<const uint4*>(ss + p * LD + c8);
+  }
+}
+
+// v rows through the act into V and diag(delta) V (one act for both tiles; V only when delta is null).
+template <class T, int EP>
+__device__ __forceinline__ void store_values(const Args& a, const Raw<EP, kFusedThreads>& r, int64_t t0,
+                                             const float* delta, T* vs, T* vd) {
+#pragma unroll
+  for (int it = 0; it < Raw<EP, kFusedThreads>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kFusedThreads, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
+    float y[8];
+    unpack8<T>(r.u[it], y);
+    act_n(y, a.act_v, t0 + i < a.N && c8 < a.E);
+    if (vs) store8(vs + i * (EP + kPad) + c8, y);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) y[u] *= delta[i];
+    store8(vd + i * (EP + kPad) + c8, y);
+  }
+}
+
 // Local: the local pass of a cut sequence (a.local): only K, diag(delta) V and the state update, each segment's
-// sum from zero into its boundary slot.
+// sum from zero into its boundary slot. With a.states (not local), every chunk's entering state S_c is saved
+// there in T for the backward, which then skips its forward state pass.
 template <class T, int EP, int Slices, bool Local>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
   using Sm = FusedSmem<T, EP, Slices>;
@@ -252,8 +282,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
     {
       Raw<EP, kFusedThreads> vr;
       from_stage<EP>(sm.raw_v, 0, vr);
-      if (!Local) store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
-      store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, sm.delta, sm.vd);
+      store_values<T, EP>(a, vr, t0, sm.delta, Local ? nullptr : sm.vs, sm.vd);
     }
 #pragma unroll
     for (int s = 0; s < Slices; ++s) {
@@ -280,6 +309,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
             store2(sm.ss + state_row(s, r) * ldE + s_n0 + st[s].col(n, r), st[s].x[0][n][r], st[s].x[0][n][r + 1]);
     __syncthreads();
     if (c + 1 < w.c1) stage_chunk(t0 + kC);
+    if (!Local && a.states)  // S_c to memory while the products run; the next chunk's first barrier guards ss
+      save_state<T, EP, ldE>(a, sm.ss,
+                             static_cast<T*>(a.states) +
+                                 ((int64_t(opaque(int(b))) * a.H + opaque(h)) * a.nC + c) * int64_t(a.P) * a.E);
 
     // B. The scores, then the state update (the old state is in shared memory), then Y, so that at most two
     // accumulators are live beside the state.
