@@ -241,13 +241,13 @@ __device__ __forceinline__ T* at_head(void* p, int64_t b, int64_t sb, int64_t h,
 using cuda_device::exp2_ftz;
 using cuda_device::sigmoid_grad;
 using cuda_device::silu_grad;
-using cuda_device::sigmoid_approx;
+using cuda_device::sigmoid_tanh;
 
 __device__ __forceinline__ float act_f(float x, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return fmaxf(x, 0.0f);
-    case FalStepSpec::kSigmoid: return sigmoid_approx(x);
-    case FalStepSpec::kSilu: return x * sigmoid_approx(x);
+    case FalStepSpec::kSigmoid: return sigmoid_tanh(x);
+    case FalStepSpec::kSilu: return x * sigmoid_tanh(x);
     default: return x;
   }
 }
@@ -267,11 +267,11 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
       break;
     case FalStepSpec::kSigmoid:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] = sigmoid_approx(x[u]);
+      for (int u = 0; u < N; ++u) x[u] = sigmoid_tanh(x[u]);
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] *= sigmoid_approx(x[u]);
+      for (int u = 0; u < N; ++u) x[u] *= sigmoid_tanh(x[u]);
       break;
     default: break;
   }
@@ -281,8 +281,8 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
 __device__ __forceinline__ float act_grad(float x, float dy, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return x > 0.0f ? dy : 0.0f;
-    case FalStepSpec::kSigmoid: return sigmoid_grad(sigmoid_approx(x), dy);
-    case FalStepSpec::kSilu: return silu_grad(x, sigmoid_approx(x), dy);
+    case FalStepSpec::kSigmoid: return sigmoid_grad(sigmoid_tanh(x), dy);
+    case FalStepSpec::kSilu: return silu_grad(x, sigmoid_tanh(x), dy);
     default: return dy;
   }
 }
@@ -298,14 +298,14 @@ __device__ __forceinline__ void act_grad_n(const float (&x)[N], float (&dy)[N], 
     case FalStepSpec::kSigmoid:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float y = sigmoid_approx(x[u]);
+        const float y = sigmoid_tanh(x[u]);
         dy[u] *= y * (1.0f - y);
       }
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float sg = sigmoid_approx(x[u]);
+        const float sg = sigmoid_tanh(x[u]);
         dy[u] *= sg * (1.0f + x[u] * (1.0f - sg));
       }
       break;
