@@ -337,6 +337,14 @@ TEST_CASE("cuda fal chunked causal long sequence matches the reference" * LT_CUD
   }
 }
 
+// The forward saving every chunk's state for the backward (the tape's way) over more walks than the GPU has SMs
+// (B x H x G = 8 x 3 x 7: one 64-token chunk a segment, the last one of 17 tokens).
+TEST_CASE("cuda fal chunked causal saves the chunk states over many walks" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 1700, 401, 8, true, 0, 7);
+  check_fused_sequence(kChunkConfigs[2], true, DType::F16, 1710, 401, 8, false, 0, 7);
+}
+
 namespace {
 
 // q, k, v, g as slices of one (B, N, 4 H, D) projection (token stride 4 H D): Impl::Auto reads them in place with

@@ -4,11 +4,12 @@
 # `lintape bench fal-causal` for this tree (chunk states saved by the forward, and not) and the base, the fla
 # kernel alone in the same call, compute-sanitizer on the chunked causal cases and ncu on the kernels.
 #   bench/notes/fal-hopper.sh OUTDIR [BASE_TREE] [STEPS]
-# STEPS: a comma list of build,tests,bench,peer,memcheck,racecheck,ncu (default: all, in that order).
+# STEPS: a comma list of build,tests,bench,peer,racecheck,memcheck,ncu (default: all, in that order; racecheck
+# runs racecheck and synccheck on RACE_CASES, default the saved-states case).
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 base=${2:-}
-steps=,${3:-build,tests,bench,peer,memcheck,racecheck,ncu},
+steps=,${3:-build,tests,bench,peer,racecheck,memcheck,ncu},
 root=$(pwd)
 cli=$root/build-gpu/lintape
 tests=$root/build-gpu/tests/lintape_tests
@@ -56,17 +57,17 @@ if has peer; then
     python3 fal_peer.py --causal-only --kernel-only --ns 2048,8192 --shape 16x6) >"$out/peer.txt" 2>&1
   log "peer rc=$?"
 fi
-if has memcheck; then
-  compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc='*cuda fal chunked causal*' \
-    >"$out/sanitizer.log" 2>&1
-  log "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
-fi
 if has racecheck; then
   for tool in racecheck synccheck; do
-    compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc='*cuda fal chunked causal matches*' \
+    compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="${RACE_CASES:-*cuda fal chunked causal saves*}" \
       >>"$out/sanitizer.log" 2>&1
     log "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1)"
   done
+fi
+if has memcheck; then
+  compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc='*cuda fal chunked causal*' \
+    >>"$out/sanitizer.log" 2>&1
+  log "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
 fi
 if has ncu; then
   sections=(--section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats
