@@ -1,6 +1,5 @@
 // Causal FAL on the tensor cores (ops/fal/chunk.cuh): the state pass, both ways, for the backward, and the
 // fused forward.
-#include "core/cuda_bulk.cuh"
 #include "ops/fal/chunk.cuh"
 
 namespace lintape::fal_cuda::chunk {
@@ -187,33 +186,16 @@ __device__ __forceinline__ void from_stage(const void* stage, int c0, Raw<W, kFu
   }
 }
 
-// S_c as staged for the products (rows of LD elements) into its slot of a.states (P x E in T) for the backward:
-// one bulk copy a row by threads 0 ... P - 1 (the copy engine reads ss while the products run; each issuing
-// thread waits for the read before the barrier after which ss is rewritten), else in 16-byte pieces.
+// S_c as staged for the products (rows of LD elements) into its slot of a.states (P x E in T) for the backward,
+// in 16-byte pieces.
 template <class T, int EP, int LD>
 __device__ __forceinline__ void save_state(const Args& a, const T* ss, T* dst) {
-#ifdef LINTAPE_BULK_COPY
-  if (int(threadIdx.x) < a.P) {
-    cuda::bulk_store(dst + size_t(threadIdx.x) * a.E, ss + threadIdx.x * LD, uint32_t(a.E * sizeof(T)));
-    cuda::bulk_commit();
-  }
-#else
   constexpr int kPieces = EP / 8;
   for (int idx = threadIdx.x; idx < a.P * kPieces; idx += kFusedThreads) {
     const int p = idx / kPieces, c8 = (idx % kPieces) * 8;
     if (c8 < a.E)
       *reinterpret_cast<uint4*>(dst + size_t(p) * a.E + c8) = *reinterpret_cast<const uint4*>(ss + p * LD + c8);
   }
-#endif
-}
-// Before ss is written again (wait for the read) or the block ends (wait for the copies).
-template <bool Read>
-__device__ __forceinline__ void save_state_wait(const Args& a) {
-#ifdef LINTAPE_BULK_COPY
-  if (int(threadIdx.x) < a.P) cuda::bulk_wait<Read>();
-#else
-  (void)a;
-#endif
 }
 
 // v rows through the act into V and diag(delta) V (one act for both tiles; V only when delta is null).
@@ -296,7 +278,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
     for (int i = threadIdx.x; i < kC; i += kFusedThreads)
       sm.delta[i] = i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f;
     cp_async_wait_all();
-    if (!Local && a.states) save_state_wait<true>(a);
     __syncthreads();  // the raw rows and delta are in; the previous chunk's products are done with every tile
     {
       Raw<EP, kFusedThreads> vr;
@@ -326,9 +307,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
 #pragma unroll
           for (int r = 0; r < 4; r += 2)
             store2(sm.ss + state_row(s, r) * ldE + s_n0 + st[s].col(n, r), st[s].x[0][n][r], st[s].x[0][n][r + 1]);
-#ifdef LINTAPE_BULK_COPY
-    if (!Local && a.states) cuda::bulk_fence();  // ss is read by the copy engine next
-#endif
     __syncthreads();
     if (c + 1 < w.c1) stage_chunk(t0 + kC);
     if (!Local && a.states)  // S_c to memory while the products run; the next chunk's first barrier guards ss
@@ -402,7 +380,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
       }
     }
   }
-  if (!Local && a.states) save_state_wait<false>(a);
   float* last = walk_of(a, opaque(int(blockIdx.x)), false).last;  // found again, as the rows' addresses are
   if (last) each_state([&](float& x, size_t i) { last[i] = x; });
 }
