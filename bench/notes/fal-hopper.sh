@@ -4,12 +4,13 @@
 # `lintape bench fal-causal` for this tree (chunk states saved by the forward, and not) and the base, the fla
 # kernel alone in the same call, compute-sanitizer on the chunked causal cases and ncu on the kernels.
 #   bench/notes/fal-hopper.sh OUTDIR [BASE_TREE] [STEPS]
-# STEPS: a comma list of build,tests,bench,peer,racecheck,memcheck,ncu (default: all, in that order; racecheck
-# runs racecheck and synccheck on RACE_CASES, default the saved-states case).
+# STEPS: a comma list of build,tests,bench,racecheck,memcheck,peer,ncu (default: all, in that order; racecheck
+# runs racecheck and synccheck on RACE_CASES, default the saved-states case; memcheck on MEM_CASES, default the
+# chunked causal cases).
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 base=${2:-}
-steps=,${3:-build,tests,bench,peer,racecheck,memcheck,ncu},
+steps=,${3:-build,tests,bench,racecheck,memcheck,peer,ncu},
 root=$(pwd)
 cli=$root/build-gpu/lintape
 tests=$root/build-gpu/tests/lintape_tests
@@ -50,13 +51,6 @@ if has bench; then
     bench base "$root/$base/build-gpu/lintape"
   fi
 fi
-if has peer; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$root"/../../.whl/*.whl
-  export PYTHONPATH=/tmp/site
-  (cd bench/peers && python3 fal_peer.py --causal-only --kernel-only --ns 2048,8192 &&
-    python3 fal_peer.py --causal-only --kernel-only --ns 2048,8192 --shape 16x6) >"$out/peer.txt" 2>&1
-  log "peer rc=$?"
-fi
 if has racecheck; then
   for tool in racecheck synccheck; do
     compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="${RACE_CASES:-*cuda fal chunked causal saves*}" \
@@ -65,9 +59,16 @@ if has racecheck; then
   done
 fi
 if has memcheck; then
-  compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc='*cuda fal chunked causal*' \
+  compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="${MEM_CASES:-*cuda fal chunked causal*}" \
     >>"$out/sanitizer.log" 2>&1
   log "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
+fi
+if has peer; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$root"/../../.whl/*.whl
+  export PYTHONPATH=/tmp/site
+  (cd bench/peers && python3 fal_peer.py --causal-only --kernel-only --ns 2048,8192 &&
+    python3 fal_peer.py --causal-only --kernel-only --ns 2048,8192 --shape 16x6) >"$out/peer.txt" 2>&1
+  log "peer rc=$?"
 fi
 if has ncu; then
   sections=(--section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats

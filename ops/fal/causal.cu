@@ -6,11 +6,11 @@
 //   1. each segment's local state, from zero: sum over its tokens of lambda^(end - 1 - t) kb_t^T vb_t;
 //   2. a scan over the segments turns them into the state entering each segment (from S0) and the final state;
 //   3. each segment's outputs from its entering state, inside its chunks the masked, decayed product.
-// Backward: the sweeps' query pass (dq, dg) reruns 1-3 forward; their key pass (dk, dv) runs them the other
-// way on dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The chunk
-// kernels run 1-2 before each of their two state passes, which then write every chunk's state from the
-// segments' entering states. The segment states, (B, H, G, D', E) or (B, H, G - 1, D', E) in f32, are the
-// only extra memory beside the chunk kernels' per-chunk states.
+// Backward: the sweeps' query pass (dq, dg) reruns 1-3 forward; their key pass (dk, dv) runs them the other way on
+// dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The chunk kernels run 1-2
+// before each of their two state passes, which then write every chunk's state from the segments' entering states;
+// the forward pass is skipped when the forward saved every chunk's state. The segment states, (B, H, G, D', E) or
+// (B, H, G - 1, D', E) in f32, are the only extra memory beside the chunk kernels' per-chunk states.
 #include "ops/fal/chunk.cuh"
 #include "ops/fal/sweep.cuh"
 

@@ -9,13 +9,14 @@
 //   R_c = lambda^cl R_(c+1) + Q^T diag(gamma) dY
 //   dQ = diag(gamma) dY S_c^T + (dY V^T o M) K,   dK = (dY V^T o M)^T Q + diag(delta) V R_(c+1)^T
 //   dV = (Q K^T o M)^T dY + diag(delta) K R_(c+1),  dgb = dO o Y.
-// The forward is one kernel per (b, h), sequential over chunks with the whole f32 state in registers; it
-// writes only the output and S_final. The backward's state kernels are sequential over chunks and parallel
-// over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32 state tile in registers and writes
-// the state entering every chunk (S_c, then R_(c+1)) once, in the inputs' dtype; its gradient kernel is
-// parallel over (chunk, b, h). When B x H leaves SMs idle, ops/fal/causal.cu cuts each (b, h)'s chunks into
-// segments (chunk_segments): a local pass sums each segment from zero, a scan turns the sums into the states
-// at the segments' boundaries, and the forward and the state passes then walk the segments side by side.
+// The forward is one kernel per (b, h), sequential over chunks with the whole f32 state in registers; it writes
+// the output and S_final, and every S_c (in T) when the call records its backward. The backward's state kernels
+// are sequential over chunks and parallel over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32
+// state tile in registers and writes the state entering every chunk (S_c unless the forward saved them, then
+// R_(c+1)) once, in the inputs' dtype; its gradient kernel is parallel over (chunk, b, h). When B x H leaves SMs
+// idle, ops/fal/causal.cu cuts each (b, h)'s chunks into segments (chunk_segments): a local pass sums each segment
+// from zero, a scan turns the sums into the states at the segments' boundaries, and the forward and the state
+// passes then walk the segments side by side.
 //
 // Rows are put through the act and the LRPE as they are loaded into shared memory (never written to global
 // memory), 64 columns of D (an "angle slice") at a time: one slice gives one 64-wide slice of D' (no LRPE) or

@@ -216,9 +216,9 @@ __device__ __forceinline__ void store_values(const Args& a, const Raw<EP, kFused
 }
 
 // Local: the local pass of a cut sequence (a.local): only K, diag(delta) V and the state update, each segment's
-// sum from zero into its boundary slot. With a.states (not local), every chunk's entering state S_c is saved
-// there in T for the backward, which then skips its forward state pass.
-template <class T, int EP, int Slices, bool Local>
+// sum from zero into its boundary slot. Save (not local): every chunk's entering state S_c is saved to a.states in T
+// for the backward, which then skips its forward state pass (a kernel apart: the stores take registers).
+template <class T, int EP, int Slices, bool Local, bool Save>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
   using Sm = FusedSmem<T, EP, Slices>;
   constexpr int D = Sm::D, ldE = Sm::ldE, SCT = 8 / kColGroups, YT = EP / 8 / kColGroups;
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
             store2(sm.ss + state_row(s, r) * ldE + s_n0 + st[s].col(n, r), st[s].x[0][n][r], st[s].x[0][n][r + 1]);
     __syncthreads();
     if (c + 1 < w.c1) stage_chunk(t0 + kC);
-    if (!Local && a.states)  // S_c to memory while the products run; the next chunk's first barrier guards ss
+    if (Save)  // S_c to memory while the products run; the next chunk's first barrier guards ss
       save_state<T, EP, ldE>(a, sm.ss,
                              static_cast<T*>(a.states) +
                                  ((int64_t(opaque(int(b))) * a.H + opaque(h)) * a.nC + c) * int64_t(a.P) * a.E);
@@ -404,7 +404,9 @@ void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
 template <class T, int EP, int Slices>
 void launch_fused(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = FusedSmem<T, EP, Slices>::bytes();
-  auto kernel = a.local ? fused_forward_kernel<T, EP, Slices, true> : fused_forward_kernel<T, EP, Slices, false>;
+  auto kernel = a.local    ? fused_forward_kernel<T, EP, Slices, true, false>
+                : a.states ? fused_forward_kernel<T, EP, Slices, false, true>
+                           : fused_forward_kernel<T, EP, Slices, false, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kFusedThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
