@@ -19,7 +19,8 @@ has() { [[ $steps == *,$1,* ]]; }
 log() { echo "[$(date -u +%T)] $*" | tee -a "$out/summary.txt"; }
 
 log "tree $(cat .stage-commit 2>/dev/null), base ${base:-none}; steps $steps"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$out/summary.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv |
+  tee -a "$out/summary.txt"
 if has build; then
   if [ -n "$base" ]; then
     (cd "$base" && cmake -S . -B build-gpu "${cfg[@]}" && cmake --build build-gpu -j8 --target lintape) \
