@@ -18,8 +18,8 @@ __device__ __forceinline__ float rcp_ftz(float x) {
   return y;
 }
 
-// 1 / (1 + e^-x) with the approximate reciprocal (the chunked FAL kernels), the fast division (the LRPE kernels)
-// or the correctly rounded reciprocal (the FAL sweep and step kernels).
+// 1 / (1 + e^-x) with the approximate reciprocal, the fast division (the LRPE kernels) or the correctly rounded
+// reciprocal (the FAL sweep and step kernels).
 __device__ __forceinline__ float sigmoid_approx(float x) {
   return rcp_ftz(1.0f + exp2_ftz(-1.4426950408889634f * x));
 }
