@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
 }
 
 // The forward, fused: one block per (b, h) and segment, sequential over its chunks with the whole D' x E state
-// in registers (f32), from S0 or the boundary state before the segment. No per-chunk state goes to memory.
+// in registers (f32), from S0 or the boundary state before the segment. Per-chunk states go to memory only when
+// the backward asks for them (Save, below).
 // Per chunk:
 //   A. its raw q, k, v rows (staged in shared memory by cp.async while the previous chunk multiplied) go
 //      through the acts and the LRPE into Q, K (C x D'), V and diag(delta) V; the state is copied to shared
