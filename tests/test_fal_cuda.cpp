@@ -211,7 +211,27 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   }
   if (states) CHECK_CLOSE_TENSOR(dS0.to(Device::cpu()), S0_ref.grad(), dt);
 
-  // The same through Impl::Fused, which records the kernels' backward on the tape.
+  if (causal && fal_cuda::causal_chunked(dt, c.D, c.E, spec)) {
+    // The forward saving every chunk's entering state (poisoned first) and the backward reading them instead of
+    // running its forward state pass, at the same cut: the tape's way when it records the backward.
+    const Tensor saved = poisoned({B, H, (N + 63) / 64, P, c.E}, dt);
+    const Tensor out2 = poisoned(o_ref.shape(), dt), state2 = poisoned({B, H, P, c.E}, DType::F32);
+    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out2, state2, segments, saved);
+    CHECK(rel_error(out2.to(Device::cpu()), out.to(Device::cpu())) == 0.0);
+    CHECK(rel_error(state2.to(Device::cpu()), state.to(Device::cpu())) == 0.0);
+    std::vector<Tensor> grads2;
+    for (const Tensor& t : in) grads2.push_back(poisoned(t.shape(), dt));
+    const Tensor dS0_2 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
+    fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads2[0], grads2[1], grads2[2],
+                              grads2[3], dS0_2, segments, saved);
+    for (size_t i = 0; i < 4; ++i) {
+      CAPTURE(i);
+      CHECK_CLOSE_TENSOR(grads2[i].to(Device::cpu()), cpu[i].grad(), dt);
+    }
+    if (states) CHECK_CLOSE_TENSOR(dS0_2.to(Device::cpu()), S0_ref.grad(), dt);
+  }
+
+  // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states).
   std::vector<Tensor> leaves;
   for (const Tensor& t : in) leaves.push_back(t.detach().requires_grad_());
   Tensor S0_leaf = states ? S0.detach().requires_grad_() : Tensor();
@@ -315,6 +335,14 @@ TEST_CASE("cuda fal chunked causal long sequence matches the reference" * LT_CUD
     check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 800, 777, 1, true, 0, segments);
     check_fused_sequence(kChunkConfigs[2], true, DType::F16, 810, 700, 1, false, 0, segments);
   }
+}
+
+// The forward saving every chunk's state for the backward (the tape's way) over more walks than the GPU has SMs
+// (B x H x G = 8 x 3 x 7: one 64-token chunk a segment, the last one of 17 tokens).
+TEST_CASE("cuda fal chunked causal saves the chunk states over many walks" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 1700, 401, 8, true, 0, 7);
+  check_fused_sequence(kChunkConfigs[2], true, DType::F16, 1710, 401, 8, false, 0, 7);
 }
 
 namespace {

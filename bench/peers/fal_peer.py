@@ -8,7 +8,8 @@ causal:    torch.compile for the acts, cosine LRPE and gate around the `chunk_si
 Shapes and acts as bench/bench_fal.cpp: B = H = 12, D = E = 128, bf16. Medians of CUDA-event timings
 after a warm-up; backward is timed alone, on a fresh graph per run (an untimed forward before each).
 Usage: python3 bench/peers/fal_peer.py [--quick] [--causal-only | --noncausal-only] [--ns N,...] [--shape BxH]
-                                      [--json FILE]
+                                      [--kernel-only] [--json FILE]
+--kernel-only times the causal fla kernel alone (no torch.compile around it).
 """
 import argparse
 import json
@@ -78,6 +79,7 @@ def main():
     only.add_argument("--noncausal-only", action="store_true", help="skip the causal table")
     ap.add_argument("--ns", default="", help="comma-separated sequence lengths replacing the defaults")
     ap.add_argument("--shape", default="", help="BxH replacing the seeds' 12x12, e.g. 16x6 (the language model)")
+    ap.add_argument("--kernel-only", action="store_true", help="causal: the fla kernel alone, no torch.compile")
     args = ap.parse_args()
     global B, H
     if args.shape:
@@ -143,7 +145,8 @@ def main():
         wide = [mk(2 * D), mk(2 * D), mk(D)]
         for mode in ("fwd", "bwd"):
             torch.cuda.reset_peak_memory_stats()
-            timed("fal_causal", n, "torch.compile + fla", mode, causal, inputs, peak=True)
+            if not args.kernel_only:
+                timed("fal_causal", n, "torch.compile + fla", mode, causal, inputs, peak=True)
             timed("fal_causal", n, "fla kernel (q, k width 2D)", mode, kernel_only, wide)
         torch.cuda.empty_cache()
     return finish(rows, args)

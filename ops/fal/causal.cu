@@ -6,11 +6,11 @@
 //   1. each segment's local state, from zero: sum over its tokens of lambda^(end - 1 - t) kb_t^T vb_t;
 //   2. a scan over the segments turns them into the state entering each segment (from S0) and the final state;
 //   3. each segment's outputs from its entering state, inside its chunks the masked, decayed product.
-// Backward: the sweeps' query pass (dq, dg) reruns 1-3 forward; their key pass (dk, dv) runs them the other
-// way on dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The chunk
-// kernels run 1-2 before each of their two state passes, which then write every chunk's state from the
-// segments' entering states. The segment states, (B, H, G, D', E) or (B, H, G - 1, D', E) in f32, are the
-// only extra memory beside the chunk kernels' per-chunk states.
+// Backward: the sweeps' query pass (dq, dg) reruns 1-3 forward; their key pass (dk, dv) runs them the other way on
+// dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The chunk kernels run 1-2
+// before each of their two state passes, which then write every chunk's state from the segments' entering states;
+// the forward pass is skipped when the forward saved every chunk's state. The segment states, (B, H, G, D', E) or
+// (B, H, G - 1, D', E) in f32, are the only extra memory beside the chunk kernels' per-chunk states.
 #include "ops/fal/chunk.cuh"
 #include "ops/fal/sweep.cuh"
 
@@ -180,7 +180,8 @@ int64_t causal_segments(int64_t BH, int64_t N, int sms) {
 }
 
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
-                    const Tensor& S0, const Tensor& out, const Tensor& S_final, int64_t segments) {
+                    const Tensor& S0, const Tensor& out, const Tensor& S_final, int64_t segments,
+                    const Tensor& states) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0 || v.size(3) == 0) return;
   const Device dev = q.device();
@@ -190,6 +191,7 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     a.out = out.data();  // the state stays in registers: no memory beside the output, S_final and the boundaries
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
     a.S_final = S_final.data_ptr<float>();
+    if (states.defined()) a.states = states.data();
     cudaStream_t st = cuda::stream(dev.index);
     const Tensor boundary = cut_chunks(a, BH, segments, true, dev);
     if (a.G > 1) fill_boundaries(a, BH, false, q.dtype(), st);
@@ -206,7 +208,8 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
 
 void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                      const Tensor& S0, const Tensor& dout, const Tensor& dS_final, const Tensor& dq,
-                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0, int64_t segments) {
+                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0, int64_t segments,
+                     const Tensor& fwd_states) {
   const int64_t BH = q.size(0) * q.size(2);
   if (BH == 0) return;
   const Device dev = q.device();
@@ -214,8 +217,11 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   if (use_chunks(q, v, spec)) {
     const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
     chunk::Args a = over_tokens(chunk_args(qr, kr, vr, gr, spec), q.size(1));
-    // S_c and R_(c+1) per chunk in the inputs' dtype: the only memory beside the gradients.
-    Tensor states = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev), rstates = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
+    // S_c and R_(c+1) per chunk in the inputs' dtype: the only memory beside the gradients. S_c comes from the
+    // forward when it saved them (then its state pass is skipped).
+    const bool saved = fwd_states.defined();
+    Tensor states = saved ? fwd_states : empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
+    Tensor rstates = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
     a.states = states.data();
     a.rstates = rstates.data();
     set_gradients(a, dout, dq, dk, dv, dg);
@@ -224,6 +230,7 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     a.dS0 = dS0.defined() ? dS0.data_ptr<float>() : nullptr;
     const Tensor boundary = cut_chunks(a, BH, segments, false, dev);  // one buffer for both directions
     for (bool reverse : {false, true}) {
+      if (!reverse && saved) continue;
       if (a.G > 1) fill_boundaries(a, BH, reverse, q.dtype(), st);
       chunk::state_pass(a, q.dtype(), BH, reverse, st);
     }

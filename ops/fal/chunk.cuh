@@ -9,13 +9,14 @@
 //   R_c = lambda^cl R_(c+1) + Q^T diag(gamma) dY
 //   dQ = diag(gamma) dY S_c^T + (dY V^T o M) K,   dK = (dY V^T o M)^T Q + diag(delta) V R_(c+1)^T
 //   dV = (Q K^T o M)^T dY + diag(delta) K R_(c+1),  dgb = dO o Y.
-// The forward is one kernel per (b, h), sequential over chunks with the whole f32 state in registers; it
-// writes only the output and S_final. The backward's state kernels are sequential over chunks and parallel
-// over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32 state tile in registers and writes
-// the state entering every chunk (S_c, then R_(c+1)) once, in the inputs' dtype; its gradient kernel is
-// parallel over (chunk, b, h). When B x H leaves SMs idle, ops/fal/causal.cu cuts each (b, h)'s chunks into
-// segments (chunk_segments): a local pass sums each segment from zero, a scan turns the sums into the states
-// at the segments' boundaries, and the forward and the state passes then walk the segments side by side.
+// The forward is one kernel per (b, h), sequential over chunks with the whole f32 state in registers; it writes
+// the output and S_final, and every S_c (in T) when the call records its backward. The backward's state kernels
+// are sequential over chunks and parallel over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32
+// state tile in registers and writes the state entering every chunk (S_c unless the forward saved them, then
+// R_(c+1)) once, in the inputs' dtype; its gradient kernel is parallel over (chunk, b, h). When B x H leaves SMs
+// idle, ops/fal/causal.cu cuts each (b, h)'s chunks into segments (chunk_segments): a local pass sums each segment
+// from zero, a scan turns the sums into the states at the segments' boundaries, and the forward and the state
+// passes then walk the segments side by side.
 //
 // Rows are put through the act and the LRPE as they are loaded into shared memory (never written to global
 // memory), 64 columns of D (an "angle slice") at a time: one slice gives one 64-wide slice of D' (no LRPE) or
@@ -241,13 +242,13 @@ __device__ __forceinline__ T* at_head(void* p, int64_t b, int64_t sb, int64_t h,
 using cuda_device::exp2_ftz;
 using cuda_device::sigmoid_grad;
 using cuda_device::silu_grad;
-using cuda_device::sigmoid_approx;
+using cuda_device::sigmoid_tanh;
 
 __device__ __forceinline__ float act_f(float x, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return fmaxf(x, 0.0f);
-    case FalStepSpec::kSigmoid: return sigmoid_approx(x);
-    case FalStepSpec::kSilu: return x * sigmoid_approx(x);
+    case FalStepSpec::kSigmoid: return sigmoid_tanh(x);
+    case FalStepSpec::kSilu: return x * sigmoid_tanh(x);
     default: return x;
   }
 }
@@ -267,11 +268,11 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
       break;
     case FalStepSpec::kSigmoid:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] = sigmoid_approx(x[u]);
+      for (int u = 0; u < N; ++u) x[u] = sigmoid_tanh(x[u]);
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
-      for (int u = 0; u < N; ++u) x[u] *= sigmoid_approx(x[u]);
+      for (int u = 0; u < N; ++u) x[u] *= sigmoid_tanh(x[u]);
       break;
     default: break;
   }
@@ -281,8 +282,8 @@ __device__ __forceinline__ void act_n(float (&x)[N], int act, bool live) {
 __device__ __forceinline__ float act_grad(float x, float dy, int act) {
   switch (act) {
     case FalStepSpec::kRelu: return x > 0.0f ? dy : 0.0f;
-    case FalStepSpec::kSigmoid: return sigmoid_grad(sigmoid_approx(x), dy);
-    case FalStepSpec::kSilu: return silu_grad(x, sigmoid_approx(x), dy);
+    case FalStepSpec::kSigmoid: return sigmoid_grad(sigmoid_tanh(x), dy);
+    case FalStepSpec::kSilu: return silu_grad(x, sigmoid_tanh(x), dy);
     default: return dy;
   }
 }
@@ -298,14 +299,14 @@ __device__ __forceinline__ void act_grad_n(const float (&x)[N], float (&dy)[N], 
     case FalStepSpec::kSigmoid:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float y = sigmoid_approx(x[u]);
+        const float y = sigmoid_tanh(x[u]);
         dy[u] *= y * (1.0f - y);
       }
       break;
     case FalStepSpec::kSilu:
 #pragma unroll
       for (int u = 0; u < N; ++u) {
-        const float sg = sigmoid_approx(x[u]);
+        const float sg = sigmoid_tanh(x[u]);
         dy[u] *= sg * (1.0f + x[u] * (1.0f - sg));
       }
       break;

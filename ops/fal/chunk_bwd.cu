@@ -57,17 +57,31 @@ __device__ __forceinline__ void fold(Acc<1, NT>& x, const Acc<1, NT>& d, const f
     for (int r = 0; r < 4; ++r) x.x[0][n][r] += (hf == 0 ? cs[4 * n + r] : sn[4 * n + r]) * d.x[0][n][r];
 }
 
-// dx = act'(x) g for a warp's 16 x 8 NT tile of the raw rows' gradient: rows m0, columns col0.
+// The raw x values of a warp's 16 x 8 NT tile of the raw rows' gradient (rows m0, columns col0), two a word
+// (zeros past the sequence): loaded before the products that the gradient waits for.
 template <class T, int NT>
-__device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, NT>& gx, const T* x, int64_t xts, T* dx,
-                                               int64_t dts, int64_t t0, int m0, int col0, int act) {
+__device__ __forceinline__ void fetch_raw(const Args& a, const T* x, int64_t xts, int64_t t0, int m0, int col0,
+                                          uint32_t (&raw)[NT][2]) {
+  const int64_t t_lo = t0 + m0 + Acc<1, NT>::row(0, 0), t_hi = t0 + m0 + Acc<1, NT>::row(0, 2);
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int col = col0 + Acc<1, NT>::col(n, 0);
+    raw[n][0] = t_lo < a.N ? *reinterpret_cast<const uint32_t*>(x + t_lo * xts + col) : 0u;
+    raw[n][1] = t_hi < a.N ? *reinterpret_cast<const uint32_t*>(x + t_hi * xts + col) : 0u;
+  }
+}
+
+// dx = act'(x) g for that tile, x from fetch_raw.
+template <class T, int NT>
+__device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, NT>& gx, const uint32_t (&raw)[NT][2],
+                                               T* dx, int64_t dts, int64_t t0, int m0, int col0, int act) {
   const int64_t t_lo = t0 + m0 + gx.row(0, 0), t_hi = t0 + m0 + gx.row(0, 2);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int col = col0 + gx.col(n, 0);
-    float xv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d[4];
-    if (t_lo < a.N) load2(x + t_lo * xts + col, xv[0], xv[1]);
-    if (t_hi < a.N) load2(x + t_hi * xts + col, xv[2], xv[3]);
+    float xv[4], d[4];
+    load2(reinterpret_cast<const T*>(&raw[n][0]), xv[0], xv[1]);
+    load2(reinterpret_cast<const T*>(&raw[n][1]), xv[2], xv[3]);
 #pragma unroll
     for (int r = 0; r < 4; ++r) d[r] = gx.x[0][n][r];
     act_grad_n(xv, d, act);
@@ -194,6 +208,11 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
       const T* state = which == 0 ? sm.ss : sm.rs;   // S_c or R_(c+1)
       const T* rows = which == 0 ? sm.ks : sm.qs;    // K or Q, by halves
       const int base = which == 0 ? 1 : cl - 1, sign = which == 0 ? 1 : -1;
+      uint32_t raw[NS][2];  // the raw q (dQ) or k (dK) values, in flight during the products
+      if (which == 0)
+        fetch_raw(a, q, a.sq_t, t0, m0, col0, raw);
+      else
+        fetch_raw(a, k, a.sk_t, t0, m0, col0, raw);
       Acc<1, NS> gx, d0, d1;
       gx.zero();
       d0.zero();
@@ -219,9 +238,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
         fold(gx, d0, cs, sn, 0);
       }
       if (which == 0)
-        store_raw_grad(a, gx, q, a.sq_t, at_head<T>(a.dq, b, a.sdq_b, h, a.D), a.sdq_t, t0, m0, col0, a.act_q);
+        store_raw_grad(a, gx, raw, at_head<T>(a.dq, b, a.sdq_b, h, a.D), a.sdq_t, t0, m0, col0, a.act_q);
       else
-        store_raw_grad(a, gx, k, a.sk_t, at_head<T>(a.dk, b, a.sdk_b, h, a.D), a.sdk_t, t0, m0, col0, a.act_k);
+        store_raw_grad(a, gx, raw, at_head<T>(a.dk, b, a.sdk_b, h, a.D), a.sdk_t, t0, m0, col0, a.act_k);
     }
   }
   // The raw g, dO and v values of this thread's dg and dv elements load while the intra-chunk terms multiply:

@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
 }
 
 // The forward, fused: one block per (b, h) and segment, sequential over its chunks with the whole D' x E state
-// in registers (f32), from S0 or the boundary state before the segment. No per-chunk state goes to memory.
+// in registers (f32), from S0 or the boundary state before the segment. Per-chunk states go to memory only when
+// the backward asks for them (Save, below).
 // Per chunk:
 //   A. its raw q, k, v rows (staged in shared memory by cp.async while the previous chunk multiplied) go
 //      through the acts and the LRPE into Q, K (C x D'), V and diag(delta) V; the state is copied to shared
@@ -186,9 +187,39 @@ __device__ __forceinline__ void from_stage(const void* stage, int c0, Raw<W, kFu
   }
 }
 
+// S_c as staged for the products (rows of LD elements) into its slot of a.states (P x E in T) for the backward,
+// in 16-byte pieces.
+template <class T, int EP, int LD>
+__device__ __forceinline__ void save_state(const Args& a, const T* ss, T* dst) {
+  constexpr int kPieces = EP / 8;
+  for (int idx = threadIdx.x; idx < a.P * kPieces; idx += kFusedThreads) {
+    const int p = idx / kPieces, c8 = (idx % kPieces) * 8;
+    if (c8 < a.E)
+      *reinterpret_cast<uint4*>(dst + size_t(p) * a.E + c8) = *reinterpret_cast<const uint4*>(ss + p * LD + c8);
+  }
+}
+
+// v rows through the act into V and diag(delta) V (one act for both tiles; V only when delta is null).
+template <class T, int EP>
+__device__ __forceinline__ void store_values(const Args& a, const Raw<EP, kFusedThreads>& r, int64_t t0,
+                                             const float* delta, T* vs, T* vd) {
+#pragma unroll
+  for (int it = 0; it < Raw<EP, kFusedThreads>::kIt; ++it) {
+    const int idx = threadIdx.x + it * kFusedThreads, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
+    float y[8];
+    unpack8<T>(r.u[it], y);
+    act_n(y, a.act_v, t0 + i < a.N && c8 < a.E);
+    if (vs) store8(vs + i * (EP + kPad) + c8, y);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) y[u] *= delta[i];
+    store8(vd + i * (EP + kPad) + c8, y);
+  }
+}
+
 // Local: the local pass of a cut sequence (a.local): only K, diag(delta) V and the state update, each segment's
-// sum from zero into its boundary slot.
-template <class T, int EP, int Slices, bool Local>
+// sum from zero into its boundary slot. Save (not local): every chunk's entering state S_c is saved to a.states in T
+// for the backward, which then skips its forward state pass (a kernel apart: the stores take registers).
+template <class T, int EP, int Slices, bool Local, bool Save>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
   using Sm = FusedSmem<T, EP, Slices>;
   constexpr int D = Sm::D, ldE = Sm::ldE, SCT = 8 / kColGroups, YT = EP / 8 / kColGroups;
@@ -252,8 +283,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
     {
       Raw<EP, kFusedThreads> vr;
       from_stage<EP>(sm.raw_v, 0, vr);
-      if (!Local) store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
-      store_rows<T, EP, kFusedThreads>(a, vr, nullptr, a.act_v, t0, 0, sm.delta, sm.vd);
+      store_values<T, EP>(a, vr, t0, sm.delta, Local ? nullptr : sm.vs, sm.vd);
     }
 #pragma unroll
     for (int s = 0; s < Slices; ++s) {
@@ -280,6 +310,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
             store2(sm.ss + state_row(s, r) * ldE + s_n0 + st[s].col(n, r), st[s].x[0][n][r], st[s].x[0][n][r + 1]);
     __syncthreads();
     if (c + 1 < w.c1) stage_chunk(t0 + kC);
+    if (Save)  // S_c to memory while the products run; the next chunk's first barrier guards ss
+      save_state<T, EP, ldE>(a, sm.ss,
+                             static_cast<T*>(a.states) +
+                                 ((int64_t(opaque(int(b))) * a.H + opaque(h)) * a.nC + c) * int64_t(a.P) * a.E);
 
     // B. The scores, then the state update (the old state is in shared memory), then Y, so that at most two
     // accumulators are live beside the state.
@@ -371,7 +405,9 @@ void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
 template <class T, int EP, int Slices>
 void launch_fused(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = FusedSmem<T, EP, Slices>::bytes();
-  auto kernel = a.local ? fused_forward_kernel<T, EP, Slices, true> : fused_forward_kernel<T, EP, Slices, false>;
+  auto kernel = a.local    ? fused_forward_kernel<T, EP, Slices, true, false>
+                : a.states ? fused_forward_kernel<T, EP, Slices, false, true>
+                           : fused_forward_kernel<T, EP, Slices, false, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kFusedThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();

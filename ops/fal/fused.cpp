@@ -4,6 +4,8 @@
 #if LINTAPE_WITH_CUDA
 #include <algorithm>
 #include <array>
+#include <cstdlib>
+#include <string>
 #include "autograd/tape.h"
 #include "ops/fal/launch.h"
 #include "ops/fal/paths.h"
@@ -84,6 +86,17 @@ std::array<Tensor, 4> gradient_buffers(const std::array<Tensor, 4>& x, bool chun
   return g;
 }
 
+// Whether a causal forward on the chunk kernels that records its backward saves every chunk's entering state
+// (so that the backward skips its forward state pass): yes unless LINTAPE_FAL_SAVE_STATES=0, which keeps the
+// forward's memory at the output and the final state (the backward then computes them).
+bool save_chunk_states() {
+  static const bool on = [] {
+    const char* v = std::getenv("LINTAPE_FAL_SAVE_STATES");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
 }  // namespace
 
 const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions& o) {
@@ -118,25 +131,32 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
   const Shape state_shape{q.size(0), q.size(2), fal_state_rows(o.lrpe, q.size(3)), v.size(3)};
   Tensor out = empty(g.shape(), g.dtype(), dev);
   Tensor state = empty(state_shape, DType::F32, dev);  // kv (noncausal, saved) or the final state
+  std::vector<Tensor> grad_inputs{q, k, v, g};
+  if (S0.defined()) grad_inputs.push_back(S0);
+  const bool chunk_kernels = chunked(q, v, o);
+  // The chunk states (B, H, ceil(N / 64), D', E), saved for the backward when it is recorded.
+  const Tensor chunk_states = causal && chunk_kernels && q.size(1) > 0 && save_chunk_states() &&
+                                      autograd::needs_grad(grad_inputs)
+                                  ? empty({q.size(0), q.size(2), (q.size(1) + 63) / 64, state_shape[2], v.size(3)},
+                                          q.dtype(), dev)
+                                  : Tensor();
   if (causal)
-    fal_cuda::causal_forward(qc, kc, vc, gc, spec, s0, out, state);
+    fal_cuda::causal_forward(qc, kc, vc, gc, spec, s0, out, state, 0, chunk_states);
   else
     fal_cuda::noncausal_forward(qc, kc, vc, gc, spec, state, out);
-  std::vector<Input> inputs{q, k, v, g};
-  if (S0.defined()) inputs.push_back(S0);
+  std::vector<Input> inputs(grad_inputs.begin(), grad_inputs.end());
   std::vector<Tensor> outputs{out};
   if (causal) outputs.push_back(state);
   const Tensor kv = causal ? Tensor() : state;
-  const bool chunk_kernels = chunked(q, v, o);
-  record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, causal, state_shape, chunk_kernels](const Grads& gin)
-                                   -> Grads {
+  record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, causal, state_shape, chunk_kernels,
+                               chunk_states](const Grads& gin) -> Grads {
     const Device d = qc.device();
     const Tensor dout = gin[0].defined() ? gin[0].contiguous() : zeros(gc.shape(), gc.dtype(), d);
     const Tensor dS = causal && gin.size() > 1 && gin[1].defined() ? gin[1].contiguous() : Tensor();
     auto [dq, dk, dv, dg] = gradient_buffers({qc, kc, vc, gc}, chunk_kernels);
     Tensor dS0 = s0.defined() ? empty(state_shape, DType::F32, d) : Tensor();
     if (causal)
-      fal_cuda::causal_backward(qc, kc, vc, gc, spec, s0, dout, dS, dq, dk, dv, dg, dS0);
+      fal_cuda::causal_backward(qc, kc, vc, gc, spec, s0, dout, dS, dq, dk, dv, dg, dS0, 0, chunk_states);
     else
       fal_cuda::noncausal_backward(qc, kc, vc, gc, spec, kv, dout, dq, dk, dv, dg);
     Grads res{dq, dk, dv, dg};

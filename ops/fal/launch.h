@@ -101,13 +101,18 @@ int64_t chunk_segments(const ChunkShape& shape, int sms, bool fused);
 // Causal, N == M. q, k, v, g may be views whose last two dims are contiguous rows (e.g. slices of one
 // projection): the chunk kernels read them in place, the sweep copies them. S0 (B, H, D', E) f32 or undefined
 // (zeros); writes out and S_final (B, H, D', E) f32. segments: 0 cuts the sequence as the shapes want (see
-// causal_segments and chunk_segments); tests pass a count to run a given cut.
+// causal_segments and chunk_segments); tests pass a count to run a given cut. states (chunk kernels only, see
+// causal_chunked; else undefined): (B, H, nC, D', E) in the inputs' dtype, nC = ceil(N / 64), receives the state
+// entering every 64-token chunk for causal_backward.
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
-                    const Tensor& S0, const Tensor& out, const Tensor& S_final, int64_t segments = 0);
-// dout as in noncausal_backward; dS_final f32 or undefined (zeros); dS0 is written when defined.
+                    const Tensor& S0, const Tensor& out, const Tensor& S_final, int64_t segments = 0,
+                    const Tensor& states = Tensor());
+// dout as in noncausal_backward; dS_final f32 or undefined (zeros); dS0 is written when defined. fwd_states: the
+// states causal_forward saved for the same inputs and S0, or undefined (the backward computes them).
 void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                      const Tensor& S0, const Tensor& dout, const Tensor& dS_final, const Tensor& dq,
-                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0, int64_t segments = 0);
+                     const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dS0, int64_t segments = 0,
+                     const Tensor& fwd_states = Tensor());
 
 }  // namespace fal_cuda
 #endif
