@@ -1,6 +1,6 @@
 // For CUDA kernels: the sigmoid in the precisions the kernels pick and the gradients of the sigmoid and silu
-// acts. The first three share the exponential (ex2.approx of -x log2 e) and differ in the reciprocal, the last
-// goes through tanh; a kernel keeps the one it was measured and tested with.
+// acts. The first two share the exponential and differ in the reciprocal, the last goes through tanh; a kernel
+// keeps the one it was measured and tested with.
 #pragma once
 
 namespace lintape::cuda_device {
@@ -18,11 +18,8 @@ __device__ __forceinline__ float rcp_ftz(float x) {
   return y;
 }
 
-// 1 / (1 + e^-x) with the approximate reciprocal, the fast division (the LRPE kernels) or the correctly rounded
-// reciprocal (the FAL sweep and step kernels).
-__device__ __forceinline__ float sigmoid_approx(float x) {
-  return rcp_ftz(1.0f + exp2_ftz(-1.4426950408889634f * x));
-}
+// 1 / (1 + e^-x) with the fast division (the LRPE kernels) or the correctly rounded reciprocal (the FAL sweep
+// kernels).
 __device__ __forceinline__ float sigmoid_fast(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float sigmoid_rn(float x) { return __frcp_rn(1.0f + __expf(-x)); }
 // (1 + tanh(x / 2)) / 2 through one special-function instruction instead of two (tanh.approx: absolute error
