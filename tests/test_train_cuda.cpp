@@ -1,4 +1,5 @@
-// Deterministic GPU training and the step as a CUDA graph: two runs with the same seed give the same losses
+// Deterministic GPU training and the step as a CUDA graph: the weight gradients of the embedding and of
+// rms_norm have the same bits on every call, two runs with the same seed give the same losses
 // and the same checkpoint bytes, a resumed run continues as the uninterrupted one did, and replayed steps
 // equal eager ones, bit for bit, for either mixer (bf16 activations, the default on CUDA).
 #include <cstring>
@@ -8,6 +9,10 @@
 #include <string>
 #include <vector>
 #include "helpers.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/reduce.h"
+#include "ops/rms_norm.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "train_helpers.h"
@@ -53,6 +58,43 @@ bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
 std::vector<float> weights(Trainer& t) { return t.model().flat_parameters().to_vector<float>(); }
 
 }  // namespace
+
+TEST_CASE("cuda embedding and rms_norm weight gradients have the same bits on every call" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // Many repeats of few ids (the sums that atomics would order differently), 16-bit and f32 gradients.
+  std::vector<int64_t> ids(4096);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t((i * 7) % 5);
+  const Tensor id = from_vector_i64(ids, {4096}).to(gpu());
+  for (DType dt : {DType::BF16, DType::F32}) {
+    CAPTURE(dtype_name(dt));
+    const Tensor w_cpu = randn({16, 768}, DType::F32, Device::cpu(), 3);
+    const Tensor r = randn({4096, 768}, DType::F32, Device::cpu(), 4).to(gpu()).to(dt);
+    auto embedding_grad = [&] {
+      Tensor w = w_cpu.to(gpu()).to(dt).requires_grad_();
+      backward(sum(mul(embedding(w, id), r)));
+      return w.grad().to(DType::F32).to_vector<float>();
+    };
+    const std::vector<float> first = embedding_grad();
+    CHECK(embedding_grad() == first);
+    // Against the CPU (f32, in position order).
+    Tensor w_ref = w_cpu.clone().requires_grad_();
+    backward(sum(mul(embedding(w_ref, id.to(Device::cpu())), r.to(DType::F32).to(Device::cpu()))));
+    const Tensor got = from_vector(std::vector<double>(first.begin(), first.end()), {16, 768});
+    CHECK(rel_error(got, w_ref.grad()) < (dt == DType::F32 ? 1e-5 : 1e-2));
+    for (int64_t cols : {128, 768, 4096}) {  // row groups of 16 lanes, one warp, and streamed rows
+      CAPTURE(cols);
+      const Tensor x = randn({2048, cols}, DType::F32, Device::cpu(), 5).to(gpu()).to(dt);
+      const Tensor g = randn({2048, cols}, DType::F32, Device::cpu(), 6).to(gpu()).to(dt);
+      auto norm_grad = [&] {
+        Tensor w = ones({cols}, dt, gpu()).requires_grad_();
+        backward(sum(mul(rms_norm(x, w), g)));
+        return w.grad().to(DType::F32).to_vector<float>();
+      };
+      const std::vector<float> once = norm_grad();
+      CHECK(norm_grad() == once);
+    }
+  }
+}
 
 TEST_CASE("cuda training is deterministic: the same seed gives the same losses and checkpoint bytes" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
