@@ -29,7 +29,7 @@ struct TrainArgs {
   std::string preset = "auto", config_file, data, val_data, device = "auto", dtype = "auto", mixers, log,
               checkpoint_dir;
   int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0;
-  double lr = 0, bucket_mib = 25;
+  double lr = 0, bucket_mib = 0;
   bool resume = false, no_cuda_graph = false;
   const CLI::App* app = nullptr;  // which options were given
   bool given(const char* name) const { return app->count(name) > 0; }
@@ -308,7 +308,7 @@ Command add_train_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::IsMember({0, 1}));
   sub->add_option("--bucket-mib", args->bucket_mib,
-                  "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; 0: one")
+                  "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; 0: one, after")
       ->capture_default_str()
       ->check(non_negative_number());
   sub->add_flag("--no-cuda-graph", args->no_cuda_graph,
