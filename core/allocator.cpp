@@ -43,6 +43,7 @@ class CachingAllocator {
       stats_.device_allocs += 1;
     }
     if (capture_pool_ > 0) owner_[p] = capture_pool_;
+    if (capture_pool_ > 0) capture_high_ = std::max(capture_high_, stats_.in_use + counted_size(bytes));
     // In-use bytes count what was asked for (to 512 bytes), not the cached block that served it, so
     // the figures compare with other frameworks' "allocated" counters.
     stats_.in_use += counted_size(bytes);
@@ -63,10 +64,16 @@ class CachingAllocator {
   void begin_pool(int pool) {
     std::lock_guard<std::mutex> lock(mu_);
     capture_pool_ = pool;
+    capture_base_ = capture_high_ = stats_.in_use;
   }
-  void end_pool() {
+  size_t end_pool() {
     std::lock_guard<std::mutex> lock(mu_);
     capture_pool_ = 0;
+    return capture_high_ - capture_base_;
+  }
+  void count_replay(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak = std::max(stats_.peak, stats_.in_use + bytes);
   }
   void release_pool(int pool) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -164,6 +171,7 @@ class CachingAllocator {
   std::mutex mu_;
   std::multimap<size_t, void*> free_;
   int capture_pool_ = 0;                                   // 0: no capture
+  size_t capture_base_ = 0, capture_high_ = 0;             // bytes in use at the capture's start, its most
   std::map<void*, int> owner_;                             // the blocks of graph pools, in use or not
   std::map<int, std::multimap<size_t, void*>> pool_free_;  // free blocks kept for their pool
   MemoryStats stats_;
@@ -202,7 +210,8 @@ void graph_pool_begin(Device d, int pool) {
   LT_CHECK(pool > 0, "[allocator] graph pools are numbered from 1; got ", pool);
   allocator_for(d).begin_pool(pool);
 }
-void graph_pool_end(Device d) { allocator_for(d).end_pool(); }
+size_t graph_pool_end(Device d) { return allocator_for(d).end_pool(); }
+void count_replay(Device d, size_t bytes) { allocator_for(d).count_replay(bytes); }
 void graph_pool_release(Device d, int pool) { allocator_for(d).release_pool(pool); }
 
 MemoryStats memory_stats(Device d) { return allocator_for(d).stats(); }

@@ -26,9 +26,13 @@ void empty_cache(Device d);  // returns cached, unused blocks to the system/driv
 // captured, so a block of the pool, once freed, is kept for it (a later capture into the same pool may
 // take it) and never handed to work outside the graph, whose replays would use it. graph_pool_release gives the pool's blocks
 // back to the cache (the graph is gone); blocks still held return to it when freed.
+// graph_pool_end returns how far the bytes in use rose above their level at graph_pool_begin during the
+// capture: what a replay holds at its peak besides what was in use before it. count_replay(d, bytes) makes
+// the peak at least the bytes in use now plus `bytes`, as allocations would have.
 void graph_pool_begin(Device d, int pool);
-void graph_pool_end(Device d);
+size_t graph_pool_end(Device d);
 void graph_pool_release(Device d, int pool);
+void count_replay(Device d, size_t bytes);
 
 // A block of raw memory on one device; returns itself to the cache when the last owner lets go.
 struct Storage {

@@ -426,6 +426,14 @@ TEST_CASE("allocator graph pools: a captured block is kept for its pool until th
   CHECK((a.data() == captured || b.data() == captured));
   CHECK(memory_stats(cpu).device_allocs == before);
   CHECK_THROWS_AS(graph_pool_begin(cpu, 0), Error);
+  // A capture's rise in bytes in use, and a replay counted into the peak.
+  graph_pool_begin(cpu, 8);
+  { Tensor c = empty({2048}, DType::F32); }
+  CHECK(graph_pool_end(cpu) == 8192);
+  graph_pool_release(cpu, 8);
+  reset_peak_memory(cpu);
+  count_replay(cpu, 1 << 20);
+  CHECK(memory_stats(cpu).peak == memory_stats(cpu).in_use + (1 << 20));
 }
 
 TEST_CASE("allocator stats: in use, peak, reserved and allocations move as expected") {

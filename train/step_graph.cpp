@@ -39,7 +39,7 @@ void StepGraph::run(const std::function<void()>& step) {
       failure = e.what();
     }
     const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-    graph_pool_end(device_);
+    replay_bytes_ = graph_pool_end(device_);
     if (failure.empty() && ended != cudaSuccess) failure = cudaGetErrorString(ended);
     cudaGraphExec_t exec = nullptr;
     if (failure.empty()) {
@@ -57,6 +57,7 @@ void StepGraph::run(const std::function<void()>& step) {
     exec_ = exec;
   }
   LT_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), s));
+  count_replay(device_, replay_bytes_);  // the step's memory, as its allocations would have counted it
 }
 #else
 StepGraph::~StepGraph() = default;

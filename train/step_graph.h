@@ -32,6 +32,7 @@ class StepGraph {
   Device device_;
   int calls_ = 0;
   int pool_ = 0;            // the allocator's graph pool, 0 before the capture
+  size_t replay_bytes_ = 0;  // what a replay holds at its peak beyond what is in use outside it
   void* exec_ = nullptr;    // cudaGraphExec_t
   std::string why_;
 };
