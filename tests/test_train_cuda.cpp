@@ -22,8 +22,16 @@ using namespace lintape::test;
 
 namespace {
 
+// The tiny preset's widths (heads of 64: the fused mixer kernels; smaller heads take the composed paths,
+// which copy host tables to the device and so cannot be captured), two layers of one mixer.
 TrainConfig config_for(const std::string& corpus, const std::string& mixer) {
   TrainConfig c = micro_train_config(corpus);
+  const ModelConfig tiny = ModelConfig::preset("tiny");
+  c.model.width = tiny.width;
+  c.model.heads = tiny.heads;
+  c.model.head_dim = tiny.head_dim;
+  c.model.mlp_hidden = tiny.mlp_hidden;
+  c.model.tpa_ranks = tiny.tpa_ranks;
   c.model.mixers = {mixer, mixer};
   c.model.seq_len = 64;
   c.batch = 8;
