@@ -308,7 +308,8 @@ Command add_train_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::IsMember({0, 1}));
   sub->add_option("--bucket-mib", args->bucket_mib,
-                  "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; 0: one, after")
+                  "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; "
+                  "0 (default): one, after backward")
       ->capture_default_str()
       ->check(non_negative_number());
   sub->add_flag("--no-cuda-graph", args->no_cuda_graph,
