@@ -10,6 +10,7 @@
 #include "core/device.h"
 #include "layers/language_model.h"
 #include "train/session.h"
+#include "train/step_graph.h"
 
 namespace lintape::bench {
 
@@ -23,6 +24,7 @@ struct TrainBenchOptions {
   int64_t warmup = 3;
   Device device = Device::cpu();
   std::optional<DType> compute_dtype;  // unset: default_compute_dtype(device), bf16 on CUDA
+  bool cuda_graph = true;              // CUDA: the step replayed as a CUDA graph (train/step_graph.h)
 };
 
 // A model, its optimizer and pre-drawn batches, ready to step.
@@ -32,17 +34,22 @@ struct TrainSetup {
   std::vector<std::pair<Tensor, Tensor>> batches;  // (tokens, targets) on the device
   TrainBenchOptions options;
   int64_t params = 0;
+  // CUDA: the queued step's graph and its input buffers (each batch is copied into them), made by the first step.
+  std::unique_ptr<StepGraph> graph;
+  std::pair<Tensor, Tensor> inputs;
   int64_t tokens_per_step() const;
 };
 TrainSetup make_train_setup(const TrainBenchOptions& o);
 
-// One training step on batch `i` (mod the number drawn); returns the loss (a device sync).
+// One training step on batch `i` (mod the number drawn); returns the loss (a device sync). On CUDA the
+// step is queued whole (AdamW::queue_step) and, with options.cuda_graph, replayed as a CUDA graph.
 double train_step(TrainSetup& s, size_t i);
 
 struct TrainBenchResult {
   int64_t params = 0, tokens_per_step = 0;
   double step_ms = 0, tokens_per_s = 0, mfu = -1, peak_mib = 0, last_loss = 0;
   std::string peak_source;
+  std::string cuda_graph;  // StepGraph::why(), empty off CUDA
 };
 TrainBenchResult bench_train(TrainSetup& s);
 

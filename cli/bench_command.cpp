@@ -138,6 +138,13 @@ Command add_bench_command(CLI::App& app) {
     bench->add_option(flag, *slot, what)
         ->check(std::string(flag) == "--warmup" ? CLI::Validator(CLI::NonNegativeNumber) : at_least_one())
         ->each([a, flag = std::string(flag)](const std::string&) { a->train_flags_given.push_back(flag); });
+  bench->add_flag_callback(
+      "--no-cuda-graph",
+      [a] {
+        a->train.cuda_graph = false;
+        a->train_flags_given.push_back("--no-cuda-graph");
+      },
+      "train: run each step eagerly instead of replaying it as a CUDA graph (CUDA)");
   return {bench, [a] { bench_command(*a); }};
 }
 

@@ -126,11 +126,13 @@ void bench_train(bench::TrainBenchOptions o, const std::string& device, const st
   fmt::print("{:>12.0f} {:>10.2f} {:>7} {:>10.0f} {:>10.4f}\n", r.tokens_per_s, r.step_ms, mfu, r.peak_mib, r.last_loss);
   fmt::print("MFU: 6 x parameters x tokens + the mixers' token mixing, over {}\n",
              r.peak_source.empty() ? std::string("no known peak (CPU)") : r.peak_source);
+  if (!r.cuda_graph.empty()) fmt::print("CUDA graph: {}\n", r.cuda_graph);
   if (!json.empty())
     write_json(json, {{"model", describe(s)}, {"params", r.params}, {"tokens_per_step", r.tokens_per_step},
                       {"tokens_per_s", r.tokens_per_s}, {"step_ms", r.step_ms},
                       {"mfu", r.mfu >= 0 ? nlohmann::json(r.mfu) : nlohmann::json()}, {"peak_mib", r.peak_mib},
-                      {"peak_source", r.peak_source}, {"loss", r.last_loss}});
+                      {"peak_source", r.peak_source}, {"loss", r.last_loss},
+                      {"cuda_graph", r.cuda_graph.empty() ? nlohmann::json() : nlohmann::json(r.cuda_graph)}});
 }
 
 Command add_profile_command(CLI::App& app) {

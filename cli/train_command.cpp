@@ -29,8 +29,8 @@ struct TrainArgs {
   std::string preset = "auto", config_file, data, val_data, device = "auto", dtype = "auto", mixers, log,
               checkpoint_dir;
   int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0;
-  double lr = 0, bucket_mib = 25;
-  bool resume = false;
+  double lr = 0, bucket_mib = 0;
+  bool resume = false, no_cuda_graph = false;
   const CLI::App* app = nullptr;  // which options were given
   bool given(const char* name) const { return app->count(name) > 0; }
 };
@@ -120,6 +120,7 @@ void train(const TrainArgs& a) {
   o.progress = &std::cout;
   o.zero = int(a.zero);
   o.bucket_mib = a.bucket_mib;
+  o.cuda_graph = !a.no_cuda_graph;
   const Communicator& comm = Communicator::world();
   const bool leader = comm.rank() == 0;  // rank 0 prints for the job
   // An unwritable or full checkpoint directory is found now, not after the training it would have saved.
@@ -142,9 +143,9 @@ void train(const TrainArgs& a) {
   if (leader) {
     if (!r.message.empty()) fmt::print("{}\n", r.message);
     if (!r.losses.empty())
-      fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s, {:.1f} ms/step, peak {:.0f} MiB\n",
+      fmt::print("loss {:.4f} -> {:.4f} over steps {}..{}, {:.0f} tok/s, {:.1f} ms/step, peak {:.0f} MiB{}\n",
                  r.losses.front(), r.losses.back(), r.first_step + 1, r.last_step, r.tokens_per_s, r.step_ms,
-                 r.peak_mem_mib);
+                 r.peak_mem_mib, o.device.is_cuda() ? ", CUDA graph " + r.cuda_graph : std::string());
   }
   // The shell's convention for a process ended by a signal, so that a script tells it from a finished run.
   if (r.signal != 0) throw ExitStatus{128 + r.signal};
@@ -307,9 +308,12 @@ Command add_train_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::IsMember({0, 1}));
   sub->add_option("--bucket-mib", args->bucket_mib,
-                  "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; 0: one")
+                  "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; "
+                  "0 (default): one, after backward")
       ->capture_default_str()
       ->check(non_negative_number());
+  sub->add_flag("--no-cuda-graph", args->no_cuda_graph,
+                "on CUDA with one process: run each step eagerly instead of replaying it as a CUDA graph");
   return {sub, [args] { train(*args); }};
 }
 

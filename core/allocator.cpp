@@ -2,6 +2,7 @@
 #include <unistd.h>
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -26,12 +27,9 @@ class CachingAllocator {
     size_t rounded = round_size(bytes);
     std::lock_guard<std::mutex> lock(mu_);
     void* p = nullptr;
-    auto it = free_.lower_bound(rounded);
-    if (it != free_.end() && it->first <= 2 * rounded) {
-      rounded = it->first;
-      p = it->second;
-      free_.erase(it);
-    } else {
+    if (capture_pool_ > 0) p = take(pool_free_[capture_pool_], &rounded);
+    if (!p) p = take(free_, &rounded);
+    if (!p) {
       p = raw_alloc(rounded);
       if (!p) {  // give the cache back and try once more
         release_cached();
@@ -44,6 +42,8 @@ class CachingAllocator {
       stats_.reserved += rounded;
       stats_.device_allocs += 1;
     }
+    if (capture_pool_ > 0) owner_[p] = capture_pool_;
+    if (capture_pool_ > 0) capture_high_ = std::max(capture_high_, stats_.in_use + counted_size(bytes));
     // In-use bytes count what was asked for (to 512 bytes), not the cached block that served it, so
     // the figures compare with other frameworks' "allocated" counters.
     stats_.in_use += counted_size(bytes);
@@ -55,7 +55,34 @@ class CachingAllocator {
   void deallocate(void* p, size_t rounded, size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.in_use -= counted_size(bytes);
-    free_.emplace(rounded, p);
+    auto owner = owner_.find(p);
+    // A block freed during a capture may be read by the graph before that point: it joins the pool too.
+    if (owner == owner_.end() && capture_pool_ > 0) owner = owner_.emplace(p, capture_pool_).first;
+    (owner == owner_.end() ? free_ : pool_free_[owner->second]).emplace(rounded, p);
+  }
+
+  void begin_pool(int pool) {
+    std::lock_guard<std::mutex> lock(mu_);
+    capture_pool_ = pool;
+    capture_base_ = capture_high_ = stats_.in_use;
+  }
+  size_t end_pool() {
+    std::lock_guard<std::mutex> lock(mu_);
+    capture_pool_ = 0;
+    return capture_high_ - capture_base_;
+  }
+  void count_replay(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak = std::max(stats_.peak, stats_.in_use + bytes);
+  }
+  void release_pool(int pool) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto blocks = pool_free_.find(pool);
+    if (blocks != pool_free_.end()) {
+      free_.insert(blocks->second.begin(), blocks->second.end());
+      pool_free_.erase(blocks);
+    }
+    for (auto it = owner_.begin(); it != owner_.end();) it = it->second == pool ? owner_.erase(it) : std::next(it);
   }
 
   MemoryStats stats() {
@@ -79,14 +106,30 @@ class CachingAllocator {
     return (bytes + unit - 1) / unit * unit;
   }
 
+  // The smallest block of `blocks` that is at least *rounded and at most twice as large (its size into
+  // *rounded), or null.
+  static void* take(std::multimap<size_t, void*>& blocks, size_t* rounded) {
+    auto it = blocks.lower_bound(*rounded);
+    if (it == blocks.end() || it->first > 2 * *rounded) return nullptr;
+    *rounded = it->first;
+    void* p = it->second;
+    blocks.erase(it);
+    return p;
+  }
+
   void* raw_alloc(size_t bytes) {
     if (device_.is_cuda()) {
 #if LINTAPE_WITH_CUDA
+      // cudaMalloc counts as unsafe while this thread captures a CUDA graph (train/step_graph.h), though it
+      // is no stream operation: the thread's capture mode is relaxed around it.
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      LT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
       int prev = cuda::current_device();
       LT_CUDA_CHECK(cudaSetDevice(device_.index));
       void* p = nullptr;
       cudaError_t err = cudaMalloc(&p, bytes);
       LT_CUDA_CHECK(cudaSetDevice(prev));
+      LT_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
       if (err == cudaErrorMemoryAllocation) {
         cudaGetLastError();
         return nullptr;
@@ -127,6 +170,10 @@ class CachingAllocator {
   Device device_;
   std::mutex mu_;
   std::multimap<size_t, void*> free_;
+  int capture_pool_ = 0;                                   // 0: no capture
+  size_t capture_base_ = 0, capture_high_ = 0;             // bytes in use at the capture's start, its most
+  std::map<void*, int> owner_;                             // the blocks of graph pools, in use or not
+  std::map<int, std::multimap<size_t, void*>> pool_free_;  // free blocks kept for their pool
   MemoryStats stats_;
 };
 
@@ -158,6 +205,14 @@ Storage::Storage(size_t n, Device d) : bytes(n), device(d) {
 Storage::~Storage() {
   if (data) allocator_for(device).deallocate(data, reserved_, bytes);
 }
+
+void graph_pool_begin(Device d, int pool) {
+  LT_CHECK(pool > 0, "[allocator] graph pools are numbered from 1; got ", pool);
+  allocator_for(d).begin_pool(pool);
+}
+size_t graph_pool_end(Device d) { return allocator_for(d).end_pool(); }
+void count_replay(Device d, size_t bytes) { allocator_for(d).count_replay(bytes); }
+void graph_pool_release(Device d, int pool) { allocator_for(d).release_pool(pool); }
 
 MemoryStats memory_stats(Device d) { return allocator_for(d).stats(); }
 void reset_peak_memory(Device d) { allocator_for(d).reset_peak(); }

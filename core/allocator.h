@@ -21,6 +21,19 @@ MemoryStats memory_stats(Device d);
 void reset_peak_memory(Device d);
 void empty_cache(Device d);  // returns cached, unused blocks to the system/driver
 
+// CUDA graphs (train/step_graph.h). Between graph_pool_begin and graph_pool_end, a device's allocations
+// and the blocks freed belong to pool `pool` (> 0): their addresses are baked into the graph being
+// captured, so a block of the pool, once freed, is kept for it (a later capture into the same pool may
+// take it) and never handed to work outside the graph, whose replays would use it. graph_pool_release
+// gives the pool's blocks back to the cache (the graph is gone); blocks still held return to it when freed.
+// graph_pool_end returns how far the bytes in use rose above their level at graph_pool_begin during the
+// capture: what a replay holds at its peak besides what was in use before it. count_replay(d, bytes) makes
+// the peak at least the bytes in use now plus `bytes`, as allocations would have.
+void graph_pool_begin(Device d, int pool);
+size_t graph_pool_end(Device d);
+void graph_pool_release(Device d, int pool);
+void count_replay(Device d, size_t bytes);
+
 // A block of raw memory on one device; returns itself to the cache when the last owner lets go.
 struct Storage {
   void* data = nullptr;

@@ -102,5 +102,11 @@ int sm_count(int device) {
 
 void synchronize(int device) { LT_CUDA_CHECK(cudaStreamSynchronize(stream(device))); }
 
+bool capturing(int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  LT_CUDA_CHECK(cudaStreamIsCapturing(stream(device), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace lintape::cuda
 #endif

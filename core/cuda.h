@@ -18,6 +18,9 @@ int current_device();
 cublasLtHandle_t cublaslt_handle();     // of the current device
 int sm_count(int device = -1);          // the SMs of a device (-1: the current device), read once
 void synchronize(int device = -1);
+// Whether the device's lintape stream is being captured into a CUDA graph (train/step_graph.h): nothing
+// runs then, so checks that read a device value back on the host skip it.
+bool capturing(int device = -1);
 
 // Grid size for a 1-D launch of n work items with `threads` threads each handling `per_thread` items.
 inline unsigned grid_for(int64_t n, int threads, int64_t per_thread = 1) {

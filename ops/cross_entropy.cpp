@@ -4,6 +4,9 @@
 #include <type_traits>
 #include "autograd/tape.h"
 #include "ops/cross_entropy_cuda.h"
+#if LINTAPE_WITH_CUDA
+#include "core/cuda.h"
+#endif
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
 
@@ -95,8 +98,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
     count_dev = empty({1}, DType::I64, logits.device());
     Tensor bad = zeros({2}, DType::I64, logits.device());
     ops_cuda::cross_entropy_forward_cuda(lg, tg, ignore_index, loss, lse, count_dev, bad);
-    std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the forward
-    if (flag[0] != 0) fail_bad_target(flag[0] - 1, flag[1], classes, ignore_index);
+    if (!cuda::capturing(lg.device().index)) {  // a captured step's caller checks its targets (step_graph.h)
+      std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the forward
+      if (flag[0] != 0) fail_bad_target(flag[0] - 1, flag[1], classes, ignore_index);
+    }
   } else
 #endif
   {
@@ -186,8 +191,10 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
         });
     loss = empty({}, acc, dev);
     ops_cuda::cross_entropy_reduce_cuda(row_loss, tg, ignore_index, loss, count_dev, acc);
-    std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the chunks
-    if (flag[0] != 0) fail_bad_target(flag[0] - 1, flag[1], classes, ignore_index, op);
+    if (!cuda::capturing(dev.index)) {  // a captured step's caller checks its targets (step_graph.h)
+      std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the chunks
+      if (flag[0] != 0) fail_bad_target(flag[0] - 1, flag[1], classes, ignore_index, op);
+    }
   } else
 #endif
   {

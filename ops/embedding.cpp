@@ -2,6 +2,9 @@
 #include <cstring>
 #include "autograd/tape.h"
 #include "ops/embedding_cuda.h"
+#if LINTAPE_WITH_CUDA
+#include "core/cuda.h"
+#endif
 
 namespace lintape {
 using autograd::Grads;
@@ -53,8 +56,10 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   if (w.is_cuda()) {
     Tensor bad = zeros({2}, DType::I64, w.device());
     ops_cuda::embedding_forward_cuda(w, id, out, bad);
-    std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the gather
-    if (flag[0] != 0) fail_bad_id(flag[0] - 1, flag[1], rows);
+    if (!cuda::capturing(w.device().index)) {  // a captured step's caller checks its ids (step_graph.h)
+      std::vector<int64_t> flag = bad.to_vector<int64_t>();  // waits for the gather
+      if (flag[0] != 0) fail_bad_id(flag[0] - 1, flag[1], rows);
+    }
   } else
 #endif
   {

@@ -1,5 +1,9 @@
 // Embedding gather and scatter-add: one warp per token row. The gather copies rows as raw units of
 // 16 bytes where the row size and addresses allow (else 8, 4 or 2), so it needs no dtype dispatch.
+// The scatter-add is deterministic: the positions are sorted by id (a stable radix sort), then one block
+// per run of equal ids sums its rows in position order, so repeated ids add in the same order every run.
+#include <cub/device/device_radix_sort.cuh>
+#include <algorithm>
 #include <cstdint>
 #include "core/cuda_types.cuh"
 #include "ops/embedding_cuda.h"
@@ -31,14 +35,34 @@ __global__ void gather_kernel(const U* __restrict__ w, const I* __restrict__ ids
   }
 }
 
-template <class T, class A, class I>
-__global__ void scatter_add_kernel(const T* __restrict__ dout, const I* __restrict__ ids, A* __restrict__ dw, int64_t n,
-                                   int64_t cols) {
-  const int lane = threadIdx.x & 31;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; i < n; i += int64_t(gridDim.x) * kWarps) {
-    const T* src = dout + i * cols;
-    A* dst = dw + int64_t(ids[i]) * cols;
-    for (int64_t c = lane; c < cols; c += 32) atomicAdd(dst + c, A(to_acc(src[c])));
+// keys[i] = ids[i] (rows for an id out of range: sorted last, never added), positions[i] = i.
+template <class I>
+__global__ void sort_keys_kernel(const I* __restrict__ ids, int32_t* __restrict__ keys, int32_t* __restrict__ positions,
+                                 int64_t n, int64_t rows) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t id = int64_t(ids[i]);
+    keys[i] = int32_t(id < 0 || id >= rows ? rows : id);
+    positions[i] = int32_t(i);
+  }
+}
+
+// Block b takes the sorted entries b, b + gridDim.x, ...; the first entry of each run of equal keys adds
+// the run's rows of dout (in position order) into its row of dw, the block's threads over the columns.
+template <class T, class A>
+__global__ void segment_add_kernel(const T* __restrict__ dout, const int32_t* __restrict__ keys,
+                                   const int32_t* __restrict__ positions, A* __restrict__ dw, int64_t n, int64_t cols,
+                                   int64_t rows) {
+  for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
+    const int32_t key = keys[p];
+    if (key >= rows || (p > 0 && keys[p - 1] == key)) continue;
+    int64_t end = p + 1;
+    while (end < n && keys[end] == key) ++end;
+    A* dst = dw + int64_t(key) * cols;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      A acc = dst[c];
+      for (int64_t q = p; q < end; ++q) acc += A(to_acc(dout[int64_t(positions[q]) * cols + c]));
+      dst[c] = acc;
+    }
   }
 }
 
@@ -82,19 +106,35 @@ void embedding_forward_cuda(const Tensor& weight, const Tensor& ids, const Tenso
 }
 
 void embedding_backward_cuda(const Tensor& dout, const Tensor& ids, const Tensor& dweight) {
-  int64_t n = ids.numel(), cols = dweight.size(1);
+  const int64_t n = ids.numel(), rows = dweight.size(0), cols = dweight.size(1);
   if (n == 0 || cols == 0) return;
-  cudaStream_t s = stream(dout.device().index);
+  LT_CHECK(n < (int64_t(1) << 31) && rows < (int64_t(1) << 31) - 1,
+           "[embedding] the backward sorts 32-bit ids and positions; got ", n, " ids and ", rows, " rows");
+  const Device dev = dout.device();
+  cudaStream_t s = stream(dev.index);
+  Tensor keys = empty({2, n}, DType::I32, dev), positions = empty({2, n}, DType::I32, dev);
+  int32_t* k = keys.data_ptr<int32_t>();
+  int32_t* v = positions.data_ptr<int32_t>();
+  const unsigned blocks = unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
+  if (ids.dtype() == DType::I64)
+    sort_keys_kernel<<<blocks, kThreads, 0, s>>>(static_cast<const int64_t*>(ids.data()), k, v, n, rows);
+  else
+    sort_keys_kernel<<<blocks, kThreads, 0, s>>>(static_cast<const int32_t*>(ids.data()), k, v, n, rows);
+  LT_CUDA_CHECK_LAUNCH();
+  int end_bit = 1;  // enough bits for the keys 0 .. rows
+  while (end_bit < 31 && (int64_t(1) << end_bit) <= rows) ++end_bit;
+  cub::DoubleBuffer<int32_t> key_buf(k, k + n), pos_buf(v, v + n);
+  size_t temp_bytes = 0;
+  LT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, key_buf, pos_buf, int(n), 0, end_bit, s));
+  Tensor temp = empty({int64_t(temp_bytes / 8 + 1)}, DType::I64, dev);
+  LT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, key_buf, pos_buf, int(n), 0, end_bit, s));
+  const unsigned seg_blocks = unsigned(std::min<int64_t>(n, int64_t(kMaxBlocks) * 4));
+  const int seg_threads = cols >= 256 ? 256 : 128;
   LT_DISPATCH_FLOAT_CUDA(dout.dtype(), "embedding", T, {
     using A = acc_t<T>;
-    A* dw = static_cast<A*>(dweight.data());
-    const T* g = static_cast<const T*>(dout.data());
-    if (ids.dtype() == DType::I64)
-      scatter_add_kernel<T, A, int64_t><<<blocks_for_rows(n), kThreads, 0, s>>>(
-          g, static_cast<const int64_t*>(ids.data()), dw, n, cols);
-    else
-      scatter_add_kernel<T, A, int32_t><<<blocks_for_rows(n), kThreads, 0, s>>>(
-          g, static_cast<const int32_t*>(ids.data()), dw, n, cols);
+    segment_add_kernel<T, A><<<seg_blocks, seg_threads, 0, s>>>(static_cast<const T*>(dout.data()),
+                                                                 key_buf.Current(), pos_buf.Current(),
+                                                                 static_cast<A*>(dweight.data()), n, cols, rows);
   });
   LT_CUDA_CHECK_LAUNCH();
 }

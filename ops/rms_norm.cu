@@ -5,8 +5,9 @@
 // loads (packs of one) when C or an address rules out 16-byte packs.
 // Backward: each block owns a set of rows (grid-stride) and writes dx. dweight = sum dy * x * r: a
 // lane always sees the same columns of a held row, so it sums them over its rows in registers and adds
-// them into the block's shared f32 partial (f64 for f64) once at the end (streamed rows add each
-// element there); a second kernel adds the per-block partials into dweight.
+// them into the block's shared f32 partial (f64 for f64) once at the end, the row groups in turn (streamed
+// rows add each element there); a second kernel adds the per-block partials into dweight in a fixed
+// order, so dweight has the same bits every run.
 // add_rms_norm: the forward first forms s = x + residual (rounded to the dtype, as `add` does), writes it
 // and normalises it; the backward adds the residual stream's gradient to dx before its one rounding.
 #include <cstdint>
@@ -212,8 +213,8 @@ __global__ void __launch_bounds__(kThreads, 2)
           o.v[k] = from_acc<T>(r * to_acc(wv.v[k]) * gk - coef * xk + (dr ? to_acc(dv[h].v[k]) : A(0)));
           if (dw_part && held)
             dw_held[h][k] += gk * xk * r;
-          else if (dw_part)
-            atomicAdd(&sdw[k * packs + j], gk * xk * r);
+          else if (dw_part)  // streamed rows: L = 256, one row group, so this lane alone owns (j, k)
+            sdw[k * packs + j] += gk * xk * r;
         }
         if (dx) reinterpret_cast<P*>(dx + row * cols)[j] = o;
       }
@@ -221,12 +222,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   if (dw_part) {
     if (held) {
+      // The row groups add their sums one after another, in group order: the same bits every run.
+      for (int g = 0; g < kGroups; ++g) {
+        if (threadIdx.x / L == g) {
 #pragma unroll
-      for (int h = 0; h < kHeld<V>; ++h) {
-        const int64_t j = pack_index<L>(0, h);
-        if (j < packs)
+          for (int h = 0; h < kHeld<V>; ++h) {
+            const int64_t j = pack_index<L>(0, h);
+            if (j < packs)
 #pragma unroll
-          for (int k = 0; k < V; ++k) atomicAdd(&sdw[k * packs + j], dw_held[h][k]);
+              for (int k = 0; k < V; ++k) sdw[k * packs + j] += dw_held[h][k];
+          }
+        }
+        if (kGroups > 1) __syncthreads();
       }
     }
     __syncthreads();

@@ -393,6 +393,49 @@ TEST_CASE("gradcheck to dtype") {
 // ---------------------------------------------------------------------------------------------------
 // the caching allocator
 
+TEST_CASE("allocator graph pools: a captured block is kept for its pool until the pool is released") {
+  Device cpu = Device::cpu();
+  empty_cache(cpu);
+  void* captured = nullptr;
+  graph_pool_begin(cpu, 7);
+  { captured = empty({3000}, DType::F32).data(); }  // allocated and freed "during a capture"
+  graph_pool_end(cpu);
+  // A block made before the capture and freed during it joins the pool as well.
+  Tensor before_capture = empty({5000}, DType::F32);
+  void* older = before_capture.data();
+  graph_pool_begin(cpu, 7);
+  before_capture = Tensor();
+  graph_pool_end(cpu);
+  CHECK(empty({5000}, DType::F32).data() != older);
+  // Outside the capture the block is not handed out, though it is free and of the right size.
+  {
+    Tensor outside = empty({3000}, DType::F32);
+    CHECK(outside.data() != captured);
+  }
+  // A later capture into the same pool takes it again.
+  graph_pool_begin(cpu, 7);
+  {
+    Tensor again = empty({3000}, DType::F32);
+    CHECK(again.data() == captured);
+  }
+  graph_pool_end(cpu);
+  // Released, it is the cache's again: one of the two free blocks of that size serves without an allocation.
+  graph_pool_release(cpu, 7);
+  const size_t before = memory_stats(cpu).device_allocs;
+  Tensor a = empty({3000}, DType::F32), b = empty({3000}, DType::F32);
+  CHECK((a.data() == captured || b.data() == captured));
+  CHECK(memory_stats(cpu).device_allocs == before);
+  CHECK_THROWS_AS(graph_pool_begin(cpu, 0), Error);
+  // A capture's rise in bytes in use, and a replay counted into the peak.
+  graph_pool_begin(cpu, 8);
+  { Tensor c = empty({2048}, DType::F32); }
+  CHECK(graph_pool_end(cpu) == 8192);
+  graph_pool_release(cpu, 8);
+  reset_peak_memory(cpu);
+  count_replay(cpu, 1 << 20);
+  CHECK(memory_stats(cpu).peak == memory_stats(cpu).in_use + (1 << 20));
+}
+
 TEST_CASE("allocator stats: in use, peak, reserved and allocations move as expected") {
   Device cpu = Device::cpu();
   empty_cache(cpu);

@@ -125,6 +125,40 @@ void AdamW::step(double lr) {
   }
 }
 
+bool AdamW::can_queue() const { return module_.flat_parameters().is_cuda() && !comm_; }
+
+#if LINTAPE_WITH_CUDA
+void AdamW::set_learning_rate(double lr) {
+  LT_CHECK(can_queue(), "[AdamW] a queued step needs CUDA parameters and no sharding");
+  if (!device_step_.defined())
+    device_step_ = zeros({train_cuda::kDeviceStepDoubles}, DType::F64, module_.flat_parameters().device());
+  train_cuda::set_step_inputs_cuda(device_step_, lr, steps_ + 1);
+}
+
+void AdamW::queue_step(const Tensor& loss, double max_norm) {
+  LT_CHECK(device_step_.defined(), "[AdamW] queue_step before set_learning_rate");
+  train_cuda::queue_step_cuda(module_.flat_parameters(), module_.flat_gradients(), m_, v_, decay_mask_, compute_copy_,
+                              loss, device_step_, max_norm, options_.beta1, options_.beta2, options_.eps,
+                              options_.weight_decay);
+}
+
+std::pair<double, double> AdamW::read_step() const {
+  LT_CHECK(device_step_.defined(), "[AdamW] read_step before set_learning_rate");
+  return train_cuda::read_step_cuda(device_step_);
+}
+#else
+void AdamW::set_learning_rate(double) { fail("[AdamW] a queued step needs CUDA; lintape was built without it"); }
+void AdamW::queue_step(const Tensor&, double) { fail("[AdamW] a queued step needs CUDA"); }
+std::pair<double, double> AdamW::read_step() const { fail("[AdamW] a queued step needs CUDA"); }
+#endif
+
+void AdamW::commit_step() {
+  ++steps_;
+  // What step() does on the host: a replayed graph leaves the versions as its capture left them.
+  module_.flat_parameters().storage().version++;
+  if (compute_copy_.defined()) attach_compute_copy();
+}
+
 std::map<std::string, Tensor> AdamW::state_dict() const {
   Tensor m = m_, v = v_;
   if (comm_) {  // the full moments for a moment: gathered from every rank's slice

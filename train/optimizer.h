@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include "../core/tensor.h"
 #include "../layers/module.h"
 
@@ -47,6 +48,18 @@ class AdamW {
   void keep_compute_copy(DType dtype);
   double reduce_and_clip_gradients(double max_norm);
 
+  // The queued step (CUDA, unsharded): the clip and the update with no host wait, so that a CUDA graph can
+  // capture them (train/step_graph.h). Its learning rate and step number are read from device memory, and
+  // a loss or gradient norm that is not finite skips the update on the device. In order:
+  // set_learning_rate(lr) before the step's work (outside a graph), queue_step(loss, clip) after backward
+  // (loss: the step's float32 scalar on the device), read_step() for (loss, gradient norm) once the work
+  // is queued (waits for it), then commit_step() if both are finite (counts the update).
+  bool can_queue() const;
+  void set_learning_rate(double lr);
+  void queue_step(const Tensor& loss, double max_norm);
+  std::pair<double, double> read_step() const;
+  void commit_step();
+
  private:
   Tensor slice(const Tensor& flat) const;  // this rank's slice of a flat buffer (all of it unsharded)
   void attach_compute_copy();
@@ -55,6 +68,7 @@ class AdamW {
   // Flat like the parameters (this rank's slice when sharded); decay_mask_ is 1 where weight decay applies.
   Tensor m_, v_, decay_mask_;
   Tensor compute_copy_;  // see keep_compute_copy; undefined when none
+  Tensor device_step_;   // the queued step's scalars (train_cuda::DeviceStep), made by its first use
   int64_t steps_ = 0;
   Communicator* comm_ = nullptr;
 };

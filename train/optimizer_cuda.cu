@@ -15,10 +15,15 @@ constexpr int kThreads = 256;
 constexpr int kMaxNormBlocks = 1024;
 
 // copy (or null): the updated parameters rounded to C as well.
+// step (or null): the scalars come from it, and nothing is updated when it says skip.
 template <class C>
 __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                              float* __restrict__ v, const float* __restrict__ decay, C* __restrict__ copy, int64_t n,
-                             AdamWScalars s) {
+                             AdamWScalars s, const DeviceStep* __restrict__ step) {
+  if (step) {
+    if (step->skip) return;
+    s = step->scalars;
+  }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float pi = p[i];
     const float gi = g[i];
@@ -62,6 +67,16 @@ __global__ void finish_norm_kernel(double* partials, int count) {
   if (threadIdx.x == 0) partials[count] = sqrt(total);
 }
 
+// One thread: the step's scalars and its report (see DeviceStep).
+__global__ void prepare_step_kernel(DeviceStep* st, const float* loss, const double* norm, double beta1, double beta2,
+                                    double eps, double weight_decay) {
+  st->loss = *loss;
+  st->grad_norm = *norm;
+  st->skip = isfinite(st->loss) && isfinite(st->grad_norm) ? 0 : 1;
+  st->scalars = AdamWScalars{float(st->lr), float(st->lr * weight_decay), float(beta1), float(beta2), float(eps),
+                             float(1.0 - pow(beta1, st->step)), float(1.0 - pow(beta2, st->step))};
+}
+
 __global__ void clip_kernel(float* __restrict__ g, int64_t n, const double* __restrict__ norm_at, double max_norm) {
   const double norm = *norm_at;
   if (!(norm > max_norm) || !isfinite(norm)) return;
@@ -79,10 +94,8 @@ void check_flat(const Tensor& t, const Tensor& like, const char* what) {
 
 unsigned elementwise_blocks(int64_t n) { return unsigned(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 132 * 16)); }
 
-}  // namespace
-
-void adamw_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
-                     const Tensor& decay_mask, const AdamWScalars& s, const Tensor& copy) {
+void launch_adamw(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
+                  const Tensor& decay_mask, const AdamWScalars& s, const Tensor& copy, const DeviceStep* step) {
   check_flat(params, params, "parameters");
   check_flat(grads, params, "gradients");
   check_flat(m, params, "first moment");
@@ -98,17 +111,19 @@ void adamw_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m,
   const float* g = grads.data_ptr<float>();
   if (copy.defined() && copy.dtype() == DType::F16)
     adamw_kernel<<<blocks, kThreads, 0, st>>>(p, g, m.data_ptr<float>(), v.data_ptr<float>(),
-                                              decay_mask.data_ptr<float>(), static_cast<__half*>(copy.data()), n, s);
+                                              decay_mask.data_ptr<float>(), static_cast<__half*>(copy.data()), n, s,
+                                              step);
   else
     adamw_kernel<<<blocks, kThreads, 0, st>>>(p, g, m.data_ptr<float>(), v.data_ptr<float>(),
                                               decay_mask.data_ptr<float>(),
                                               copy.defined() ? static_cast<__nv_bfloat16*>(copy.data()) : nullptr,
-                                              n, s);
+                                              n, s, step);
   LT_CUDA_CHECK_LAUNCH();
   params.storage().version++;
 }
 
-double clip_grad_norm_cuda(const Tensor& grads, double max_norm) {
+// The norm of grads into a new device scalar (float64).
+Tensor grad_norm(const Tensor& grads) {
   check_flat(grads, grads, "gradients");
   const int64_t n = grads.numel();
   const int blocks = int(std::clamp<int64_t>((n + kThreads * 8 - 1) / (kThreads * 8), 1, kMaxNormBlocks));
@@ -119,10 +134,59 @@ double clip_grad_norm_cuda(const Tensor& grads, double max_norm) {
   LT_CUDA_CHECK_LAUNCH();
   finish_norm_kernel<<<1, kThreads, 0, st>>>(part, blocks);
   LT_CUDA_CHECK_LAUNCH();
-  clip_kernel<<<elementwise_blocks(n), kThreads, 0, st>>>(grads.data_ptr<float>(), n, part + blocks, max_norm);
+  return partials.narrow(0, blocks, 1);
+}
+
+void clip(const Tensor& grads, const Tensor& norm, double max_norm) {
+  const int64_t n = grads.numel();
+  clip_kernel<<<elementwise_blocks(n), kThreads, 0, stream(grads.device().index)>>>(
+      grads.data_ptr<float>(), n, static_cast<const double*>(norm.data()), max_norm);
   LT_CUDA_CHECK_LAUNCH();
   grads.storage().version++;
-  return partials.narrow(0, blocks, 1).item();
+}
+
+}  // namespace
+
+double clip_grad_norm_cuda(const Tensor& grads, double max_norm) {
+  const Tensor norm = grad_norm(grads);
+  clip(grads, norm, max_norm);
+  return norm.item();
+}
+
+void set_step_inputs_cuda(const Tensor& state, double lr, int64_t step) {
+  const double in[2] = {lr, double(step)};
+  // A pageable source: the copy has taken the values when it returns.
+  LT_CUDA_CHECK(cudaMemcpyAsync(state.data(), in, sizeof(in), cudaMemcpyHostToDevice, stream(state.device().index)));
+}
+
+void queue_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
+                     const Tensor& decay_mask, const Tensor& copy, const Tensor& loss, const Tensor& state,
+                     double max_norm, double beta1, double beta2, double eps, double weight_decay) {
+  LT_CHECK(loss.is_cuda() && loss.dtype() == DType::F32 && loss.numel() == 1 && loss.device() == params.device(),
+           "[AdamW] the queued step's loss must be a float32 scalar on ", params.device().name());
+  LT_CHECK(state.is_cuda() && state.dtype() == DType::F64 && state.numel() == kDeviceStepDoubles,
+           "[AdamW] the queued step's state must be ", kDeviceStepDoubles, " float64 values on the device");
+  const Tensor norm = grad_norm(grads);
+  auto* st = static_cast<DeviceStep*>(state.data());
+  prepare_step_kernel<<<1, 1, 0, stream(params.device().index)>>>(
+      st, static_cast<const float*>(loss.data()), static_cast<const double*>(norm.data()), beta1, beta2, eps,
+      weight_decay);
+  LT_CUDA_CHECK_LAUNCH();
+  clip(grads, norm, max_norm);
+  launch_adamw(params, grads, m, v, decay_mask, AdamWScalars{}, copy, st);
+}
+
+void adamw_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
+                     const Tensor& decay_mask, const AdamWScalars& s, const Tensor& copy) {
+  launch_adamw(params, grads, m, v, decay_mask, s, copy, nullptr);
+}
+
+std::pair<double, double> read_step_cuda(const Tensor& state) {
+  DeviceStep out{};
+  const int dev = state.device().index;
+  LT_CUDA_CHECK(cudaMemcpyAsync(&out, state.data(), sizeof(out), cudaMemcpyDeviceToHost, stream(dev)));
+  synchronize(dev);
+  return {out.loss, out.grad_norm};
 }
 
 }  // namespace lintape::train_cuda

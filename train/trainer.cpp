@@ -139,6 +139,8 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
   // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
   if (comm.distributed() && options_.zero == 0)
     session_.reducer = std::make_unique<GradReducer>(*session_.model, comm, options_.bucket_mib);
+  if (!comm.distributed() && session_.optimizer->can_queue())
+    graph_ = std::make_unique<StepGraph>(options_.device, options_.cuda_graph);
 }
 
 SessionOptions Trainer::session_options(int64_t shards) const {
@@ -220,8 +222,19 @@ TrainResult Trainer::run() {
                 "validated");
   while (step_ < config_.steps) {
     const Clock::time_point step_start = Clock::now();
-    const double loss = forward_backward();
-    const std::optional<StepNumbers> numbers = update(loss);
+    double loss = 0;
+    std::optional<StepNumbers> numbers;
+    if (graph_) {
+      std::tie(loss, numbers) = queued_step();
+    } else {
+      loss = forward_backward();
+      numbers = update(loss);
+    }
+    if (graph_ && !graph_said_ && (graph_->replaying() || graph_->why() != "on")) {
+      log.message(graph_->replaying() ? std::string("the step runs as a CUDA graph (--no-cuda-graph runs it eagerly)")
+                                      : "the step runs eagerly: CUDA graph " + graph_->why());
+      graph_said_ = true;
+    }
     if (!numbers) {
       stop_nonfinite(loss, result);
       break;
@@ -239,6 +252,10 @@ TrainResult Trainer::run() {
     if (stop) break;
   }
   result.last_step = step_;
+  result.cuda_graph = graph_ ? graph_->why()
+                     : !options_.device.is_cuda()          ? "off (not a CUDA device)"
+                     : Communicator::world().distributed() ? "off (several ranks)"
+                                                           : "off";
   log.finish(summary_json(result));
   return result;
 }
@@ -264,6 +281,46 @@ double Trainer::forward_backward() {
   // The mean over the global batch: every rank's slice has the same number of targets.
   if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
   return loss;
+}
+
+std::pair<double, std::optional<Trainer::StepNumbers>> Trainer::queued_step() {
+  // The data's tokens are below the model's vocabulary (checked when it opens), so the embedding's and the
+  // loss's checks, which a captured step skips, would not fire.
+  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
+    last_batch_ = data_->next_train();
+    if (inputs_.size() <= size_t(micro))
+      inputs_.emplace_back(empty(last_batch_.tokens.shape(), last_batch_.tokens.dtype(), options_.device),
+                           empty(last_batch_.targets.shape(), last_batch_.targets.dtype(), options_.device));
+    LT_CHECK(inputs_[size_t(micro)].first.shape() == last_batch_.tokens.shape(),
+             "[train] a queued step needs batches of one shape; got ", shape_str(last_batch_.tokens.shape()),
+             " after ", shape_str(inputs_[size_t(micro)].first.shape()));
+    inputs_[size_t(micro)].first.copy_(last_batch_.tokens);
+    inputs_[size_t(micro)].second.copy_(last_batch_.targets);
+  }
+  const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
+  AdamW& optimizer = *session_.optimizer;
+  optimizer.set_learning_rate(lr);
+  graph_->run([this] { queue_step_work(); });
+  const auto [loss, grad_norm] = optimizer.read_step();
+  last_grad_norm_ = grad_norm;
+  if (!std::isfinite(loss) || !std::isfinite(grad_norm)) return {loss, std::nullopt};
+  optimizer.commit_step();
+  ++step_;
+  return {loss, StepNumbers{loss, grad_norm, lr}};
+}
+
+void Trainer::queue_step_work() {
+  session_.model->zero_grad();
+  Tensor total;
+  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
+    const auto& [tokens, targets] = inputs_[size_t(micro)];
+    Tensor l = session_.model->loss(tokens, targets);
+    if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
+    backward(l);
+    NoGradGuard no_grad;
+    total = total.defined() ? add(total, l.detach()) : l.detach();
+  }
+  session_.optimizer->queue_step(total.to(DType::F32), config_.grad_clip);
 }
 
 std::optional<Trainer::StepNumbers> Trainer::update(double loss) {
@@ -351,6 +408,7 @@ std::string Trainer::summary_json(const TrainResult& result) const {
               {"ranks", Communicator::world().size()},
               {"zero", options_.zero},
               {"compute_dtype", dtype_name(session_.model->compute_dtype())},
+              {"cuda_graph", result.cuda_graph},
               {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
               {"stopped", result.message}}
       .dump(2);

@@ -22,6 +22,7 @@
 #include "grad_reducer.h"
 #include "optimizer.h"
 #include "session.h"
+#include "step_graph.h"
 
 namespace lintape {
 
@@ -38,8 +39,12 @@ struct TrainerOptions {
   // Several ranks: 1 shards the AdamW moments over them (ZeRO-1); 0 keeps them whole on every rank.
   int zero = 0;
   // Several ranks without ZeRO-1: the gradient all-reduce's buckets (MiB), started during backward
-  // (train/grad_reducer.h); 0: one bucket, the whole buffer, once backward is done.
-  double bucket_mib = 25.0;
+  // (train/grad_reducer.h); 0: one bucket, the whole buffer, once backward is done. 0 by default: on four
+  // H200s 25 MiB buckets were 2% slower than one (their NCCL kernels take SMs from backward's).
+  double bucket_mib = 0.0;
+  // On CUDA with one process: the step (forward, backward, clip, AdamW) is captured once as a CUDA graph
+  // and replayed (train/step_graph.h); false runs it eagerly. Either way it is queued without a host wait.
+  bool cuda_graph = true;
 };
 
 // Training FLOPs per token of a config: 6 x parameters plus the mixers' attention (FAL: the state
@@ -58,6 +63,7 @@ struct TrainResult {
   bool stopped_nonfinite = false, interrupted = false;
   int signal = 0;       // the signal that interrupted the run (SIGINT, SIGTERM), 0 if none
   std::string message;  // why the run stopped early, if it did
+  std::string cuda_graph;  // "on", "off (--no-cuda-graph)", "off (several ranks)", ... (StepGraph::why)
 };
 
 class RunLog;
@@ -86,6 +92,11 @@ class Trainer {
   // norm is NaN or Inf (the weights are left as they were).
   double forward_backward();
   std::optional<StepNumbers> update(double loss);
+  // The same step queued whole (CUDA, one process): the batches copied into fixed input buffers, then
+  // the step's work run or replayed by graph_, then one wait for its loss and gradient norm. Returns the
+  // loss, and the numbers unless the loss or the norm is NaN or Inf (then no update was applied).
+  std::pair<double, std::optional<StepNumbers>> queued_step();
+  void queue_step_work();
   // The step's row (and with `line`, its progress line), the validation's, the stop on a NaN or Inf.
   void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start, bool line,
                 TrainResult& result, RunLog& log) const;
@@ -105,6 +116,9 @@ class Trainer {
   int64_t step_ = 0;
   Batch last_batch_;             // this rank's last micro-batch: the weights' check before a checkpoint
   double last_grad_norm_ = 0;    // of the last update (tried)
+  std::unique_ptr<StepGraph> graph_;               // queued steps only
+  bool graph_said_ = false;                        // the log told whether the step is a CUDA graph
+  std::vector<std::pair<Tensor, Tensor>> inputs_;  // queued steps: each micro-batch's (tokens, targets)
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;
 };

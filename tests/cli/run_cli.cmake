@@ -67,6 +67,10 @@ if(NOT EXISTS "${WORK}/train.json")
   message(SEND_ERROR "bench train --json ${WORK}/train.json wrote no JSON")
 endif()
 expect(2 "--batch applies to bench train only" bench copy --device cpu --batch 4)
+expect(2 "--no-cuda-graph applies to bench train only" bench copy --device cpu --no-cuda-graph)
+# On the CPU the step is never a graph: --no-cuda-graph is accepted and the table is the same.
+expect(0 "tokens/s +ms/step +MFU.*\n +[0-9]+ +[0-9.]+ +n/a" bench train --device cpu --preset tiny --batch 1 --seq 32
+       --vocab 256 --steps 1 --warmup 0 --no-cuda-graph)
 expect(0 "fal +3 .*tpa +1 .*optimizer .*sum of the parts [0-9.]+ ms; a whole step timed alone.*by op .*fwd ms +bwd ms .*fal +fal +3 +[0-9.]+ +[0-9.]+ +[0-9.]+%" profile --device cpu
        --preset tiny --batch 1 --seq 32 --vocab 256 --steps 1 --warmup 0)
 expect(2 "--preset: huge not in" profile --device cpu --preset huge)
