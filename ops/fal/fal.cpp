@@ -4,6 +4,9 @@
 #include "autograd/tape.h"
 #include "ops/fal/paths.h"
 #include "ops/lrpe/lrpe.h"
+#if LINTAPE_WITH_CUDA
+#include "core/cuda.h"
+#endif
 
 namespace lintape {
 
@@ -71,6 +74,15 @@ void check_one_act(const ActSpec& a, const char* input, bool causal, const char*
            "would look at future tokens); got softmax over the sequence");
 }
 
+bool decay_captured(const Tensor& decay) {
+#if LINTAPE_WITH_CUDA
+  return cuda::capturing(decay.device().index);
+#else
+  (void)decay;
+  return false;
+#endif
+}
+
 // Reading a CUDA decay's values synchronises the device: fal_step checks them only for a CPU decay.
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalOptions& o,
                   const char* op, bool check_decay_values = true) {
@@ -111,7 +123,10 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
     LT_CHECK(o.decay.dim() == 1 && o.decay.size(0) == H && is_floating(o.decay.dtype()), "[", op,
              "] decay must be a float tensor of shape (H) = (", H, "); got ", shape_str(o.decay.shape()), " ",
              dtype_name(o.decay.dtype()));
-    const std::vector<double> lam = check_decay_values ? o.decay.to_vector<double>() : std::vector<double>();
+    // A step being captured into a CUDA graph cannot wait for the device: the values go unchecked there (the
+    // mixers' decay is a fixed buffer made on the host and checked then).
+    const bool readable = check_decay_values && !(o.decay.is_cuda() && decay_captured(o.decay));
+    const std::vector<double> lam = readable ? o.decay.to_vector<double>() : std::vector<double>();
     for (int64_t h = 0; h < int64_t(lam.size()); ++h)
       LT_CHECK(lam[size_t(h)] > 0 && lam[size_t(h)] <= 1, "[", op, "] decay must be in (0, 1]; got ", lam[size_t(h)],
                " for head ", h);
