@@ -2,7 +2,8 @@
 // device pieces. Tiles built in shared memory from the factors, x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :]
 // in f32, rounded once, and staged through cp.async; m16n8k16 fragments and the products of the
 // flash-attention 2 layout (8 warps, each owning 16 rows of its block's tile); the contraction of an f32
-// gradient tile to its factors; the kernels' parameters.
+// gradient tile to its factors; the turns that order the backward's sums across blocks; the kernels'
+// parameters.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -45,8 +46,10 @@ struct Params {
   const T* dout;
   const float* delta;
   T *daq, *dak, *dav;        // written once per (token, head, rank)
-  float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads
-  float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles
+  float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads in head order
+  float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles in order
+  int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see take_turn
+  int* db_turn;              // zeroed, a counter per (batch entry, key tile)
   const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
   const T *k, *v;            // K and V of the forward launch's batch entries (M, H, HD each), built once
   int64_t b0;                // a launch's first batch entry: where its workspaces start
@@ -284,13 +287,11 @@ __device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4
   }
 }
 
-// From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the factor gradients of its
-// pair: da[t, h, r] = inv_r dx[t] . b[t, r] (written) and db[t, r, :] += inv_r a[t, h, r] dx[t] (f32 atomics
-// into a workspace that starts at batch entry b0). A warp takes rows warp, warp + kWarps, ..., U at a
+// From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the rank weights of its pair:
+// da[t, h, r] = inv_r dx[t] . b[t, r], each written once. A warp takes rows warp, warp + kWarps, ..., U at a
 // time, so U rows' factor loads are in flight together.
 template <class T, int HD>
-__device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db, int64_t bb, int64_t b0, int h,
-                             int H, int row0) {
+__device__ void factor_da(const float* dx, const Pair<T>& f, T* da, int64_t bb, int h, int H, int row0) {
   constexpr int LDF = HD + 4, E = HD / 32, PER = kBig / kWarps, U = 4;
   static_assert(PER % U == 0, "whole groups of rows");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -309,35 +310,80 @@ __device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db
     }
 #pragma unroll 1
     for (int r = 0; r < f.R; ++r) {
-      float bv[U][E], w[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const T* br = f.b_at(t[u]) + r * HD;
-#pragma unroll
-        for (int e = 0; e < E; ++e) bv[u][e] = ok[u] ? to_acc(br[lane + 32 * e]) : 0.f;
-        w[u] = ok[u] ? to_acc(f.a_at(t[u], h)[r]) * f.inv_r : 0.f;
-      }
       float dot[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
+        const T* br = f.b_at(t[u]) + r * HD;
         dot[u] = 0.f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) dot[u] += x[u][e] * bv[u][e];
+        for (int e = 0; e < E; ++e) dot[u] += ok[u] ? x[u][e] * to_acc(br[lane + 32 * e]) : 0.f;
       }
 #pragma unroll
       for (int o = 16; o > 0; o /= 2)
 #pragma unroll
         for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (!ok[u]) continue;
-        if (lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
-        float* dbr = db + ((t[u] - b0 * f.L) * f.R + r) * HD;
-#pragma unroll
-        for (int e = 0; e < E; ++e) atomicAdd(dbr + lane + 32 * e, w[u] * x[u][e]);
-      }
+      for (int u = 0; u < U; ++u)
+        if (ok[u] && lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
     }
   }
+}
+
+// dst[0..V) += v[0..V) by one vector atomic (sm_90 has float2 and float4 global atomics).
+template <int V>
+__device__ __forceinline__ void atomic_add_vec(float* dst, const float* v) {
+#if __CUDA_ARCH__ >= 900
+  if constexpr (V == 4) atomicAdd(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));
+  else atomicAdd(reinterpret_cast<float2*>(dst), make_float2(v[0], v[1]));
+#else
+#pragma unroll
+  for (int e = 0; e < V; ++e) atomicAdd(dst + e, v[e]);
+#endif
+}
+
+// The same tile's share of the basis gradient summed over heads: db[t, r, :] += inv_r a[t, h, r] dx[t] (f32
+// atomics into a workspace that starts at batch entry b0). A lane adds HD / 32 adjacent columns at once.
+template <class T, int HD>
+__device__ void factor_db(const float* dx, const Pair<T>& f, float* db, int64_t bb, int64_t b0, int h, int row0) {
+  constexpr int LDF = HD + 4, V = HD / 32, PER = kBig / kWarps;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll 1
+  for (int j = 0; j < PER; ++j) {
+    const int i = warp + kWarps * j, n = row0 + i;
+    if (n >= f.L) break;  // a warp's rows increase with j
+    const int64_t t = bb * f.L + n;
+    float x[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) x[e] = dx[i * LDF + lane * V + e];
+    float* dbt = db + (t - b0 * f.L) * f.R * HD + lane * V;
+    const T* at = f.a_at(t, h);
+#pragma unroll 1
+    for (int r = 0; r < f.R; ++r) {
+      const float w = to_acc(at[r]) * f.inv_r;
+      float v[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = w * x[e];
+      atomic_add_vec<V>(dbt + r * HD, v);
+    }
+  }
+}
+
+// Sums across blocks in a fixed order, so the backward's results are the same bits run to run. A counter
+// (zeroed) per summed tile: block k of its chain adds once all kWarps warps of blocks 0..k-1 have added and
+// counted. Each warp waits for its turn, adds, then counts itself. A block only waits for blocks of lower
+// linear index (earlier in the grid's launch order), so every block it waits for has started: no deadlock.
+__device__ __forceinline__ void wait_turn(const int* turn, int k) {
+  if (threadIdx.x % 32 == 0) {
+    int v;
+    do asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(turn) : "memory");
+    while (v < k * kWarps);
+  }
+  __syncwarp();
+}
+__device__ __forceinline__ void end_turn(int* turn) {
+  __threadfence();  // this lane's adds before the count
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(turn) : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------------
