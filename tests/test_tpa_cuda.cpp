@@ -216,11 +216,17 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
       tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
                                 1.0 / std::sqrt(double(s.D))};
       Tensor out = empty({s.B, s.N, s.H, s.D}, dt, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
-      poison_(out);
-      poison_(lse);
-      tpa_cuda::attention_forward(a, out, lse);
-      CHECK(all_finite(lse));
-      CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
+      // Both forward kernels where the warpgroup one runs (else the mma.sync kernel twice); the backward
+      // below reads the last one's output and lse.
+      for (bool wgmma : {true, false}) {
+        CAPTURE(wgmma);
+        a.allow_wgmma = wgmma;
+        poison_(out);
+        poison_(lse);
+        tpa_cuda::attention_forward(a, out, lse);
+        CHECK(all_finite(lse));
+        CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
+      }
       // The backward launcher on six poisoned gradients: each matches the reference.
       tpa_cuda::FactorGrads fg{empty(in.gpu[0].shape(), dt, gpu()), empty(in.gpu[1].shape(), dt, gpu()),
                                empty(in.gpu[2].shape(), dt, gpu()), empty(in.gpu[3].shape(), dt, gpu()),

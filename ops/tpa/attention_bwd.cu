@@ -49,11 +49,13 @@ constexpr size_t bwd_smem() {
   return size_t(2 * kBig + 4 * kSmall) * (HD + 8) * 2 + size_t(2 * kBig) * (kSmall + 8) * 2 + 4 * kSmall * 4;
 }
 static_assert(bwd_smem<128>() <= 227 * 1024, "a block fits an sm_90 multiprocessor");
-// The f32 dK and dV tiles (kBig x (HD + 4)) go through the Q, dO buffers and the K, V tiles at the end.
+// The f32 dK and dV tiles (kBig x (HD + 4)) go through the Q, dO buffers and the K, V tiles at the end, the
+// rank weights (2 kBig x 16 floats at most) through the dS'^T buffers.
 static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(4 * kSmall) * (128 + 8) * 2, "f32 results fit");
 static_assert(size_t(kBig) * (64 + 4) * 4 <= size_t(4 * kSmall) * (64 + 8) * 2, "f32 results fit");
 static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(2 * kBig) * (128 + 8) * 2, "f32 results fit");
 static_assert(size_t(kBig) * (64 + 4) * 4 <= size_t(2 * kBig) * (64 + 8) * 2, "f32 results fit");
+static_assert(size_t(2 * kBig) * 16 * 4 <= size_t(2 * kBig) * (kSmall + 8) * 2, "rank weights fit");
 
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) {
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   const int dq_row = (warp & 3) * 16, dq_col = (warp >> 2) * (HD / 2);  // this warp's part of dQ
   // dQ / scale = dS' K of query tile i (rows dq_row.., columns dq_col..) added to the workspace in its
   // turn. It runs in the next tile's barrier interval: one barrier a tile pair.
-  const int q_tiles = last;
+  int* dq_turn = p.dq_turn + ((bb - p.b0) * p.H + h) * last;
   auto dq_tile = [&](int i) {
     const T* ds = dst + (i & 1) * kBig * LDS;
     float dq[HD / 16][4];
@@ -109,8 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
         mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
       }
     }
-    int* turn = p.dq_turn + ((bb - p.b0) * p.H + h) * q_tiles + i;
-    wait_turn(turn, kt);  // every key tile from 0 sees query tile i
+    wait_turn(dq_turn + i, kt);  // every key tile from 0 sees query tile i
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int n = i * kSmall + dq_row + g + rr * 8;
@@ -119,7 +120,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
 #pragma unroll
       for (int t = 0; t < HD / 16; ++t) atomic_add_vec<2>(row + t * 8, dq[t] + 2 * rr);
     }
-    end_turn(turn);
+  };
+  // The tile whose dQ was added before the last barrier: counted by one thread, a tile later than the adds,
+  // so that its release rarely waits for them.
+  int added = -1;
+  auto count_added = [&] {
+    if (threadIdx.x == 0 && added >= 0) count_turn(dq_turn + added);
+    added = -1;
   };
   for (int i = last - 1; i >= first; --i) {
     const int q0 = i * kSmall;
@@ -131,8 +138,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
     if (threadIdx.x < 2 * kSmall) lse_s[threadIdx.x] = stat;  // lse_s, then delta_s
     cp_async_wait<0>();
     __syncthreads();  // tile i and dS'^T of tile i + 1 published; the buffers of tile i + 1 free
+    count_added();
     if (i > first) prefetch(i - 1);
-    if (i < last - 1) dq_tile(i + 1);
+    if (i < last - 1) {
+      dq_tile(i + 1);
+      added = i + 1;
+    }
     // The query tile in two halves of QW columns: fewer live registers beside dK and dV.
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -179,21 +190,33 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
     }
   }
   __syncthreads();  // dS'^T of the last tile published; the Q, dO buffers free
-  if (first < last) dq_tile(first);
-  float* fk = reinterpret_cast<float*>(qdo);  // the f32 results go through the Q, dO buffers
-  float* fv = reinterpret_cast<float*>(ks);   // and the K, V tiles
+  count_added();
+  if (first < last) {
+    dq_tile(first);
+    added = first;
+  }
+  // The f32 results go through the Q, dO buffers and the K, V tiles; the rank weights of the basis
+  // gradients through the dS'^T buffers.
+  float* fk = reinterpret_cast<float*>(qdo);
+  float* fv = reinterpret_cast<float*>(ks);
+  float* wk = reinterpret_cast<float*>(dst);
+  float* wv = wk + kBig * p.fk.R;
   store_acc<HD>(fk, dk, warp * 16, p.scale);
-  __syncthreads();  // every warp done with K
+  __syncthreads();  // every warp done with K and dS'^T
+  count_added();
   store_acc<HD>(fv, dv, warp * 16, 1.f);
+  rank_weights(wk, p.fk, bb, h, k0);
+  rank_weights(wv, p.fv, bb, h, k0);
   __syncthreads();
   factor_da<T, HD>(fk, p.fk, p.dak, bb, h, p.H, k0);
   factor_da<T, HD>(fv, p.fv, p.dav, bb, h, p.H, k0);
   // The basis gradients summed over heads, head by head.
-  int* turn = p.db_turn + (bb - p.b0) * gridDim.z + kt;
-  wait_turn(turn, h);
-  factor_db<T, HD>(fk, p.fk, p.dbk, bb, p.b0, h, k0);
-  factor_db<T, HD>(fv, p.fv, p.dbv, bb, p.b0, h, k0);
-  end_turn(turn);
+  int* db_turn = p.db_turn + (bb - p.b0) * gridDim.z + kt;
+  wait_turn(db_turn, h);
+  factor_db<T, HD>(fk, wk, p.fk, p.dbk, bb, p.b0, k0);
+  factor_db<T, HD>(fv, wv, p.fv, p.dbv, bb, p.b0, k0);
+  __syncthreads();
+  if (threadIdx.x == 0) count_turn(db_turn);
 }
 
 // dQ (f32 dQ / scale, batch entries from t0 / N) to its factors, a warp per token, every value written once:

@@ -59,7 +59,22 @@ struct Params {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// Tiles in shared memory: rows of HD 16-bit values with a 16-byte pad (ldmatrix without bank conflicts).
+// Tiles in shared memory: rows of HD 16-bit values with a 16-byte pad (ldmatrix without bank conflicts),
+// or blocks of 8 columns for wgmma. A layout maps (row i, 8-column chunk c8) to the chunk's first element.
+
+template <int LD>
+struct RowTile {
+  __device__ __forceinline__ int operator()(int i, int c8) const { return i * LD + c8 * 8; }
+};
+// Blocks of 8 columns, each the ROWS rows' 16 bytes one after the other, then 16 bytes of padding (the 8
+// chunks of a row land in distinct banks): core matrices (8 rows x 16 bytes) of wgmma's layouts without
+// swizzle (core/cuda_wgmma.cuh). K-major (rows along M or N): LBO one block, SBO 128 bytes; MN-major (rows
+// along K): LBO 128 bytes, SBO one block.
+template <int ROWS>
+struct BlockTile {
+  static constexpr int kBlock = ROWS * 8 + 8;  // elements from one 8-column block to the next
+  __device__ __forceinline__ int operator()(int i, int c8) const { return c8 * kBlock + i * 8; }
+};
 
 template <class T>
 __device__ __forceinline__ float2 unpack2(uint32_t v);
@@ -81,10 +96,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // dst[i, :] = inv_r sum_r a[i a_stride + r] b[i b_stride + r HD + :] for i < valid, 0 for the other rows up
 // to ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank
 // (G < PER saves registers).
-template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>>
 __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int64_t b_stride, int R, float inv_r,
-                           int valid) {
-  constexpr int LD = HD + 8, CH = HD / 8, PER = ROWS * CH / kThreads;
+                           int valid, At at = At{}) {
+  constexpr int CH = HD / 8, PER = ROWS * CH / kThreads;
   static_assert(ROWS * CH % kThreads == 0 && PER % G == 0, "whole chunks per thread and per group");
 #pragma unroll 1
   for (int k0 = 0; k0 < PER; k0 += G) {
@@ -118,16 +133,17 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
       o.y = pack2<T>(acc[k][2] * inv_r, acc[k][3] * inv_r);
       o.z = pack2<T>(acc[k][4] * inv_r, acc[k][5] * inv_r);
       o.w = pack2<T>(acc[k][6] * inv_r, acc[k][7] * inv_r);
-      *reinterpret_cast<uint4*>(dst + i * LD + c8 * 8) = o;
+      *reinterpret_cast<uint4*>(dst + at(i, c8)) = o;
     }
   }
 }
 
 // Builds rows row0.. of a pair's tile straight from global memory.
-template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
-__device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int row0) {
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>>
+__device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int row0, At at = At{}) {
   const int64_t t0 = bb * f.L + row0;
-  build_tile<T, HD, ROWS, G>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r, min(ROWS, f.L - row0));
+  build_tile<T, HD, ROWS, G>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r, min(ROWS, f.L - row0),
+                             at);
 }
 
 // x (entries, L, H, HD) of a launch's batch entries from a pair's factors: x[t, h] = inv_r sum_r a[t, h, r]
@@ -164,18 +180,18 @@ __global__ void build_rows(const Pair<T> f, T* __restrict__ x, int64_t t0, int64
 
 // Copies rows row0.. of x (B, L, H, HD) for head h into a padded tile by cp.async, zero past L. A thread
 // copies one 16-byte column of rows kThreads / CH apart: one address computed, the rest by adding.
-template <class T, int HD, int ROWS>
-__device__ __forceinline__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, int L, int row0) {
-  constexpr int LD = HD + 8, CH = HD / 8, STEP = kThreads / CH, PER = ROWS * CH / kThreads;
+template <class T, int HD, int ROWS, class At = RowTile<HD + 8>>
+__device__ __forceinline__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, int L, int row0,
+                                                At at = At{}) {
+  constexpr int CH = HD / 8, STEP = kThreads / CH, PER = ROWS * CH / kThreads;
   static_assert(kThreads % CH == 0 && ROWS * CH % kThreads == 0, "whole rows per pass, whole passes");
   const int i0 = int(threadIdx.x / CH), c8 = int(threadIdx.x % CH);
   const int64_t step = int64_t(STEP) * H * HD;
   const T* src = x + ((bb * L + row0 + i0) * H + h) * HD + c8 * 8;
-  T* d = dst + i0 * LD + c8 * 8;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const bool ok = row0 + i0 + k * STEP < L;
-    cp_async16(d + k * STEP * LD, ok ? src + k * step : x, ok);
+    cp_async16(dst + at(i0 + k * STEP, c8), ok ? src + k * step : x, ok);
   }
 }
 
@@ -341,49 +357,58 @@ __device__ __forceinline__ void atomic_add_vec(float* dst, const float* v) {
 #endif
 }
 
-// The same tile's share of the basis gradient summed over heads: db[t, r, :] += inv_r a[t, h, r] dx[t] (f32
-// atomics into a workspace that starts at batch entry b0). A lane adds HD / 32 adjacent columns at once.
+// The same tile's share of the basis gradient summed over heads: db[t, r, :] += w[i, r] dx[t] (f32 atomics
+// into a workspace that starts at batch entry b0), w (kBig x R in shared memory) = inv_r a[t, h, r] (see
+// rank_weights). A lane adds HD / 32 adjacent columns at once; no global load waits between the adds.
 template <class T, int HD>
-__device__ void factor_db(const float* dx, const Pair<T>& f, float* db, int64_t bb, int64_t b0, int h, int row0) {
+__device__ void factor_db(const float* dx, const float* w, const Pair<T>& f, float* db, int64_t bb, int64_t b0,
+                          int row0) {
   constexpr int LDF = HD + 4, V = HD / 32, PER = kBig / kWarps;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll 1
   for (int j = 0; j < PER; ++j) {
     const int i = warp + kWarps * j, n = row0 + i;
     if (n >= f.L) break;  // a warp's rows increase with j
-    const int64_t t = bb * f.L + n;
     float x[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) x[e] = dx[i * LDF + lane * V + e];
-    float* dbt = db + (t - b0 * f.L) * f.R * HD + lane * V;
-    const T* at = f.a_at(t, h);
+    float* dbt = db + ((bb - b0) * f.L + n) * f.R * HD + lane * V;
 #pragma unroll 1
     for (int r = 0; r < f.R; ++r) {
-      const float w = to_acc(at[r]) * f.inv_r;
+      const float wr = w[i * f.R + r];
       float v[V];
 #pragma unroll
-      for (int e = 0; e < V; ++e) v[e] = w * x[e];
+      for (int e = 0; e < V; ++e) v[e] = wr * x[e];
       atomic_add_vec<V>(dbt + r * HD, v);
     }
   }
 }
 
+// w[i, r] = inv_r a[t, h, r] for the kBig rows from row0 (0 past L), into shared memory.
+template <class T>
+__device__ void rank_weights(float* w, const Pair<T>& f, int64_t bb, int h, int row0) {
+  for (int k = threadIdx.x; k < kBig * f.R; k += kThreads) {
+    const int i = k / f.R, n = row0 + i;
+    w[k] = n < f.L ? to_acc(f.a_at(bb * f.L + n, h)[k % f.R]) * f.inv_r : 0.f;
+  }
+}
+
 // Sums across blocks in a fixed order, so the backward's results are the same bits run to run. A counter
-// (zeroed) per summed tile: block k of its chain adds once all kWarps warps of blocks 0..k-1 have added and
-// counted. Each warp waits for its turn, adds, then counts itself. A block only waits for blocks of lower
-// linear index (earlier in the grid's launch order), so every block it waits for has started: no deadlock.
+// (zeroed) per summed tile: block k of its chain adds once blocks 0..k-1 have added and counted. Each warp
+// waits for the turn (wait_turn), adds, and after the next barrier one thread counts the block
+// (count_turn: its release covers the adds of every warp that passed the barrier). A block only waits for
+// blocks of lower linear index (earlier in the grid's launch order), so every block it waits for has
+// started: no deadlock.
 __device__ __forceinline__ void wait_turn(const int* turn, int k) {
   if (threadIdx.x % 32 == 0) {
     int v;
     do asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(turn) : "memory");
-    while (v < k * kWarps);
+    while (v < k);
   }
   __syncwarp();
 }
-__device__ __forceinline__ void end_turn(int* turn) {
-  __threadfence();  // this lane's adds before the count
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(turn) : "memory");
+__device__ __forceinline__ void count_turn(int* turn) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(turn) : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ struct AttentionArgs {
   Tensor aq, bq, ak, bk, av, bv;
   bool causal = true;
   double scale = 0;
+  bool allow_wgmma = true;  // false forces the mma.sync forward (tests)
 };
 
 // Why the fused attention cannot run these factors, or "" when it can.
