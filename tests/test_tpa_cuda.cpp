@@ -328,8 +328,8 @@ TEST_CASE("cuda tpa attention fused backward keeps no dq, dk or dv" * LT_CUDA_CA
   const size_t before = memory_stats(gpu()).in_use;
   backward(out, w);
   // The six gradients, the f32 workspace (dq summed over key tiles; the k and v basis gradients summed
-  // over heads; the turns' counters, within the slack), the bf16 q the backward builds once, Delta and slack of one output; dq, dk and dv in
-  // bf16 would add 3x the output (1.5 MiB here) on top.
+  // over heads; the turns' counters, within the slack), the bf16 q the backward builds once, Delta and
+  // slack of one output; dq, dk and dv in bf16 would add 3x the output (1.5 MiB here) on top.
   const size_t ws = size_t(s.B * (s.N * s.H + s.M * (s.Rk + s.Rv)) * s.D) * 4 + out.nbytes();
   const size_t extra = memory_stats(gpu()).peak - before;
   CHECK(extra <= grad_bytes + ws + size_t(s.B * s.N * s.H) * 4 + out.nbytes());

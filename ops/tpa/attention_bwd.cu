@@ -6,6 +6,8 @@
 // f32 atomics into a workspace, head by head in order). dQ is summed over key tiles by f32 atomics into a
 // workspace, key tile by key tile in order, then a second kernel contracts it to aq and bq per token, over
 // all heads at once. The fixed orders (attention_parts' turns) make the gradients the same bits run to run.
+#include <cstdlib>
+#include <cstring>
 #include "ops/tpa/attention_parts.cuh"
 
 namespace lintape::tpa_cuda {
@@ -95,6 +97,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   // turn. It runs in the next tile's barrier interval: one barrier a tile pair.
   int* dq_turn = p.dq_turn + ((bb - p.b0) * p.H + h) * last;
   auto dq_tile = [&](int i) {
+    const int seen = poll_turn(dq_turn + i);
     const T* ds = dst + (i & 1) * kBig * LDS;
     float dq[HD / 16][4];
 #pragma unroll
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
         mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
       }
     }
-    wait_turn(dq_turn + i, kt);  // every key tile from 0 sees query tile i
+    wait_turn(dq_turn + i, p.ordered ? kt : 0, seen);  // every key tile from 0 sees query tile i
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int n = i * kSmall + dq_row + g + rr * 8;
@@ -208,15 +211,22 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   rank_weights(wk, p.fk, bb, h, k0);
   rank_weights(wv, p.fv, bb, h, k0);
   __syncthreads();
-  factor_da<T, HD>(fk, p.fk, p.dak, bb, h, p.H, k0);
-  factor_da<T, HD>(fv, p.fv, p.dav, bb, h, p.H, k0);
-  // The basis gradients summed over heads, head by head.
-  int* db_turn = p.db_turn + (bb - p.b0) * gridDim.z + kt;
-  wait_turn(db_turn, h);
-  factor_db<T, HD>(fk, wk, p.fk, p.dbk, bb, p.b0, k0);
-  factor_db<T, HD>(fv, wv, p.fv, p.dbv, bb, p.b0, k0);
-  __syncthreads();
-  if (threadIdx.x == 0) count_turn(db_turn);
+  // Chunk by chunk: the rank weights (written once), then the basis gradients summed over heads, head by
+  // head, each warp counting itself. A chunk's chain of heads runs while the next chunk's weights are
+  // computed, so head h waits about h chunks' adds, not h whole tiles' (the H blocks of a key tile end
+  // together).
+  int* db_turn = p.db_turn + ((bb - p.b0) * gridDim.z + kt) * kChunks;
+#pragma unroll 1
+  for (int c = 0; c < kChunks; ++c) {
+    const int seen = poll_turn(db_turn + c);
+    factor_da<T, HD>(fk, p.fk, p.dak, bb, h, p.H, k0, c);
+    factor_da<T, HD>(fv, p.fv, p.dav, bb, h, p.H, k0, c);
+    wait_turn(db_turn + c, p.ordered ? h * kWarps : 0, seen);
+    factor_db<T, HD>(fk, wk, p.fk, p.dbk, bb, p.b0, k0, c);
+    factor_db<T, HD>(fv, wv, p.fv, p.dbv, bb, p.b0, k0, c);
+    __syncwarp();
+    if (lane == 0) count_turn(db_turn + c);
+  }
 }
 
 // dQ (f32 dQ / scale, batch entries from t0 / N) to its factors, a warp per token, every value written once:
@@ -266,6 +276,8 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
   Params<T> p = make_params<T>(a);
+  const char* order = std::getenv("LINTAPE_TPA_BWD_ORDER");  // "0": unordered sums, to time the turns
+  p.ordered = !(order && std::strcmp(order, "0") == 0);
   const int64_t B = a.aq.size(0), rows = B * p.N * p.H;
   Tensor delta = empty({B, p.N, p.H}, DType::F32, dev);
   attention_delta<T><<<grid_for(rows, kThreads / 32), kThreads, 0, st>>>(
@@ -279,11 +291,12 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   p.dav = static_cast<T*>(g.av.data());
   // Per launch of up to `chunk` batch entries: a zeroed f32 workspace, dQ (N H HD a batch entry, summed
   // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
-  // g.bv, then the turns' counters (H query tiles + key tiles a batch entry); and Q (N H HD in T a batch
-  // entry).
+  // g.bv, then the turns' counters (H query tiles + kChunks a key tile, a batch entry); and Q (N H HD in T
+  // a batch entry).
   const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.fk.R * HD,
                 dbv_len = int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
-                turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles, ws_len = dq_len + dbk_len + dbv_len + turns;
+                turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks,
+                ws_len = dq_len + dbk_len + dbv_len + turns;
   const int64_t launches = batch_launches(B, ws_len * 4 + dq_len * 2, B * dq_len * 2, key_tiles * p.H, dev.index);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * ws_len}, DType::F32, dev);

@@ -48,8 +48,9 @@ struct Params {
   T *daq, *dak, *dav;        // written once per (token, head, rank)
   float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads in head order
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles in order
-  int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see take_turn
-  int* db_turn;              // zeroed, a counter per (batch entry, key tile)
+  int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see wait_turn
+  int* db_turn;              // zeroed, a counter per (batch entry, key tile, chunk of 16 keys)
+  bool ordered;              // false: the turns never wait (the sums' order varies; for timing their cost)
   const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
   const T *k, *v;            // K and V of the forward launch's batch entries (M, H, HD each), built once
   int64_t b0;                // a launch's first batch entry: where its workspaces start
@@ -94,9 +95,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // dst[i, :] = inv_r sum_r a[i a_stride + r] b[i b_stride + r HD + :] for i < valid, 0 for the other rows up
-// to ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank
-// (G < PER saves registers).
-template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>>
+// to ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank, or
+// with RU > 1 unrolled RU ranks deep (G < PER saves registers; more loads in flight shorten the chain of load
+// latencies).
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>, int RU = 1>
 __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int64_t b_stride, int R, float inv_r,
                            int valid, At at = At{}) {
   constexpr int CH = HD / 8, PER = ROWS * CH / kThreads;
@@ -108,7 +110,7 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
     for (int k = 0; k < G; ++k)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
-    for (int r = 0; r < R; ++r) {
+    auto rank = [&](int r) {
 #pragma unroll
       for (int k = 0; k < G; ++k) {
         const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
@@ -124,6 +126,12 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
           }
         }
       }
+    };
+    if constexpr (RU == 1) {
+      for (int r = 0; r < R; ++r) rank(r);  // the compiler's own unrolling
+    } else {
+#pragma unroll RU
+      for (int r = 0; r < R; ++r) rank(r);
     }
 #pragma unroll
     for (int k = 0; k < G; ++k) {
@@ -139,10 +147,10 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
 }
 
 // Builds rows row0.. of a pair's tile straight from global memory.
-template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>>
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>, int RU = 1>
 __device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int row0, At at = At{}) {
   const int64_t t0 = bb * f.L + row0;
-  build_tile<T, HD, ROWS, G>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r, min(ROWS, f.L - row0),
+  build_tile<T, HD, ROWS, G, At, RU>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r, min(ROWS, f.L - row0),
                              at);
 }
 
@@ -303,45 +311,45 @@ __device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4
   }
 }
 
-// From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the rank weights of its pair:
-// da[t, h, r] = inv_r dx[t] . b[t, r], each written once. A warp takes rows warp, warp + kWarps, ..., U at a
-// time, so U rows' factor loads are in flight together.
+// The backward's f32 tiles (kBig rows) go to their factors in chunks of 16 rows (one turn each, see
+// wait_turn); warp w takes rows 16 c + 2 w and 16 c + 2 w + 1 of chunk c.
+constexpr int kChunks = kBig / 16;
+static_assert(kWarps * 2 == 16, "two rows a warp in a chunk");
+
+// From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the rank weights of its pair
+// for the rows of chunk c: da[t, h, r] = inv_r dx[t] . b[t, r], each written once.
 template <class T, int HD>
-__device__ void factor_da(const float* dx, const Pair<T>& f, T* da, int64_t bb, int h, int H, int row0) {
-  constexpr int LDF = HD + 4, E = HD / 32, PER = kBig / kWarps, U = 4;
-  static_assert(PER % U == 0, "whole groups of rows");
+__device__ void factor_da(const float* dx, const Pair<T>& f, T* da, int64_t bb, int h, int H, int row0, int c) {
+  constexpr int LDF = HD + 4, E = HD / 32, U = 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float x[U][E];
+  int64_t t[U];
+  bool ok[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = 16 * c + 2 * warp + u, n = row0 + i;
+    ok[u] = n < f.L;
+    t[u] = bb * f.L + (ok[u] ? n : 0);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[u][e] = dx[i * LDF + lane + 32 * e];
+  }
 #pragma unroll 1
-  for (int j0 = 0; j0 < PER; j0 += U) {
-    float x[U][E];
-    int64_t t[U];
-    bool ok[U];
+  for (int r = 0; r < f.R; ++r) {
+    float dot[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = warp + kWarps * (j0 + u), n = row0 + i;
-      ok[u] = n < f.L;
-      t[u] = bb * f.L + (ok[u] ? n : 0);
+      const T* br = f.b_at(t[u]) + r * HD;
+      dot[u] = 0.f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) x[u][e] = dx[i * LDF + lane + 32 * e];
+      for (int e = 0; e < E; ++e) dot[u] += x[u][e] * to_acc(br[lane + 32 * e]);
     }
-#pragma unroll 1
-    for (int r = 0; r < f.R; ++r) {
-      float dot[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const T* br = f.b_at(t[u]) + r * HD;
-        dot[u] = 0.f;
+    for (int o = 16; o > 0; o /= 2)
 #pragma unroll
-        for (int e = 0; e < E; ++e) dot[u] += ok[u] ? x[u][e] * to_acc(br[lane + 32 * e]) : 0.f;
-      }
+      for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
 #pragma unroll
-      for (int o = 16; o > 0; o /= 2)
-#pragma unroll
-        for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (ok[u] && lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
-    }
+    for (int u = 0; u < U; ++u)
+      if (ok[u] && lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
   }
 }
 
@@ -357,18 +365,19 @@ __device__ __forceinline__ void atomic_add_vec(float* dst, const float* v) {
 #endif
 }
 
-// The same tile's share of the basis gradient summed over heads: db[t, r, :] += w[i, r] dx[t] (f32 atomics
-// into a workspace that starts at batch entry b0), w (kBig x R in shared memory) = inv_r a[t, h, r] (see
-// rank_weights). A lane adds HD / 32 adjacent columns at once; no global load waits between the adds.
+// The same tile's share of the basis gradient summed over heads, rows of chunk c: db[t, r, :] += w[i, r] dx[t]
+// (f32 atomics into a workspace that starts at batch entry b0), w (kBig x R in shared memory) =
+// inv_r a[t, h, r] (see rank_weights). A lane adds HD / 32 adjacent columns at once; no global load waits
+// between the adds.
 template <class T, int HD>
 __device__ void factor_db(const float* dx, const float* w, const Pair<T>& f, float* db, int64_t bb, int64_t b0,
-                          int row0) {
-  constexpr int LDF = HD + 4, V = HD / 32, PER = kBig / kWarps;
+                          int row0, int c) {
+  constexpr int LDF = HD + 4, V = HD / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll 1
-  for (int j = 0; j < PER; ++j) {
-    const int i = warp + kWarps * j, n = row0 + i;
-    if (n >= f.L) break;  // a warp's rows increase with j
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int i = 16 * c + 2 * warp + u, n = row0 + i;
+    if (n >= f.L) break;
     float x[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) x[e] = dx[i * LDF + lane * V + e];
@@ -394,17 +403,21 @@ __device__ void rank_weights(float* w, const Pair<T>& f, int64_t bb, int h, int 
 }
 
 // Sums across blocks in a fixed order, so the backward's results are the same bits run to run. A counter
-// (zeroed) per summed tile: block k of its chain adds once blocks 0..k-1 have added and counted. Each warp
-// waits for the turn (wait_turn), adds, and after the next barrier one thread counts the block
-// (count_turn: its release covers the adds of every warp that passed the barrier). A block only waits for
-// blocks of lower linear index (earlier in the grid's launch order), so every block it waits for has
-// started: no deadlock.
-__device__ __forceinline__ void wait_turn(const int* turn, int k) {
-  if (threadIdx.x % 32 == 0) {
-    int v;
-    do asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(turn) : "memory");
-    while (v < k);
-  }
+// (zeroed) per summed tile: block k of its chain adds once blocks 0..k-1 have added and counted (k count
+// units each: one a block, or one a warp). A warp reads the counter early (poll_turn: lane 0's load is in
+// flight while the warp computes what it will add), waits for the turn (wait_turn), adds, and the block or
+// the warp counts itself after a barrier (count_turn: a release, which covers the adds of every thread that
+// passed the barrier). The loads are relaxed: the adds depend on the value read, and a block's count is
+// released only after its adds were performed. A block only waits for blocks of lower linear index
+// (earlier in the grid's launch order), so every block it waits for has started: no deadlock.
+__device__ __forceinline__ int poll_turn(const int* turn) {
+  int v = 0;
+  if (threadIdx.x % 32 == 0) asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(turn) : "memory");
+  return v;
+}
+__device__ __forceinline__ void wait_turn(const int* turn, int target, int seen) {
+  if (threadIdx.x % 32 == 0)
+    while (seen < target) asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(turn) : "memory");
   __syncwarp();
 }
 __device__ __forceinline__ void count_turn(int* turn) {
