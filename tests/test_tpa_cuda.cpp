@@ -216,8 +216,8 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
       tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
                                 1.0 / std::sqrt(double(s.D))};
       Tensor out = empty({s.B, s.N, s.H, s.D}, dt, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
-      // Both forward kernels where the warpgroup one runs (else the mma.sync kernel twice); the backward
-      // below reads the last one's output and lse.
+      // Both forward kernels where the warpgroup one is picked (LINTAPE_TPA_FWD=wgmma on Hopper, sm_90a),
+      // else the mma.sync kernel twice; the backward below reads the last one's output and lse.
       for (bool wgmma : {true, false}) {
         CAPTURE(wgmma);
         a.allow_wgmma = wgmma;

@@ -5,8 +5,10 @@
 // barrier a tile. Per tile and warpgroup: S = Q K^T (64 x kWgKeys, both operands from shared memory), the
 // online softmax in registers, and O += P V with P's accumulators rounded to 16 bits as the A operand in
 // registers and V from shared memory. Causal: only the tiles up to the diagonal, the diagonal masked (with
-// kWgRows == kWgKeys no warpgroup meets a tile wholly above its rows). Two schedules: `forward` waits for
-// each product; `forward_pipelined` overlaps a tile's softmax with the previous tile's P V.
+// kWgRows == kWgKeys no warpgroup meets a tile wholly above its rows). Pipelined within each warpgroup: a
+// tile's softmax runs while the tensor cores do the previous tile's P V (waiting for each product instead
+// was 5% slower). Slower than the mma.sync kernel on an H100 so far (bench/notes/tpa-hopper.md): off
+// unless LINTAPE_TPA_FWD=wgmma.
 #pragma once
 #include "core/cuda_wgmma_rs.cuh"
 #include "ops/tpa/attention_parts.cuh"
@@ -147,69 +149,12 @@ struct Block {
   }
 };
 
-// Synchronous: per tile, S, the softmax, then P V, each product waited for at once.
-template <class T, int HD>
-__global__ void __launch_bounds__(kThreads, 1) forward(const Params<T> p) {
-#ifndef LINTAPE_WGMMA
-  __trap();  // attention_forward picks this kernel only where wgmma was compiled
-#else
-  static_assert(kThreads == 256, "two warpgroups");
-  constexpr int QT = HD / 8 * QTile::kBlock, KT = HD / 8 * KvTile::kBlock;
-  constexpr int QG = kWgRows * (HD / 8) / kThreads;  // Q's chunks a thread: all loads of two ranks in flight
-  static_assert(QTile::kBlock == KvTile::kBlock, "Q and K share the descriptors' strides");
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* qs = reinterpret_cast<T*>(smem);
-  T* kv = qs + QT;  // pair s: K at kv + 2 s KT, V after it
-  const Block blk(p);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2, wg = warp / 4;
-  auto prefetch = [&](int j) {
-    T* kt = kv + 2 * (j & 1) * KT;
-    copy_rows_async<T, HD, kWgKeys>(kt, p.k, blockIdx.z, blk.h, p.H, p.M, j * kWgKeys, KvTile{});
-    copy_rows_async<T, HD, kWgKeys>(kt + KT, p.v, blockIdx.z, blk.h, p.H, p.M, j * kWgKeys, KvTile{});
-    cp_async_commit();
-  };
-  if (blk.tiles > 0) prefetch(0);
-  // Q carries the scale's sign, so the scores times |scale log2 e| are the logits (as in attention_fwd).
-  Pair<T> fq = p.fq;
-  if (p.scale < 0) fq.inv_r = -fq.inv_r;
-  build_global<T, HD, kWgRows, QG, QTile, 2>(qs, fq, blk.bb, blk.h, blk.q0, QTile{});
-  const float sl2 = fabsf(p.sl2);
-  const int wrow0 = blk.q0 + wg * 64, row_a = wrow0 + (warp & 3) * 16 + g;  // rows row_a and row_a + 8
-  float o[HD / 2];
-#pragma unroll
-  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const T* qa = qs + wg * 64 * 8;  // this warpgroup's 64 rows
-  for (int j = 0; j < blk.tiles; ++j) {
-    cp_async_wait<0>();
-    fence_proxy_async();  // Q's stores and tile j's copies, read next by wgmma
-    __syncthreads();      // tile j published; every warpgroup is done with tile j - 1, whose pair is free
-    if (j + 1 < blk.tiles) prefetch(j + 1);
-    const int k0 = j * kWgKeys;
-    const T* ks = kv + 2 * (j & 1) * KT;
-    float s[kWgKeys / 2];
-    issue_scores<T, HD>(s, qa, ks);
-    wgmma_wait<0>();
-    wgmma_fence_operand(s);
-    float alpha[2];
-    softmax_scores<T>(p, s, m, l, alpha, k0, wrow0, row_a, c, sl2);
-    rescale<HD>(o, alpha);
-    uint32_t pa[kWgKeys / 16][4];
-    probs_to_frags<T>(pa, s);
-    issue_pv<T, HD>(o, pa, ks + KT);
-    wgmma_wait<0>();
-    wgmma_fence_operand(o);
-  }
-  store_rows<T, HD>(p, o, m, l, blk.bb, blk.h, row_a, c);
-#endif
-}
-
 // Pipelined within each warpgroup: tile j's S = Q K_j is issued together with O += P_{j-1} V_{j-1}, and
 // tile j's softmax runs while the tensor cores do the second. K and V have two slots each, copied one tile
 // apart: at tile j's barrier K_j and V_{j-1} have landed, and K_{j+1} and V_j are started (their slots held
 // K_{j-1} and V_{j-2}, which every warpgroup is done with).
 template <class T, int HD>
-__global__ void __launch_bounds__(kThreads, 1) forward_pipelined(const Params<T> p) {
+__global__ void __launch_bounds__(kThreads, 1) forward(const Params<T> p) {
 #ifndef LINTAPE_WGMMA
   __trap();  // attention_forward picks this kernel only where wgmma was compiled
 #else
@@ -229,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_pipelined(const Params<T>
   copy(kslot, p.k, 0);
   cp_async_commit();
   Pair<T> fq = p.fq;
-  if (p.scale < 0) fq.inv_r = -fq.inv_r;  // as in forward
+  if (p.scale < 0) fq.inv_r = -fq.inv_r;  // Q carries the scale's sign (as in attention_fwd)
   build_global<T, HD, kWgRows, QG, QTile, 2>(qs, fq, blk.bb, blk.h, blk.q0, QTile{});
   const float sl2 = fabsf(p.sl2);
   const int wrow0 = blk.q0 + wg * 64, row_a = wrow0 + (warp & 3) * 16 + g;
