@@ -150,8 +150,8 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
 template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>, int RU = 1>
 __device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int row0, At at = At{}) {
   const int64_t t0 = bb * f.L + row0;
-  build_tile<T, HD, ROWS, G, At, RU>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r, min(ROWS, f.L - row0),
-                             at);
+  build_tile<T, HD, ROWS, G, At, RU>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r,
+                                     min(ROWS, f.L - row0), at);
 }
 
 // x (entries, L, H, HD) of a launch's batch entries from a pair's factors: x[t, h] = inv_r sum_r a[t, h, r]

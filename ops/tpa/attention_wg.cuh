@@ -128,7 +128,8 @@ __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&pa
   wgmma_fence_operand(o);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kWgKeys / 16; ++kk) wgmma_rs<T, HD, 1>(o, pa[kk], wgmma_desc(vs + kk * 16 * 8, 128, kBlockBytes));
+  for (int kk = 0; kk < kWgKeys / 16; ++kk)
+    wgmma_rs<T, HD, 1>(o, pa[kk], wgmma_desc(vs + kk * 16 * 8, 128, kBlockBytes));
   wgmma_commit();
 }
 #endif
