@@ -216,11 +216,17 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
       tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
                                 1.0 / std::sqrt(double(s.D))};
       Tensor out = empty({s.B, s.N, s.H, s.D}, dt, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
-      poison_(out);
-      poison_(lse);
-      tpa_cuda::attention_forward(a, out, lse);
-      CHECK(all_finite(lse));
-      CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
+      // Both forward kernels where the warpgroup one is picked (LINTAPE_TPA_FWD=wgmma on Hopper, sm_90a),
+      // else the mma.sync kernel twice; the backward below reads the last one's output and lse.
+      for (bool wgmma : {true, false}) {
+        CAPTURE(wgmma);
+        a.allow_wgmma = wgmma;
+        poison_(out);
+        poison_(lse);
+        tpa_cuda::attention_forward(a, out, lse);
+        CHECK(all_finite(lse));
+        CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
+      }
       // The backward launcher on six poisoned gradients: each matches the reference.
       tpa_cuda::FactorGrads fg{empty(in.gpu[0].shape(), dt, gpu()), empty(in.gpu[1].shape(), dt, gpu()),
                                empty(in.gpu[2].shape(), dt, gpu()), empty(in.gpu[3].shape(), dt, gpu()),
@@ -250,17 +256,44 @@ TEST_CASE("cuda tpa attention fused reads views of wider projections in place" *
   const Tensor w = randn({B, N, H, D}, DType::F32, Device::cpu(), 33);
   const std::vector<Tensor> from_views = attention_and_grads(views, o, Impl::Fused, w);
   const std::vector<Tensor> from_copies = attention_and_grads(copies, o, Impl::Fused, w);
-  // The same arithmetic: the output to the bit; the gradients to rounding (f32 atomics sum in any order).
-  CHECK(from_views[0].to_vector<double>() == from_copies[0].to_vector<double>());
-  for (size_t i = 1; i < 7; ++i) {
+  // The same arithmetic, summed in the same order: the output and the gradients to the bit.
+  for (size_t i = 0; i < 7; ++i) {
     CAPTURE(i);
-    CHECK_CLOSE_TENSOR(from_views[i], from_copies[i], DType::BF16);
+    CHECK(from_views[i].to_vector<double>() == from_copies[i].to_vector<double>());
   }
   // Read in place: a copy of bq alone would add twice the output.
   reset_peak_memory(gpu());
   const size_t before = memory_stats(gpu()).in_use;
   const Tensor out = tpa_attention(views[0], views[1], views[2], views[3], views[4], views[5], o, Impl::Fused);
   CHECK(memory_stats(gpu()).peak - before <= 3 * out.nbytes() + size_t(B * N * H) * 4 + 4096);
+}
+
+TEST_CASE("cuda tpa attention fused backward gives the same bits run to run" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // dq rows summed over up to 5 key tiles and basis rows over up to 8 heads, causal (the diagonal tiles,
+  // N a multiple of no tile) and not (N != M, ranks 16 and 1), D = 128 and 64.
+  const AttnShape shapes[] = {{2, 600, 600, 8, 6, 2, 2, 128, true}, {1, 200, 523, 5, 16, 16, 1, 64, false}};
+  const char* names[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
+  for (const AttnShape& s : shapes) {
+    CAPTURE(s.N);
+    const Inputs in = attention_inputs(s, DType::BF16, uint64_t(s.N));
+    TpaOptions o;
+    o.causal = s.causal;
+    const Tensor w = randn({s.B, s.N, s.H, s.D}, DType::F64, Device::cpu(), 9).to(DType::BF16).to(DType::F64);
+    const std::vector<Tensor> ref = attention_and_grads(in.cpu, o, Impl::Reference, w);
+    const std::vector<Tensor> first = attention_and_grads(in.gpu, o, Impl::Fused, w);
+    for (int run = 0; run < 3; ++run) {
+      const std::vector<Tensor> again = attention_and_grads(in.gpu, o, Impl::Fused, w);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        CAPTURE(names[i]);
+        CHECK(again[i].to_vector<double>() == first[i].to_vector<double>());
+      }
+    }
+    for (size_t i = 0; i < ref.size(); ++i) {
+      CAPTURE(names[i]);
+      CHECK_CLOSE_TENSOR(first[i], ref[i], DType::BF16);
+    }
+  }
 }
 
 TEST_CASE("cuda tpa attention fused keeps no q, k, v or scores" * LT_CUDA_CASE) {
@@ -295,8 +328,8 @@ TEST_CASE("cuda tpa attention fused backward keeps no dq, dk or dv" * LT_CUDA_CA
   const size_t before = memory_stats(gpu()).in_use;
   backward(out, w);
   // The six gradients, the f32 workspace (dq summed over key tiles; the k and v basis gradients summed
-  // over heads), the bf16 q the backward builds once, Delta and slack of one output; dq, dk and dv in
-  // bf16 would add 3x the output (1.5 MiB here) on top.
+  // over heads; the turns' counters, within the slack), the bf16 q the backward builds once, Delta and
+  // slack of one output; dq, dk and dv in bf16 would add 3x the output (1.5 MiB here) on top.
   const size_t ws = size_t(s.B * (s.N * s.H + s.M * (s.Rk + s.Rv)) * s.D) * 4 + out.nbytes();
   const size_t extra = memory_stats(gpu()).peak - before;
   CHECK(extra <= grad_bytes + ws + size_t(s.B * s.N * s.H) * 4 + out.nbytes());

@@ -8,10 +8,15 @@
 // shared memory; the repeated tiles are built once per launch into a workspace that lives for that launch
 // (a part of the batch at a time: see batch_launches) and copied tile by tile by cp.async.
 //   forward (this file): K and V built; query tile of 256 rows (32 a warp); per key tile of 64:
-//            S = Q K^T, online softmax, O = alpha O + P V.
+//            S = Q K^T, online softmax, O = alpha O + P V. On Hopper built for sm_90a, the same on
+//            warpgroup products (ops/tpa/attention_wg.cuh), off unless LINTAPE_TPA_FWD=wgmma.
 //   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
 //            of 128.
+#include <cstdlib>
+#include <cstring>
+#include "core/config.h"
 #include "ops/tpa/attention_parts.cuh"
+#include "ops/tpa/attention_wg.cuh"
 
 namespace lintape::tpa_cuda {
 
@@ -188,14 +193,28 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 // Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
 // factors into a workspace, then the attention over them.
 
-template <class T, int HD>
+// The warpgroup kernel (ops/tpa/attention_wg.cuh) runs only when LINTAPE_TPA_FWD=wgmma asks for it (the
+// mma.sync kernel was faster on an H100 at every benchmarked shape), where it was compiled (sm_90a) and the
+// device is compute capability 9.0.
+bool forward_on_wgmma(int device) {
+  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
+  const char* env = std::getenv("LINTAPE_TPA_FWD");
+  if (!compiled || !env || std::strcmp(env, "wgmma") != 0) return false;
+  int major = 0, minor = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
+template <class T, int HD, bool Wg>
 void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   Params<T> p = make_params<T>(a);
   p.out = static_cast<T*>(out.data());
   p.lse = lse.data_ptr<float>();
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
-  const int64_t B = a.aq.size(0), kv_len = int64_t(p.M) * p.H * HD, query_tiles = (p.N + kQueryRows - 1) / kQueryRows;
+  constexpr int rows = Wg ? attention_wg::kWgRows : kQueryRows;
+  const int64_t B = a.aq.size(0), kv_len = int64_t(p.M) * p.H * HD, query_tiles = (p.N + rows - 1) / rows;
   const int64_t launches =
       batch_launches(B, 2 * kv_len * int64_t(sizeof(T)), B * p.N * p.H * HD * int64_t(sizeof(T)), query_tiles * p.H,
                      dev.index);
@@ -205,8 +224,10 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   T* v = k + chunk * kv_len;
   p.k = k;
   p.v = v;
+  const auto kernel = Wg ? attention_wg::forward<T, HD> : attention_fwd<T, HD>;
+  const size_t smem = Wg ? attention_wg::smem_bytes<HD>() : fwd_smem<HD>();
   static bool configured = false;
-  allow_smem(attention_fwd<T, HD>, fwd_smem<HD>(), configured);
+  allow_smem(kernel, smem, configured);
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.M;
     p.b0 = b0;
@@ -216,7 +237,7 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fv, v, b0 * p.M, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
-    attention_fwd<T, HD><<<grid, kThreads, fwd_smem<HD>(), st>>>(p);
+    kernel<<<grid, kThreads, smem, st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
     b0 += n;
   }
@@ -232,11 +253,23 @@ std::string attention_unsupported(DType dtype, int64_t D, int64_t E, int64_t Rq,
   return "";
 }
 
-void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
+namespace {
+template <bool Wg>
+void forward_dispatch(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   const bool bf16 = a.aq.dtype() == DType::BF16;
   const bool wide = a.bq.size(3) == 128;
-  if (bf16) wide ? forward_typed<__nv_bfloat16, 128>(a, out, lse) : forward_typed<__nv_bfloat16, 64>(a, out, lse);
-  else wide ? forward_typed<__half, 128>(a, out, lse) : forward_typed<__half, 64>(a, out, lse);
+  if (bf16)
+    wide ? forward_typed<__nv_bfloat16, 128, Wg>(a, out, lse) : forward_typed<__nv_bfloat16, 64, Wg>(a, out, lse);
+  else
+    wide ? forward_typed<__half, 128, Wg>(a, out, lse) : forward_typed<__half, 64, Wg>(a, out, lse);
+}
+}  // namespace
+
+void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
+  if (a.allow_wgmma && forward_on_wgmma(a.aq.device().index))
+    forward_dispatch<true>(a, out, lse);
+  else
+    forward_dispatch<false>(a, out, lse);
 }
 
 }  // namespace lintape::tpa_cuda

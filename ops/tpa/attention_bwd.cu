@@ -3,8 +3,11 @@
 // flash-attention 2 layout, recomputing P = 2^(S scale log2 e - lse) and
 // dS = P (dP - Delta) scale per (key tile, query tile). dK and dV stay in registers and are contracted to
 // their factors at the end of the block: da (this head's values, written once) and db (a sum over heads:
-// f32 atomics into a workspace). dQ is summed over key tiles by f32 atomics into a workspace, then a
-// second kernel contracts it to aq and bq per token, over all heads at once (no atomics).
+// f32 atomics into a workspace, head by head in order). dQ is summed over key tiles by f32 atomics into a
+// workspace, key tile by key tile in order, then a second kernel contracts it to aq and bq per token, over
+// all heads at once. The fixed orders (attention_parts' turns) make the gradients the same bits run to run.
+#include <cstdlib>
+#include <cstring>
 #include "ops/tpa/attention_parts.cuh"
 
 namespace lintape::tpa_cuda {
@@ -34,10 +37,13 @@ __global__ void attention_delta(const T* __restrict__ out, const T* __restrict__
 // that see it. Per query tile: S^T = K Q^T and dP^T = V dO^T (a warp per 16 keys), P and
 // dS' = P (dP - Delta) (the scale is applied to dK here and to dQ by the factor kernel); dV += P^T dO and
 // dK += dS'^T Q stay in registers; dS'^T goes to shared memory and dQ = dS' K (a warp per 16 queries x
-// HD / 2 columns, in the next tile's barrier interval) is added to an f32 workspace by atomics. Q (built
-// once per launch), dO and dS'^T are double-buffered: tile i + 1 is copied by cp.async while tile i is
-// multiplied, and each tile pair needs one barrier. The grid's slowest
-// dimension counts the key tiles, so causal blocks start heaviest first across all heads and batch entries.
+// HD / 2 columns, in the next tile's barrier interval) is added to an f32 workspace by atomics, once the
+// blocks of the lower key tiles have added theirs. The query tiles run last to first, so every key tile's
+// block reaches a query tile after the same number of tiles: the blocks of one query tile's chain arrive
+// at nearly the same time, in order, and a turn rarely waits. Q (built once per launch), dO and dS'^T are
+// double-buffered: tile i - 1 is copied by cp.async while tile i is multiplied, and each tile pair needs
+// one barrier. The grid's slowest dimension counts the key tiles, so causal blocks start heaviest first
+// across all heads and batch entries (and a chain's earlier blocks start first).
 
 template <int HD>
 constexpr size_t bwd_smem() {
@@ -45,18 +51,13 @@ constexpr size_t bwd_smem() {
   return size_t(2 * kBig + 4 * kSmall) * (HD + 8) * 2 + size_t(2 * kBig) * (kSmall + 8) * 2 + 4 * kSmall * 4;
 }
 static_assert(bwd_smem<128>() <= 227 * 1024, "a block fits an sm_90 multiprocessor");
-// The f32 dK and dV tiles (kBig x (HD + 4)) go through the Q, dO buffers at the end.
+// The f32 dK and dV tiles (kBig x (HD + 4)) go through the Q, dO buffers and the K, V tiles at the end, the
+// rank weights (2 kBig x 16 floats at most) through the dS'^T buffers.
 static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(4 * kSmall) * (128 + 8) * 2, "f32 results fit");
 static_assert(size_t(kBig) * (64 + 4) * 4 <= size_t(4 * kSmall) * (64 + 8) * 2, "f32 results fit");
-
-__device__ __forceinline__ void atomic_add_pair(float* dst, float lo, float hi) {
-#if __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(lo, hi));
-#else
-  atomicAdd(dst, lo);
-  atomicAdd(dst + 1, hi);
-#endif
-}
+static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(2 * kBig) * (128 + 8) * 2, "f32 results fit");
+static_assert(size_t(kBig) * (64 + 4) * 4 <= size_t(2 * kBig) * (64 + 8) * 2, "f32 results fit");
+static_assert(size_t(2 * kBig) * 16 * 4 <= size_t(2 * kBig) * (kSmall + 8) * 2, "rank weights fit");
 
 template <class T, int HD>
 __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) {
@@ -83,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
     stat = threadIdx.x < 2 * kSmall && n < p.N ? (threadIdx.x < kSmall ? p.lse : p.delta)[(bb * p.N + n) * p.H + h]
                                                : 0.f;
   };
-  if (first < last) prefetch(first);
+  if (first < last) prefetch(last - 1);
   build_global<T, HD, kBig>(ks, p.fk, bb, h, k0);
   build_global<T, HD, kBig>(vs, p.fv, bb, h, k0);
 
@@ -92,9 +93,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   zero<HD>(dv);
   const int key_a = k0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
   const int dq_row = (warp & 3) * 16, dq_col = (warp >> 2) * (HD / 2);  // this warp's part of dQ
-  // dQ / scale = dS' K of query tile i (rows dq_row.., columns dq_col..) added to the workspace. It runs
-  // in the next tile's barrier interval: one barrier a tile pair.
+  // dQ / scale = dS' K of query tile i (rows dq_row.., columns dq_col..) added to the workspace in its
+  // turn. It runs in the next tile's barrier interval: one barrier a tile pair.
+  int* dq_turn = p.dq_turn + ((bb - p.b0) * p.H + h) * last;
   auto dq_tile = [&](int i) {
+    const int seen = poll_turn(dq_turn + i);
     const T* ds = dst + (i & 1) * kBig * LDS;
     float dq[HD / 16][4];
 #pragma unroll
@@ -111,16 +114,24 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
         mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
       }
     }
+    wait_turn(dq_turn + i, p.ordered ? kt : 0, seen);  // every key tile from 0 sees query tile i
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int n = i * kSmall + dq_row + g + rr * 8;
       if (n >= p.N) continue;
       float* row = p.dq + (((bb - p.b0) * p.N + n) * p.H + h) * HD + dq_col + c;
 #pragma unroll
-      for (int t = 0; t < HD / 16; ++t) atomic_add_pair(row + t * 8, dq[t][2 * rr], dq[t][2 * rr + 1]);
+      for (int t = 0; t < HD / 16; ++t) atomic_add_vec<2>(row + t * 8, dq[t] + 2 * rr);
     }
   };
-  for (int i = first; i < last; ++i) {
+  // The tile whose dQ was added before the last barrier: counted by one thread, a tile later than the adds,
+  // so that its release rarely waits for them.
+  int added = -1;
+  auto count_added = [&] {
+    if (threadIdx.x == 0 && added >= 0) count_turn(dq_turn + added);
+    added = -1;
+  };
+  for (int i = last - 1; i >= first; --i) {
     const int q0 = i * kSmall;
     const T* qs = qdo + 2 * (i & 1) * kSmall * LD;
     const T* dos = qs + kSmall * LD;
@@ -129,9 +140,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
     const float* delta_s = lse_s + kSmall;
     if (threadIdx.x < 2 * kSmall) lse_s[threadIdx.x] = stat;  // lse_s, then delta_s
     cp_async_wait<0>();
-    __syncthreads();  // tile i and dS'^T of tile i - 1 published; the buffers of tile i - 1 free
-    if (i + 1 < last) prefetch(i + 1);
-    if (i > first) dq_tile(i - 1);
+    __syncthreads();  // tile i and dS'^T of tile i + 1 published; the buffers of tile i + 1 free
+    count_added();
+    if (i > first) prefetch(i - 1);
+    if (i < last - 1) {
+      dq_tile(i + 1);
+      added = i + 1;
+    }
     // The query tile in two halves of QW columns: fewer live registers beside dK and dV.
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -178,15 +193,40 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
     }
   }
   __syncthreads();  // dS'^T of the last tile published; the Q, dO buffers free
-  if (first < last) dq_tile(last - 1);
-  float* fs = reinterpret_cast<float*>(qdo);  // the f32 results go through the Q, dO buffers
-  store_acc<HD>(fs, dk, warp * 16, p.scale);
+  count_added();
+  if (first < last) {
+    dq_tile(first);
+    added = first;
+  }
+  // The f32 results go through the Q, dO buffers and the K, V tiles; the rank weights of the basis
+  // gradients through the dS'^T buffers.
+  float* fk = reinterpret_cast<float*>(qdo);
+  float* fv = reinterpret_cast<float*>(ks);
+  float* wk = reinterpret_cast<float*>(dst);
+  float* wv = wk + kBig * p.fk.R;
+  store_acc<HD>(fk, dk, warp * 16, p.scale);
+  __syncthreads();  // every warp done with K and dS'^T
+  count_added();
+  store_acc<HD>(fv, dv, warp * 16, 1.f);
+  rank_weights(wk, p.fk, bb, h, k0);
+  rank_weights(wv, p.fv, bb, h, k0);
   __syncthreads();
-  factor_grads<T, HD>(fs, p.fk, p.dak, p.dbk, bb, p.b0, h, p.H, k0);
-  __syncthreads();
-  store_acc<HD>(fs, dv, warp * 16, 1.f);
-  __syncthreads();
-  factor_grads<T, HD>(fs, p.fv, p.dav, p.dbv, bb, p.b0, h, p.H, k0);
+  // Chunk by chunk: the rank weights (written once), then the basis gradients summed over heads, head by
+  // head, each warp counting itself. A chunk's chain of heads runs while the next chunk's weights are
+  // computed, so head h waits about h chunks' adds, not h whole tiles' (the H blocks of a key tile end
+  // together).
+  int* db_turn = p.db_turn + ((bb - p.b0) * gridDim.z + kt) * kChunks;
+#pragma unroll 1
+  for (int c = 0; c < kChunks; ++c) {
+    const int seen = poll_turn(db_turn + c);
+    factor_da<T, HD>(fk, p.fk, p.dak, bb, h, p.H, k0, c);
+    factor_da<T, HD>(fv, p.fv, p.dav, bb, h, p.H, k0, c);
+    wait_turn(db_turn + c, p.ordered ? h * kWarps : 0, seen);
+    factor_db<T, HD>(fk, wk, p.fk, p.dbk, bb, p.b0, k0, c);
+    factor_db<T, HD>(fv, wv, p.fv, p.dbv, bb, p.b0, k0, c);
+    __syncwarp();
+    if (lane == 0) count_turn(db_turn + c);
+  }
 }
 
 // dQ (f32 dQ / scale, batch entries from t0 / N) to its factors, a warp per token, every value written once:
@@ -236,6 +276,8 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
   Params<T> p = make_params<T>(a);
+  const char* order = std::getenv("LINTAPE_TPA_BWD_ORDER");  // "0": unordered sums, to time the turns
+  p.ordered = !(order && std::strcmp(order, "0") == 0);
   const int64_t B = a.aq.size(0), rows = B * p.N * p.H;
   Tensor delta = empty({B, p.N, p.H}, DType::F32, dev);
   attention_delta<T><<<grid_for(rows, kThreads / 32), kThreads, 0, st>>>(
@@ -249,13 +291,15 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   p.dav = static_cast<T*>(g.av.data());
   // Per launch of up to `chunk` batch entries: a zeroed f32 workspace, dQ (N H HD a batch entry, summed
   // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
-  // g.bv; and Q (N H HD in T a batch entry).
+  // g.bv, then the turns' counters (H query tiles + kChunks a key tile, a batch entry); and Q (N H HD in T
+  // a batch entry).
   const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.fk.R * HD,
-                dbv_len = int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig;
-  const int64_t launches =
-      batch_launches(B, (dq_len + dbk_len + dbv_len) * 4 + dq_len * 2, B * dq_len * 2, key_tiles * p.H, dev.index);
+                dbv_len = int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
+                turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks,
+                ws_len = dq_len + dbk_len + dbv_len + turns;
+  const int64_t launches = batch_launches(B, ws_len * 4 + dq_len * 2, B * dq_len * 2, key_tiles * p.H, dev.index);
   const int64_t chunk = (B + launches - 1) / launches;
-  Tensor ws = empty({chunk * (dq_len + dbk_len + dbv_len)}, DType::F32, dev);
+  Tensor ws = empty({chunk * ws_len}, DType::F32, dev);
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   p.q = static_cast<const T*>(qbuf.data());
   static bool configured = false;
@@ -266,7 +310,9 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.dq = ws.data_ptr<float>();
     p.dbk = p.dq + n * dq_len;
     p.dbv = p.dbk + n * dbk_len;
-    LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * (dq_len + dbk_len + dbv_len)) * 4, st));
+    p.dq_turn = reinterpret_cast<int*>(p.dbv + n * dbv_len);
+    p.db_turn = p.dq_turn + n * p.H * ((p.N + kSmall - 1) / kSmall);
+    LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * ws_len) * 4, st));
     build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
         p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();

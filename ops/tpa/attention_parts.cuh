@@ -2,7 +2,8 @@
 // device pieces. Tiles built in shared memory from the factors, x[i, :] = (1/R) sum_r a[i, h, r] b[i, r, :]
 // in f32, rounded once, and staged through cp.async; m16n8k16 fragments and the products of the
 // flash-attention 2 layout (8 warps, each owning 16 rows of its block's tile); the contraction of an f32
-// gradient tile to its factors; the kernels' parameters.
+// gradient tile to its factors; the turns that order the backward's sums across blocks; the kernels'
+// parameters.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -45,8 +46,11 @@ struct Params {
   const T* dout;
   const float* delta;
   T *daq, *dak, *dav;        // written once per (token, head, rank)
-  float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads
-  float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles
+  float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads in head order
+  float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles in order
+  int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see wait_turn
+  int* db_turn;              // zeroed, a counter per (batch entry, key tile, chunk of 16 keys)
+  bool ordered;              // false: the turns never wait (the sums' order varies; for timing their cost)
   const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
   const T *k, *v;            // K and V of the forward launch's batch entries (M, H, HD each), built once
   int64_t b0;                // a launch's first batch entry: where its workspaces start
@@ -56,7 +60,22 @@ struct Params {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// Tiles in shared memory: rows of HD 16-bit values with a 16-byte pad (ldmatrix without bank conflicts).
+// Tiles in shared memory: rows of HD 16-bit values with a 16-byte pad (ldmatrix without bank conflicts),
+// or blocks of 8 columns for wgmma. A layout maps (row i, 8-column chunk c8) to the chunk's first element.
+
+template <int LD>
+struct RowTile {
+  __device__ __forceinline__ int operator()(int i, int c8) const { return i * LD + c8 * 8; }
+};
+// Blocks of 8 columns, each the ROWS rows' 16 bytes one after the other, then 16 bytes of padding (the 8
+// chunks of a row land in distinct banks): core matrices (8 rows x 16 bytes) of wgmma's layouts without
+// swizzle (core/cuda_wgmma.cuh). K-major (rows along M or N): LBO one block, SBO 128 bytes; MN-major (rows
+// along K): LBO 128 bytes, SBO one block.
+template <int ROWS>
+struct BlockTile {
+  static constexpr int kBlock = ROWS * 8 + 8;  // elements from one 8-column block to the next
+  __device__ __forceinline__ int operator()(int i, int c8) const { return c8 * kBlock + i * 8; }
+};
 
 template <class T>
 __device__ __forceinline__ float2 unpack2(uint32_t v);
@@ -76,12 +95,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // dst[i, :] = inv_r sum_r a[i a_stride + r] b[i b_stride + r HD + :] for i < valid, 0 for the other rows up
-// to ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank
-// (G < PER saves registers).
-template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
+// to ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank, or
+// with RU > 1 unrolled RU ranks deep (G < PER saves registers; more loads in flight shorten the chain of load
+// latencies).
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>, int RU = 1>
 __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int64_t b_stride, int R, float inv_r,
-                           int valid) {
-  constexpr int LD = HD + 8, CH = HD / 8, PER = ROWS * CH / kThreads;
+                           int valid, At at = At{}) {
+  constexpr int CH = HD / 8, PER = ROWS * CH / kThreads;
   static_assert(ROWS * CH % kThreads == 0 && PER % G == 0, "whole chunks per thread and per group");
 #pragma unroll 1
   for (int k0 = 0; k0 < PER; k0 += G) {
@@ -90,7 +110,7 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
     for (int k = 0; k < G; ++k)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
-    for (int r = 0; r < R; ++r) {
+    auto rank = [&](int r) {
 #pragma unroll
       for (int k = 0; k < G; ++k) {
         const int idx = int(threadIdx.x) + (k0 + k) * kThreads, i = idx / CH, c8 = idx % CH;
@@ -106,6 +126,12 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
           }
         }
       }
+    };
+    if constexpr (RU == 1) {
+      for (int r = 0; r < R; ++r) rank(r);  // the compiler's own unrolling
+    } else {
+#pragma unroll RU
+      for (int r = 0; r < R; ++r) rank(r);
     }
 #pragma unroll
     for (int k = 0; k < G; ++k) {
@@ -115,16 +141,17 @@ __device__ void build_tile(T* dst, const T* b, const T* a, int64_t a_stride, int
       o.y = pack2<T>(acc[k][2] * inv_r, acc[k][3] * inv_r);
       o.z = pack2<T>(acc[k][4] * inv_r, acc[k][5] * inv_r);
       o.w = pack2<T>(acc[k][6] * inv_r, acc[k][7] * inv_r);
-      *reinterpret_cast<uint4*>(dst + i * LD + c8 * 8) = o;
+      *reinterpret_cast<uint4*>(dst + at(i, c8)) = o;
     }
   }
 }
 
 // Builds rows row0.. of a pair's tile straight from global memory.
-template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads>
-__device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int row0) {
+template <class T, int HD, int ROWS, int G = ROWS * (HD / 8) / kThreads, class At = RowTile<HD + 8>, int RU = 1>
+__device__ void build_global(T* dst, const Pair<T>& f, int64_t bb, int h, int row0, At at = At{}) {
   const int64_t t0 = bb * f.L + row0;
-  build_tile<T, HD, ROWS, G>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r, min(ROWS, f.L - row0));
+  build_tile<T, HD, ROWS, G, At, RU>(dst, f.b_at(t0), f.a_at(t0, h), f.a_tok, f.b_tok, f.R, f.inv_r,
+                                     min(ROWS, f.L - row0), at);
 }
 
 // x (entries, L, H, HD) of a launch's batch entries from a pair's factors: x[t, h] = inv_r sum_r a[t, h, r]
@@ -161,18 +188,18 @@ __global__ void build_rows(const Pair<T> f, T* __restrict__ x, int64_t t0, int64
 
 // Copies rows row0.. of x (B, L, H, HD) for head h into a padded tile by cp.async, zero past L. A thread
 // copies one 16-byte column of rows kThreads / CH apart: one address computed, the rest by adding.
-template <class T, int HD, int ROWS>
-__device__ __forceinline__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, int L, int row0) {
-  constexpr int LD = HD + 8, CH = HD / 8, STEP = kThreads / CH, PER = ROWS * CH / kThreads;
+template <class T, int HD, int ROWS, class At = RowTile<HD + 8>>
+__device__ __forceinline__ void copy_rows_async(T* dst, const T* x, int64_t bb, int h, int H, int L, int row0,
+                                                At at = At{}) {
+  constexpr int CH = HD / 8, STEP = kThreads / CH, PER = ROWS * CH / kThreads;
   static_assert(kThreads % CH == 0 && ROWS * CH % kThreads == 0, "whole rows per pass, whole passes");
   const int i0 = int(threadIdx.x / CH), c8 = int(threadIdx.x % CH);
   const int64_t step = int64_t(STEP) * H * HD;
   const T* src = x + ((bb * L + row0 + i0) * H + h) * HD + c8 * 8;
-  T* d = dst + i0 * LD + c8 * 8;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const bool ok = row0 + i0 + k * STEP < L;
-    cp_async16(d + k * STEP * LD, ok ? src + k * step : x, ok);
+    cp_async16(dst + at(i0 + k * STEP, c8), ok ? src + k * step : x, ok);
   }
 }
 
@@ -284,60 +311,117 @@ __device__ __forceinline__ void store_acc(float* t, const float (&acc)[HD / 8][4
   }
 }
 
-// From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the factor gradients of its
-// pair: da[t, h, r] = inv_r dx[t] . b[t, r] (written) and db[t, r, :] += inv_r a[t, h, r] dx[t] (f32 atomics
-// into a workspace that starts at batch entry b0). A warp takes rows warp, warp + kWarps, ..., U at a
-// time, so U rows' factor loads are in flight together.
+// The backward's f32 tiles (kBig rows) go to their factors in chunks of 16 rows (one turn each, see
+// wait_turn); warp w takes rows 16 c + 2 w and 16 c + 2 w + 1 of chunk c.
+constexpr int kChunks = kBig / 16;
+static_assert(kWarps * 2 == 16, "two rows a warp in a chunk");
+
+// From an f32 tile dx (kBig rows from row0, HD + 4 floats a row) of one head, the rank weights of its pair
+// for the rows of chunk c: da[t, h, r] = inv_r dx[t] . b[t, r], each written once.
 template <class T, int HD>
-__device__ void factor_grads(const float* dx, const Pair<T>& f, T* da, float* db, int64_t bb, int64_t b0, int h,
-                             int H, int row0) {
-  constexpr int LDF = HD + 4, E = HD / 32, PER = kBig / kWarps, U = 4;
-  static_assert(PER % U == 0, "whole groups of rows");
+__device__ void factor_da(const float* dx, const Pair<T>& f, T* da, int64_t bb, int h, int H, int row0, int c) {
+  constexpr int LDF = HD + 4, E = HD / 32, U = 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float x[U][E];
+  int64_t t[U];
+  bool ok[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = 16 * c + 2 * warp + u, n = row0 + i;
+    ok[u] = n < f.L;
+    t[u] = bb * f.L + (ok[u] ? n : 0);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[u][e] = dx[i * LDF + lane + 32 * e];
+  }
 #pragma unroll 1
-  for (int j0 = 0; j0 < PER; j0 += U) {
-    float x[U][E];
-    int64_t t[U];
-    bool ok[U];
+  for (int r = 0; r < f.R; ++r) {
+    float dot[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = warp + kWarps * (j0 + u), n = row0 + i;
-      ok[u] = n < f.L;
-      t[u] = bb * f.L + (ok[u] ? n : 0);
+      const T* br = f.b_at(t[u]) + r * HD;
+      dot[u] = 0.f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) x[u][e] = dx[i * LDF + lane + 32 * e];
+      for (int e = 0; e < E; ++e) dot[u] += x[u][e] * to_acc(br[lane + 32 * e]);
     }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2)
+#pragma unroll
+      for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (ok[u] && lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
+  }
+}
+
+// dst[0..V) += v[0..V) by one vector atomic (sm_90 has float2 and float4 global atomics).
+template <int V>
+__device__ __forceinline__ void atomic_add_vec(float* dst, const float* v) {
+#if __CUDA_ARCH__ >= 900
+  if constexpr (V == 4) atomicAdd(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));
+  else atomicAdd(reinterpret_cast<float2*>(dst), make_float2(v[0], v[1]));
+#else
+#pragma unroll
+  for (int e = 0; e < V; ++e) atomicAdd(dst + e, v[e]);
+#endif
+}
+
+// The same tile's share of the basis gradient summed over heads, rows of chunk c: db[t, r, :] += w[i, r] dx[t]
+// (f32 atomics into a workspace that starts at batch entry b0), w (kBig x R in shared memory) =
+// inv_r a[t, h, r] (see rank_weights). A lane adds HD / 32 adjacent columns at once; no global load waits
+// between the adds.
+template <class T, int HD>
+__device__ void factor_db(const float* dx, const float* w, const Pair<T>& f, float* db, int64_t bb, int64_t b0,
+                          int row0, int c) {
+  constexpr int LDF = HD + 4, V = HD / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int i = 16 * c + 2 * warp + u, n = row0 + i;
+    if (n >= f.L) break;
+    float x[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) x[e] = dx[i * LDF + lane * V + e];
+    float* dbt = db + ((bb - b0) * f.L + n) * f.R * HD + lane * V;
 #pragma unroll 1
     for (int r = 0; r < f.R; ++r) {
-      float bv[U][E], w[U];
+      const float wr = w[i * f.R + r];
+      float v[V];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const T* br = f.b_at(t[u]) + r * HD;
-#pragma unroll
-        for (int e = 0; e < E; ++e) bv[u][e] = ok[u] ? to_acc(br[lane + 32 * e]) : 0.f;
-        w[u] = ok[u] ? to_acc(f.a_at(t[u], h)[r]) * f.inv_r : 0.f;
-      }
-      float dot[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        dot[u] = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) dot[u] += x[u][e] * bv[u][e];
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2)
-#pragma unroll
-        for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (!ok[u]) continue;
-        if (lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
-        float* dbr = db + ((t[u] - b0 * f.L) * f.R + r) * HD;
-#pragma unroll
-        for (int e = 0; e < E; ++e) atomicAdd(dbr + lane + 32 * e, w[u] * x[u][e]);
-      }
+      for (int e = 0; e < V; ++e) v[e] = wr * x[e];
+      atomic_add_vec<V>(dbt + r * HD, v);
     }
   }
+}
+
+// w[i, r] = inv_r a[t, h, r] for the kBig rows from row0 (0 past L), into shared memory.
+template <class T>
+__device__ void rank_weights(float* w, const Pair<T>& f, int64_t bb, int h, int row0) {
+  for (int k = threadIdx.x; k < kBig * f.R; k += kThreads) {
+    const int i = k / f.R, n = row0 + i;
+    w[k] = n < f.L ? to_acc(f.a_at(bb * f.L + n, h)[k % f.R]) * f.inv_r : 0.f;
+  }
+}
+
+// Sums across blocks in a fixed order, so the backward's results are the same bits run to run. A counter
+// (zeroed) per summed tile: block k of its chain adds once blocks 0..k-1 have added and counted (k count
+// units each: one a block, or one a warp). A warp reads the counter early (poll_turn: lane 0's load is in
+// flight while the warp computes what it will add), waits for the turn (wait_turn), adds, and the block or
+// the warp counts itself after a barrier (count_turn: a release, which covers the adds of every thread that
+// passed the barrier). The loads are relaxed: the adds depend on the value read, and a block's count is
+// released only after its adds were performed. A block only waits for blocks of lower linear index
+// (earlier in the grid's launch order), so every block it waits for has started: no deadlock.
+__device__ __forceinline__ int poll_turn(const int* turn) {
+  int v = 0;
+  if (threadIdx.x % 32 == 0) asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(turn) : "memory");
+  return v;
+}
+__device__ __forceinline__ void wait_turn(const int* turn, int target, int seen) {
+  if (threadIdx.x % 32 == 0)
+    while (seen < target) asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(turn) : "memory");
+  __syncwarp();
+}
+__device__ __forceinline__ void count_turn(int* turn) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(turn) : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------------
