@@ -68,9 +68,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   T* qdo = vs + kBig * LD;        // pair s: Q at qdo + 2 s kSmall LD, dO after it
   T* dst = qdo + 4 * kSmall * LD;  // buffer s: dS'^T (kBig keys x kSmall queries) at dst + s kBig LDS
   float* stats = reinterpret_cast<float*>(dst + 2 * kBig * LDS);  // pair s: lse at stats + 2 s kSmall, Delta after
-  const int h = blockIdx.x, kt = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2,
-            c = (lane & 3) * 2;
-  const int64_t bb = p.b0 + blockIdx.y;
+  // A turn waits only for blocks earlier in the grid's order. Places are handed out as blocks start (not
+  // taken from blockIdx, whose start order CUDA does not promise), so every block waited for is running.
+  __shared__ int place;
+  if (threadIdx.x == 0) place = atomicAdd(p.ticket, 1);
+  __syncthreads();
+  const int h = place % int(gridDim.x), kt = place / int(gridDim.x * gridDim.y), warp = threadIdx.x / 32,
+            lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
+  const int64_t bb = p.b0 + (place / int(gridDim.x)) % int(gridDim.y);
   const int k0 = kt * kBig;
   const int first = p.causal ? k0 / kSmall : 0, last = (p.N + kSmall - 1) / kSmall;
   float stat = 0.f;  // lse (threads < kSmall) or Delta (the next kSmall) of the next query tile's rows
@@ -291,11 +296,11 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   p.dav = static_cast<T*>(g.av.data());
   // Per launch of up to `chunk` batch entries: a zeroed f32 workspace, dQ (N H HD a batch entry, summed
   // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
-  // g.bv, then the turns' counters (H query tiles + kChunks a key tile, a batch entry); and Q (N H HD in T
-  // a batch entry).
+  // g.bv, then the turns' counters (H query tiles + kChunks a key tile, a batch entry) and the blocks'
+  // ticket; and Q (N H HD in T a batch entry).
   const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.fk.R * HD,
                 dbv_len = int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
-                turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks,
+                turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks + 1,
                 ws_len = dq_len + dbk_len + dbv_len + turns;
   const int64_t launches = batch_launches(B, ws_len * 4 + dq_len * 2, B * dq_len * 2, key_tiles * p.H, dev.index);
   const int64_t chunk = (B + launches - 1) / launches;
@@ -312,6 +317,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.dbv = p.dbk + n * dbk_len;
     p.dq_turn = reinterpret_cast<int*>(p.dbv + n * dbv_len);
     p.db_turn = p.dq_turn + n * p.H * ((p.N + kSmall - 1) / kSmall);
+    p.ticket = p.db_turn + n * key_tiles * kChunks;
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * ws_len) * 4, st));
     build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
         p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);

@@ -50,6 +50,7 @@ struct Params {
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles in order
   int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see wait_turn
   int* db_turn;              // zeroed, a counter per (batch entry, key tile, chunk of 16 keys)
+  int* ticket;               // zeroed: hands the blocks their places in the grid in the order they start
   bool ordered;              // false: the turns never wait (the sums' order varies; for timing their cost)
   const T* q;                // Q of the backward launch's batch entries (N, H, HD each), built once
   const T *k, *v;            // K and V of the forward launch's batch entries (M, H, HD each), built once
