@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 #include "helpers.h"
@@ -63,6 +64,15 @@ bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
 }
 
+// The two loss curves side by side, for the failure message.
+std::string side_by_side(const std::vector<double>& a, const std::vector<double>& b) {
+  std::ostringstream out;
+  out.precision(17);
+  for (size_t i = 0; i < a.size() || i < b.size(); ++i)
+    out << "step " << i + 1 << ": " << (i < a.size() ? a[i] : 0.0) << " " << (i < b.size() ? b[i] : 0.0) << "\n";
+  return out.str();
+}
+
 std::vector<float> weights(Trainer& t) { return t.model().flat_parameters().to_vector<float>(); }
 
 }  // namespace
@@ -115,7 +125,7 @@ TEST_CASE("cuda training is deterministic: the same seed gives the same losses a
     const TrainResult a = Trainer(c, on_gpu(a_dir)).run();
     const TrainResult b = Trainer(c, on_gpu(b_dir)).run();
     REQUIRE(a.losses.size() == 6);
-    for (size_t i = 0; i < a.losses.size(); ++i) INFO("step " << i + 1 << ": " << a.losses[i] << " " << b.losses[i]);
+    INFO(side_by_side(a.losses, b.losses));
     CHECK(same_bits(a.losses, b.losses));
     CHECK(checkpoint_bytes(a_dir) == checkpoint_bytes(b_dir));
   }
@@ -141,7 +151,7 @@ TEST_CASE("cuda resume continues bit for bit as the uninterrupted run" * LT_CUDA
     REQUIRE(tail.first_step == 3);
     std::vector<double> joined = head.losses;
     joined.insert(joined.end(), tail.losses.begin(), tail.losses.end());
-    for (size_t i = 0; i < joined.size(); ++i) INFO("step " << i + 1 << ": " << whole.losses[i] << " " << joined[i]);
+    INFO(side_by_side(whole.losses, joined));
     CHECK(same_bits(whole.losses, joined));
     CHECK(checkpoint_bytes(whole_dir) == checkpoint_bytes(split_dir));
   }
@@ -161,7 +171,7 @@ TEST_CASE("cuda graph: five replayed steps equal five eager steps bit for bit" *
     CHECK(g.cuda_graph == "on");
     CHECK(e.cuda_graph == "off (--no-cuda-graph)");
     REQUIRE(g.losses.size() == 5);
-    for (size_t i = 0; i < g.losses.size(); ++i) INFO("step " << i + 1 << ": " << g.losses[i] << " " << e.losses[i]);
+    INFO(side_by_side(g.losses, e.losses));
     CHECK(same_bits(g.losses, e.losses));
     CHECK(weights(graphed) == weights(eager));
     // Validation between replays runs eagerly on the updated weights: the same on both.
