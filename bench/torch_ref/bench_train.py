@@ -5,7 +5,8 @@ torch.compile; the FAL mixer on flash-linear-attention's chunk_simple_gla (packa
 cosine LRPE and gate compiled around it, the TPA mixer as einsum + scaled_dot_product_attention. Mode
 reduce-overhead is torch.compile(mode="reduce-overhead"): the compiled forward and backward replayed as CUDA
 graphs, PyTorch's best mode for small, launch-bound models. Prints and optionally writes (JSON) tokens/s,
-ms/step, MFU and peak MiB over warmed-up steps.
+ms/step, MFU and peak MiB over warmed-up steps (reduce-overhead: over the warm-up too, which records the
+graphs and allocates their memory).
 
 MFU counts 6 x parameters x tokens plus the mixers' attention FLOPs (FAL: 2 x 2 x N x 2D x E per head and
 sequence, the chunked form's products; TPA: causal softmax attention, 2 x 2 x N^2/2 x D per head) times
@@ -87,7 +88,10 @@ def time_steps(model, opt, args, mode):
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    # With CUDA graphs the step's tensors live in the graphs' pool, allocated while the warm-up recorded
+    # them; a replay allocates almost nothing, so a peak reset here would miss the step's memory.
+    if not graphs:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
