@@ -34,6 +34,7 @@
 #include <vector>
 #include "../../core/tensor.h"
 #include "../activation.h"
+#include "../documents.h"
 #include "../impl.h"
 
 namespace lintape {
@@ -55,6 +56,8 @@ struct FalOptions {
   int64_t md_extra_tokens = 0;    // md_cosine: L unencoded tokens in front
   bool causal = false;
   Tensor decay;                   // causal only, optional: (H) per-head lambda in (0, 1]; undefined = 1
+  Documents documents;            // causal only: packed rows (ops/documents.h); the state and the 1-D LRPE
+                                  // positions restart at each document start
 };
 
 FalLrpe fal_lrpe_from_name(const std::string& name);  // "none", "cosine", "rotate", "md_cosine"

@@ -15,6 +15,7 @@
 #include <vector>
 #include "../../core/tensor.h"
 #include "../activation.h"
+#include "../documents.h"
 #include "../impl.h"
 
 namespace lintape {
@@ -23,6 +24,7 @@ struct LrpeOptions {
   int64_t offset = 0;  // token s sits at position offset + s (decoding a new chunk)
   Act act = Act::None;
   ActDim dim = ActDim::None;
+  Documents documents;  // packed rows (ops/documents.h): positions restart at each document start
 };
 
 // out (B, N, H, 2D) = [act(x) * cos(angle), act(x) * sin(angle)], angle[s, h, k] = (offset + s) * theta[h, k],

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 #include "../../core/tensor.h"
+#include "../documents.h"
 #include "../impl.h"
 
 namespace lintape {
@@ -24,6 +25,8 @@ struct TpaOptions {
   // tpa_decode over whole factors: rows of the cache each sequence uses (B entries, each 1..M);
   // empty means all M rows for every sequence.
   std::vector<int64_t> cache_lengths;
+  // tpa_attention: packed rows (ops/documents.h); no query attends a key of another document.
+  Documents documents;
 };
 
 // Training and prefill; out (B, N, H, E) in the factors' dtype. Recorded by autograd: gradients flow to
