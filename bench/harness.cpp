@@ -110,6 +110,18 @@ const Benchmark* find_benchmark(const std::string& name) {
   return nullptr;
 }
 
+Documents bench_documents(int64_t batch, int64_t n, int64_t length, Device device) {
+  if (length <= 0 || n == 0) return Documents();
+  std::vector<int64_t> cu{0};
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = length; t < n; t += length) cu.push_back(b * n + t);
+    cu.push_back(b * n + n);
+  }
+  return Documents::from_cu_seqlens(cu, batch, n, device);
+}
+
+std::string documents_tag(int64_t length) { return length > 0 ? "-docs" + std::to_string(length) : ""; }
+
 void unsupported(const std::string& why) { fail("unsupported: " + why); }
 
 void synchronize(Device d) {

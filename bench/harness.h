@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 #include "core/tensor.h"
+#include "ops/documents.h"
 
 namespace lintape::bench {
 
@@ -30,6 +31,7 @@ struct RunOptions {
   std::vector<int64_t> ns;  // replaces every table's x values when not empty
   int reps = 0;             // least number of timed calls; 0: 20 (quick: 10 on CUDA, 5 on the CPU)
   std::string json_path;    // rows go here, one plot per table into <json_path>.plots/<title>.svg; empty: neither
+  int64_t document_length = 0;  // ops that take documents: cut every row into documents of this many tokens
 };
 
 // What one input set is built for. Each set of a case gets its own seed.
@@ -101,6 +103,11 @@ double median_ms(const std::vector<Call>& calls, Device device, int min_reps, do
 std::vector<int64_t> pick_sizes(const RunOptions& o, const std::vector<int64_t>& cuda,
                                 const std::vector<int64_t>& quick, const std::vector<int64_t>& cpu);
 std::vector<int64_t> powers_of_two(int64_t lo, int64_t hi);  // lo, 2 lo, ..., hi
+
+// Every row of B x N tokens cut into documents of `length` tokens (the last one of a row shorter); undefined
+// Documents (no boundaries) for length 0. Titles of such tables say "docs<length>" (documents_tag).
+Documents bench_documents(int64_t batch, int64_t n, int64_t length, Device device);
+std::string documents_tag(int64_t length);  // "" for 0, else "-docs<length>"
 
 // Throws the error a provider raises for a case it does not support; the table shows -1.
 [[noreturn]] void unsupported(const std::string& why);

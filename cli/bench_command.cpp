@@ -16,6 +16,7 @@ struct BenchArgs {
   std::string op, device, mode = "all", metric = "all", n, dtype = "bf16", json;
   bool list = false, quick = false;
   int reps = 0;
+  int64_t documents = 0;
   bench::TrainBenchOptions train;  // `bench train` only
   std::vector<std::string> train_flags_given;
   bool dtype_given = false;  // bench train: else the training default (bf16 on CUDA, f32 on the CPU)
@@ -80,6 +81,7 @@ void bench_command(const BenchArgs& a) {
   o.quick = a.quick;
   o.reps = a.reps;
   o.json_path = a.json;
+  o.document_length = a.documents;
   if (!a.n.empty()) o.ns = parse_sizes(a.n);
   if (a.mode != "all") o.modes = {a.mode == "fwd" ? bench::Mode::Fwd : bench::Mode::Bwd};
   if (a.metric != "all") o.metrics = {a.metric == "speed" ? bench::Metric::Speed : bench::Metric::Memory};
@@ -121,6 +123,9 @@ Command add_bench_command(CLI::App& app) {
   bench->add_flag("--quick", a->quick, "Fewer sizes and repetitions");
   bench->add_option("--reps", a->reps, "Least number of timed calls per measurement (default 20; quick: 10, CPU 5)")
       ->check(at_least_one());
+  bench->add_option("--documents", a->documents,
+                    "Ops that take documents: cut every row into documents of this many tokens (default 0: none)")
+      ->check(CLI::NonNegativeNumber);
   // `bench train`: the model's options (bench/train_steps.h).
   for (auto [flag, what] : {std::pair{"--preset", "train: tiny or small (default small)"},
                             {"--mixers", "train: comma-separated mixers per layer, fal or tpa"}}) {
