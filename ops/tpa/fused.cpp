@@ -59,7 +59,6 @@ Tensor run_fused_decode(const Factors& f, double scale, const std::vector<int64_
 // log-sum-exp; the backward kernels return the six factor gradients (dq, dk, dv are contracted on chip).
 Tensor run_fused_attention(const Factors& f, double scale, bool causal, const Tensor& starts) {
   const char* op = "tpa_attention";
-  LT_CHECK(!starts.defined(), "[", op, "] the fused kernels take no documents yet; use Impl::Composed");
   tpa_cuda::AttentionArgs a;
   a.aq = factor_in_place(f.aq.detach(), false);
   a.bq = factor_in_place(f.bq.detach(), true);

@@ -182,7 +182,7 @@ Tensor tpa_attention(const Tensor& aq, const Tensor& bq, const Tensor& ak, const
   const double scale = resolve_scale(options, f.D);
   impl = resolve(impl, f, false);
   if (impl == Impl::Fused) return fused_attention_path(f, scale, options.causal, docs.starts());
-  Visibility vis{options.causal, std::vector<int64_t>(size_t(f.B), f.M)};
+  Visibility vis{options.causal, std::vector<int64_t>(size_t(f.B), f.M), {}, {}, 0};
   if (docs.defined()) document_bounds(docs, vis);
   return impl == Impl::Composed ? tpa_paths::run_composed(f, scale, vis)
                                 : tpa_paths::run_reference_attention(f, scale, vis, op);
@@ -193,7 +193,7 @@ Tensor tpa_decode(const Tensor& aq, const Tensor& bq, const Tensor& ak, const Te
   const char* op = "tpa_decode";
   const Factors f = check_factors(op, aq, bq, ak, bk, av, bv, true);
   const double scale = resolve_scale(options, f.D);
-  const Visibility vis{false, key_lengths(op, options.cache_lengths, f.B, f.M)};
+  const Visibility vis{false, key_lengths(op, options.cache_lengths, f.B, f.M), {}, {}, 0};
   Tensor out;
   switch (resolve(impl, f, true)) {
     case Impl::Composed: out = tpa_paths::run_composed(f, scale, vis); break;
