@@ -23,13 +23,12 @@ using namespace lintape::cuda;
 
 namespace {
 
-// With documents: c and s for token t of batch row b, recomputed only when its position in its document
+// With documents: c and s for position `at` (a token's place in its document), recomputed only when it
 // differs from `pos`, the one they hold (rows cut alike share them).
 template <int NV, int VEC>
-__device__ __forceinline__ void move_to_document(const Geo& g, int64_t b, int64_t t, int64_t h, int lane, int lpr,
+__device__ __forceinline__ void move_to_document(const Geo& g, int64_t at, int64_t h, int lane, int lpr,
                                                  const bool (&ok)[NV], int64_t& pos, float (&c)[NV][VEC],
                                                  float (&s)[NV][VEC]) {
-  const int64_t at = t - g.starts[b * g.N + t];
   if (at == pos) return;
   pos = at;
 #pragma unroll
@@ -37,13 +36,15 @@ __device__ __forceinline__ void move_to_document(const Geo& g, int64_t b, int64_
     if (ok[i]) unit_sincos<VEC>(g, at, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
 }
 
-// The row kernels: one (t, h) row per lane group, the batch rows b0 .. b1 - 1 of blockIdx.y. The rows
+// The row kernels (DOCS: compiled for documents; without, the code is the one before them): one (t, h) row
+// per lane group, the batch rows b0 .. b1 - 1 of blockIdx.y. The rows
 // are grid-strided; the loops over rows and batch rows are uniform across a block, so that the softmax
 // shuffles always see the whole warp. The forward with one unit per lane loads batch rows in tiles of
 // two 16-byte vectors per lane, in flight together; it fits in 64 registers (32 warps per SM), rotate
-// with a softmax in 80.
-template <class T, int VEC, int NV, bool ROT, int CLS>
-__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature || CLS == kSequence) ? 6 : 8)
+// with a softmax in 80. With documents (the starts, the position held and its recompute) 80 (24 warps),
+// where 64 spilled.
+template <class T, int VEC, int NV, bool ROT, int CLS, bool DOCS>
+__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS || (ROT && (CLS == kFeature || CLS == kSequence)) ? 6 : 8)
     forward_kernel(const T* __restrict__ x, T* __restrict__ out, Geo g) {
   constexpr int P = ROT ? 2 : 1, BT = NV == 1 ? 2 / P : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
@@ -65,6 +66,10 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
     for (int64_t b = b0; b < b1; b += BT, xb += BT * g.x_batch, ob += BT * rows * g.out_row) {
       // x of batch rows b .. b + BT - 1 (those below b1), every unit.
       Vec<T, VEC> raw[BT][NV][P];
+      int32_t start[BT];  // documents: the tokens' document starts, loaded beside x
+#pragma unroll
+      for (int k = 0; k < BT; ++k)
+        if (DOCS && row < rows && b + k < b1) start[k] = g.starts[(b + k) * g.N + t];
 #pragma unroll
       for (int k = 0; k < BT; ++k)
 #pragma unroll
@@ -76,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 #pragma unroll
       for (int k = 0; k < BT; ++k) {
         if (b + k >= b1) break;
-        if (g.starts && row < rows) move_to_document(g, b + k, t, h, lane, lpr, ok, pos, c, s);
+        if (DOCS && row < rows) move_to_document(g, t - start[k], h, lane, lpr, ok, pos, c, s);
         float v[NV][P][VEC];
 #pragma unroll
         for (int i = 0; i < NV; ++i)
@@ -124,8 +129,9 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 
 // Backward: per batch row, dout's two halves and (behind an act) x, all in flight together. Behind an
 // act the cosine kind needs up to 72 registers and rotate 80 (28 and 24 warps per SM); no act fits in 64.
-template <class T, int VEC, int NV, bool ROT, int CLS>
-__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT ? 6 : 7)
+// With documents: 80 and 96 (24 and 20 warps), where the bounds without spilled.
+template <class T, int VEC, int NV, bool ROT, int CLS, bool DOCS>
+__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS ? (ROT ? 5 : 6) : CLS == kNoAct ? 8 : ROT ? 6 : 7)
     backward_kernel(const T* __restrict__ x, const T* __restrict__ dout, T* __restrict__ dx, Geo g) {
   constexpr int P = ROT ? 2 : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
@@ -143,8 +149,8 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT
     for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
     for (int64_t b = b0; b < b1; ++b) {
-      if (g.starts && row < rows) move_to_document(g, b, t, h, lane, lpr, ok, pos, c, s);
       const int64_t r = (b * g.N + t) * g.H + h;
+      const int32_t start = DOCS && row < rows ? g.starts[b * g.N + t] : 0;  // loaded beside dout
       // gr: the gradient of act(x) (the inverse rotation of dout); v: x, then y for softmax.
       float gr[NV][P][VEC], v[NV][P][VEC];
 #pragma unroll
@@ -157,6 +163,8 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT
         if (need_x)
 #pragma unroll
           for (int p = 0; p < P; ++p) rx[p] = load_raw<VEC>(x + x_row(g, b, t, h) + p * g.half + j0);
+        // Documents: every unit's c and s for this row, once its loads are in flight (ok[0] holds here).
+        if (DOCS && i == 0) move_to_document(g, t - start, h, lane, lpr, ok, pos, c, s);
         float d0[VEC], d1[VEC];
         to_float(r0, d0);
         to_float(r1, d1);
@@ -344,6 +352,19 @@ void with_row_shape(int vec, int nv, int act, Fn&& fn) {
   return fn(IC<1>(), IC<kMaxUnitsPerLane>(), IC<kAnyAct>());
 }
 
+// The same with fn's fourth argument std::true_type with documents, std::false_type without: each shape is
+// compiled both ways.
+template <class T, class Fn>
+void with_row_shape(int vec, int nv, int act, bool docs, Fn&& fn) {
+  // Documents never come with softmax over the sequence (the op refuses them): that class is not compiled.
+  if (docs)
+    with_row_shape<T>(vec, nv, act, [&](auto V, auto NV, auto CLS) {
+      if constexpr (CLS.value != kSequence) fn(V, NV, CLS, std::true_type());
+    });
+  else
+    with_row_shape<T>(vec, nv, act, [&](auto V, auto NV, auto CLS) { fn(V, NV, CLS, std::false_type()); });
+}
+
 template <class T, class Fn>
 void with_vec(int vec, Fn&& fn) {
   constexpr int kFull = int(16 / sizeof(T));
@@ -489,11 +510,13 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
       }
       const int vec = pick_vec<T>({g.A, g.x_batch, g.x_tok, g.x_head}, {xp, op_});
       const int nv = row_lanes(g, vec, op);
-      with_row_shape<T>(vec, nv, g.act, [&](auto V, auto NV, auto CLS) {
+      with_row_shape<T>(vec, nv, g.act, g.starts != nullptr, [&](auto V, auto NV, auto CLS, auto DOCS) {
+        constexpr int v = V.value, n = NV.value, cls = CLS.value;
+        constexpr bool docs = DOCS.value;
         if (spec.rotate())
-          launch_rows<forward_kernel<T, V.value, NV.value, true, CLS.value>>(g, spec.batch_rows, sms, st, xp, op_);
+          launch_rows<forward_kernel<T, v, n, true, cls, docs>>(g, spec.batch_rows, sms, st, xp, op_);
         else
-          launch_rows<forward_kernel<T, V.value, NV.value, false, CLS.value>>(g, spec.batch_rows, sms, st, xp, op_);
+          launch_rows<forward_kernel<T, v, n, false, cls, docs>>(g, spec.batch_rows, sms, st, xp, op_);
       });
     }
   });
@@ -533,13 +556,13 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
         g.q = q.data_ptr<float>();
       }
       const int nv = row_lanes(g, vec, op);
-      with_row_shape<T>(vec, nv, g.act, [&](auto V, auto NV, auto CLS) {
+      with_row_shape<T>(vec, nv, g.act, g.starts != nullptr, [&](auto V, auto NV, auto CLS, auto DOCS) {
+        constexpr int v = V.value, n = NV.value, cls = CLS.value;
+        constexpr bool docs = DOCS.value;
         if (spec.rotate())
-          launch_rows<backward_kernel<T, V.value, NV.value, true, CLS.value>>(g, spec.batch_rows, sms, st, xp, dp,
-                                                                                dxp);
+          launch_rows<backward_kernel<T, v, n, true, cls, docs>>(g, spec.batch_rows, sms, st, xp, dp, dxp);
         else
-          launch_rows<backward_kernel<T, V.value, NV.value, false, CLS.value>>(g, spec.batch_rows, sms, st, xp, dp,
-                                                                                 dxp);
+          launch_rows<backward_kernel<T, v, n, false, cls, docs>>(g, spec.batch_rows, sms, st, xp, dp, dxp);
       });
     }
   });
