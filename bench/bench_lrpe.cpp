@@ -1,7 +1,8 @@
 // Benchmarks of the LRPE family at the seeds' configurations: lrpe-cosine and lrpe-rotate (acts none,
 // silu, softmax over the feature dim and over the sequence) and md-lrpe-cosine (1d, 2d and 3d grids
 // with 0 or 10 extra tokens). "fused" is Impl::Fused on CUDA and the op's CPU reference on the CPU;
-// "fused cache" adds MdLrpeOptions::cache_angles; "composed" is Impl::Composed.
+// "fused cache" adds MdLrpeOptions::cache_angles; "composed" is Impl::Composed. With --documents L the 1d
+// tables cut every row into documents of L tokens (softmax over the sequence, which takes none, is left out).
 #include <cmath>
 #include "bench/harness.h"
 #include "ops/lrpe/lrpe.h"
@@ -45,17 +46,21 @@ std::vector<Config> lrpe_configs(const RunOptions& o, bool rotate) {
   const Dims d = dims(o);
   const double elem = double(dtype_size(o.dtype));
   std::vector<Config> out;
+  const int64_t doc_len = o.document_length;
   for (const ActCase& a : kActs) {
+    if (doc_len > 0 && a.dim == ActDim::Sequence) continue;
     Config c;
     c.stem = str(rotate ? "lrpe_rotate" : "lrpe_cosine", "-{metric}-{mode}-", dims_tag(d), "-", a.tag, "-",
-                 dtype_name(o.dtype));
+                 dtype_name(o.dtype), documents_tag(doc_len));
     c.ns = pick_sizes(o, powers_of_two(256, 32768), {256, 1024, 4096, 8192}, powers_of_two(128, 1024));
     const LrpeOptions opts{0, a.act, a.dim};
-    c.make = [d, opts, rotate](const Case& k) {
+    c.make = [d, opts, rotate, doc_len](const Case& k) {
       Tensor x = randn({d.B, k.n, d.H, d.D}, k.dtype, k.device, k.seed).requires_grad_();
       Tensor theta = make_theta(d.H, rotate ? d.D / 2 : d.D, k.device);
       Impl impl = impl_of(k);
-      Forward f = [theta, opts, rotate, impl](const std::vector<Tensor>& v) {
+      LrpeOptions with_docs = opts;
+      with_docs.documents = bench_documents(d.B, k.n, doc_len, k.device);
+      Forward f = [theta, opts = with_docs, rotate, impl](const std::vector<Tensor>& v) {
         return rotate ? lrpe_rotate(v[0], theta, opts, impl) : lrpe_cosine(v[0], theta, opts, impl);
       };
       return op_call(k.mode, {x}, f, k.seed);

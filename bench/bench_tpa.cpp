@@ -4,7 +4,8 @@
 // primitive ops. tpa-attention: causal training at batch 8, head 16 and, on CUDA, at the small model's
 // batch 16, head 6 (dim 128, ranks (6, 2, 2)): "fused"
 // is the tensor-core flash-style kernel pair (Impl::Fused on CUDA, the CPU reference on the CPU),
-// "composed" the same math through primitive ops (up to N = 4096: it holds the N x N scores).
+// "composed" the same math through primitive ops (up to N = 4096: it holds the N x N scores). With
+// --documents L every row is cut into documents of L tokens (TpaOptions::documents).
 #include "bench/harness.h"
 #include "ops/tpa/tpa.h"
 
@@ -54,8 +55,9 @@ std::vector<Config> decode_configs(const RunOptions& o) {
 Config attention_config(const RunOptions& o, int64_t B, int64_t H, const std::vector<int64_t>& cuda_ns) {
   const int64_t D = 128, Rq = 6, Rk = 2, Rv = 2;
   Config c;
+  const int64_t doc_len = o.document_length;
   c.stem = str("tpa_attention-{metric}-{mode}-batch", B, "-head", H, "-dim", D, "-rank6_2_2-causal-",
-               dtype_name(o.dtype));
+               dtype_name(o.dtype), documents_tag(doc_len));
   c.ns = pick_sizes(o, cuda_ns, {cuda_ns.front(), cuda_ns[1]}, {64, 128});
   c.make = [=](const Case& k) {
     auto r = [&](const Shape& s, uint64_t i) {
@@ -68,12 +70,15 @@ Config attention_config(const RunOptions& o, int64_t B, int64_t H, const std::ve
     std::vector<Tensor> in = {r({B, N, H, Rq}, 0), r({B, N, Rq, D}, 1), r({B, N, H, Rk}, 2),
                               r({B, N, Rk, D}, 3), r({B, N, H, Rv}, 4), r({B, N, Rv, D}, 5)};
     const Impl impl = impl_of(k);
-    Forward f = [impl](const std::vector<Tensor>& v) {
-      return tpa_attention(v[0], v[1], v[2], v[3], v[4], v[5], {}, impl);
+    TpaOptions opts;
+    opts.documents = bench_documents(B, N, doc_len, k.device);
+    Forward f = [impl, opts](const std::vector<Tensor>& v) {
+      return tpa_attention(v[0], v[1], v[2], v[3], v[4], v[5], opts, impl);
     };
     return op_call(k.mode, in, f, k.seed);
   };
-  // Causal attention: half of the 4 B H N^2 D multiply-adds of QK^T and PV; backward 2.5x.
+  // Causal attention: half of the 4 B H N^2 D multiply-adds of QK^T and PV; backward 2.5x. Counted the
+  // same with documents (which skip most of them), so that the rates compare at the same token count.
   c.flops = [=](int64_t n, Mode m) {
     const double fwd = 2.0 * double(B * H * D) * double(n) * double(n);
     return m == Mode::Fwd ? fwd : 2.5 * fwd;

@@ -4,7 +4,9 @@
 // packed features (Geo's batch, token and head strides), read in place; out, dout and dx are contiguous.
 // A group of `lpr` lanes (a power of two <= 32) handles one (t, h) with vectors of VEC elements (16 bytes
 // when D and x's strides allow) for a group of g.bchunk batch rows: the angles depend on (t, h, feature)
-// only, so each lane computes its cos/sin once and reuses them for every b of its group. A lane's "unit"
+// only, so each lane computes its cos/sin once and reuses them for every b of its group. With documents
+// (g.starts) they depend on t's place in its document, which may differ between batch rows: a lane
+// recomputes them when it does (never when every row is cut alike). A lane's "unit"
 // is VEC consecutive angle indices j: for the cosine kinds x[j] -> out[j], out[D + j]; for rotate the
 // pair x[j], x[D/2 + j] -> out[j], out[D/2 + j]. The kernels are memory-bound; the row kernels are kept within
 // 64 to 80 registers, so that 24 to 32 warps per SM keep enough loads in flight.
@@ -21,13 +23,28 @@ using namespace lintape::cuda;
 
 namespace {
 
+// With documents: c and s for position `at` (a token's place in its document), recomputed only when it
+// differs from `pos`, the one they hold (rows cut alike share them).
+template <int NV, int VEC>
+__device__ __forceinline__ void move_to_document(const Geo& g, int64_t at, int64_t h, int lane, int lpr,
+                                                 const bool (&ok)[NV], int64_t& pos, float (&c)[NV][VEC],
+                                                 float (&s)[NV][VEC]) {
+  if (at == pos) return;
+  pos = at;
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+    if (ok[i]) unit_sincos<VEC>(g, at, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
+}
+
 // The row kernels: one (t, h) row per lane group, the batch rows b0 .. b1 - 1 of blockIdx.y. The rows
 // are grid-strided; the loops over rows and batch rows are uniform across a block, so that the softmax
-// shuffles always see the whole warp. The forward with one unit per lane loads batch rows in tiles of
+// shuffles always see the whole warp. Each is compiled with documents (DOCS) and without (the code as it
+// was before documents, so rows without them keep their speed). The forward with one unit per lane loads batch rows in tiles of
 // two 16-byte vectors per lane, in flight together; it fits in 64 registers (32 warps per SM), rotate
-// with a softmax in 80.
-template <class T, int VEC, int NV, bool ROT, int CLS>
-__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature || CLS == kSequence) ? 6 : 8)
+// with a softmax in 80. With documents (the starts, the position held and its recompute) 80 (24 warps),
+// where 64 spilled.
+template <class T, int VEC, int NV, bool ROT, int CLS, bool DOCS>
+__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS || (ROT && (CLS == kFeature || CLS == kSequence)) ? 6 : 8)
     forward_kernel(const T* __restrict__ x, T* __restrict__ out, Geo g) {
   constexpr int P = ROT ? 2 : 1, BT = NV == 1 ? 2 / P : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
@@ -39,6 +56,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 #pragma unroll
     for (int i = 0; i < NV; ++i) ok[i] = row < rows && lane + i * lpr < units;
     float c[NV][VEC], s[NV][VEC];
+    int64_t pos = t;  // the position (in its document) that c and s are for
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
@@ -48,6 +66,10 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
     for (int64_t b = b0; b < b1; b += BT, xb += BT * g.x_batch, ob += BT * rows * g.out_row) {
       // x of batch rows b .. b + BT - 1 (those below b1), every unit.
       Vec<T, VEC> raw[BT][NV][P];
+      int32_t start[BT];  // documents: the tokens' document starts, loaded beside x
+#pragma unroll
+      for (int k = 0; k < BT; ++k)
+        if (DOCS && row < rows && b + k < b1) start[k] = g.starts[(b + k) * g.N + t];
 #pragma unroll
       for (int k = 0; k < BT; ++k)
 #pragma unroll
@@ -59,6 +81,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 #pragma unroll
       for (int k = 0; k < BT; ++k) {
         if (b + k >= b1) break;
+        if (DOCS && row < rows) move_to_document(g, t - start[k], h, lane, lpr, ok, pos, c, s);
         float v[NV][P][VEC];
 #pragma unroll
         for (int i = 0; i < NV; ++i)
@@ -106,8 +129,9 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 
 // Backward: per batch row, dout's two halves and (behind an act) x, all in flight together. Behind an
 // act the cosine kind needs up to 72 registers and rotate 80 (28 and 24 warps per SM); no act fits in 64.
-template <class T, int VEC, int NV, bool ROT, int CLS>
-__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT ? 6 : 7)
+// With documents: 80 and 96 (24 and 20 warps), where the bounds without spilled.
+template <class T, int VEC, int NV, bool ROT, int CLS, bool DOCS>
+__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS ? (ROT ? 5 : 6) : CLS == kNoAct ? 8 : ROT ? 6 : 7)
     backward_kernel(const T* __restrict__ x, const T* __restrict__ dout, T* __restrict__ dx, Geo g) {
   constexpr int P = ROT ? 2 : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
@@ -120,11 +144,13 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT
 #pragma unroll
     for (int i = 0; i < NV; ++i) ok[i] = row < rows && lane + i * lpr < units;
     float c[NV][VEC], s[NV][VEC];
+    int64_t pos = t;
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r = (b * g.N + t) * g.H + h;
+      const int32_t start = DOCS && row < rows ? g.starts[b * g.N + t] : 0;  // loaded beside dout
       // gr: the gradient of act(x) (the inverse rotation of dout); v: x, then y for softmax.
       float gr[NV][P][VEC], v[NV][P][VEC];
 #pragma unroll
@@ -137,6 +163,8 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT
         if (need_x)
 #pragma unroll
           for (int p = 0; p < P; ++p) rx[p] = load_raw<VEC>(x + x_row(g, b, t, h) + p * g.half + j0);
+        // Documents: every unit's c and s for this row, once its loads are in flight (ok[0] holds here).
+        if (DOCS && i == 0) move_to_document(g, t - start, h, lane, lpr, ok, pos, c, s);
         float d0[VEC], d1[VEC];
         to_float(r0, d0);
         to_float(r1, d1);
@@ -245,6 +273,7 @@ Geo make_geo(const Shape& xs, const LrpeSpec& spec) {
   g.theta_stride = th.size(0) == 1 ? 0 : th.size(1);
   g.rate_per_head = spec.rate_per_head();
   g.offset = spec.offset;
+  g.starts = spec.starts.defined() ? spec.starts.data_ptr<int32_t>() : nullptr;
   if (spec.kind == LrpeSpec::MdCosine) {
     g.md_k = int(spec.grid.size());
     for (int a = 0; a < g.md_k; ++a) g.grid[a] = spec.grid[size_t(a)];
@@ -263,6 +292,14 @@ void check_tensor(const Tensor& t, const Shape& shape, DType dtype, Device devic
            t.defined() ? str(shape_str(t.shape()), " ", dtype_name(t.dtype()), t.is_contiguous() ? "" : " strided",
                              " on ", t.device().name())
                        : std::string("an undefined tensor"));
+}
+
+// Documents: starts (B, N) int32 contiguous on x's device, for the 1d kinds without softmax over the sequence.
+void check_starts(const LrpeSpec& spec, const Tensor& x, const char* op) {
+  if (!spec.starts.defined()) return;
+  LT_CHECK(spec.kind != LrpeSpec::MdCosine && !spec.seq_softmax(), "[", op,
+           "] the kernels take documents for lrpe_cosine and lrpe_rotate without softmax over the sequence");
+  check_tensor(spec.starts, {x.size(0), x.size(1)}, DType::I32, x.device(), op, "starts");
 }
 
 // x's features are packed (stride 1); its other strides may be anything.
@@ -313,6 +350,19 @@ void with_row_shape(int vec, int nv, int act, Fn&& fn) {
   }
   if (vec == 2) return fn(IC<2>(), IC<kMaxUnitsPerLane>(), IC<kAnyAct>());
   return fn(IC<1>(), IC<kMaxUnitsPerLane>(), IC<kAnyAct>());
+}
+
+// The same with fn's fourth argument std::true_type with documents, std::false_type without: each shape is
+// compiled both ways.
+template <class T, class Fn>
+void with_row_shape(int vec, int nv, int act, bool docs, Fn&& fn) {
+  // Documents never come with softmax over the sequence (the op refuses them): that class is not compiled.
+  if (docs)
+    with_row_shape<T>(vec, nv, act, [&](auto V, auto NV, auto CLS) {
+      if constexpr (CLS.value != kSequence) fn(V, NV, CLS, std::true_type());
+    });
+  else
+    with_row_shape<T>(vec, nv, act, [&](auto V, auto NV, auto CLS) { fn(V, NV, CLS, std::false_type()); });
 }
 
 template <class T, class Fn>
@@ -442,6 +492,7 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
   const Device dev = x.device();
   check_tensor(out, spec.out_shape(x.shape()), x.dtype(), dev, op, "out");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
+  check_starts(spec, x, op);
   Geo g = make_geo(x.shape(), spec);
   set_x_strides(g, x);
   if (x.numel() == 0) return;
@@ -459,11 +510,13 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
       }
       const int vec = pick_vec<T>({g.A, g.x_batch, g.x_tok, g.x_head}, {xp, op_});
       const int nv = row_lanes(g, vec, op);
-      with_row_shape<T>(vec, nv, g.act, [&](auto V, auto NV, auto CLS) {
+      with_row_shape<T>(vec, nv, g.act, g.starts != nullptr, [&](auto V, auto NV, auto CLS, auto DOCS) {
+        constexpr int v = V.value, n = NV.value, cls = CLS.value;
+        constexpr bool docs = DOCS.value;
         if (spec.rotate())
-          launch_rows<forward_kernel<T, V.value, NV.value, true, CLS.value>>(g, spec.batch_rows, sms, st, xp, op_);
+          launch_rows<forward_kernel<T, v, n, true, cls, docs>>(g, spec.batch_rows, sms, st, xp, op_);
         else
-          launch_rows<forward_kernel<T, V.value, NV.value, false, CLS.value>>(g, spec.batch_rows, sms, st, xp, op_);
+          launch_rows<forward_kernel<T, v, n, false, cls, docs>>(g, spec.batch_rows, sms, st, xp, op_);
       });
     }
   });
@@ -476,6 +529,7 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
   check_tensor(dout, spec.out_shape(x.shape()), x.dtype(), dev, op, "dout");
   check_tensor(dx, x.shape(), x.dtype(), dev, op, "dx");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
+  check_starts(spec, x, op);
   Geo g = make_geo(x.shape(), spec);
   set_x_strides(g, x);
   if (x.numel() == 0) return;
@@ -502,13 +556,13 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
         g.q = q.data_ptr<float>();
       }
       const int nv = row_lanes(g, vec, op);
-      with_row_shape<T>(vec, nv, g.act, [&](auto V, auto NV, auto CLS) {
+      with_row_shape<T>(vec, nv, g.act, g.starts != nullptr, [&](auto V, auto NV, auto CLS, auto DOCS) {
+        constexpr int v = V.value, n = NV.value, cls = CLS.value;
+        constexpr bool docs = DOCS.value;
         if (spec.rotate())
-          launch_rows<backward_kernel<T, V.value, NV.value, true, CLS.value>>(g, spec.batch_rows, sms, st, xp, dp,
-                                                                                dxp);
+          launch_rows<backward_kernel<T, v, n, true, cls, docs>>(g, spec.batch_rows, sms, st, xp, dp, dxp);
         else
-          launch_rows<backward_kernel<T, V.value, NV.value, false, CLS.value>>(g, spec.batch_rows, sms, st, xp, dp,
-                                                                                 dxp);
+          launch_rows<backward_kernel<T, v, n, false, cls, docs>>(g, spec.batch_rows, sms, st, xp, dp, dxp);
       });
     }
   });

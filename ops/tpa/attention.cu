@@ -49,7 +49,10 @@ constexpr size_t fwd_smem() {
   return size_t(kQueryRows + 4 * kSmall) * (HD + 8) * 2;  // Q, then two K, V pairs
 }
 
-template <class T, int HD>
+// DOCS: compiled for documents (p.starts). The key tiles before the document of the tile's first query are
+// skipped (not causal: also those after the document of its last query); a warp skips the tiles none of its
+// rows sees, and masks per element the tiles that cross a boundary of its rows' documents.
+template <class T, int HD, bool DOCS>
 __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) {
   constexpr int LD = HD + 8, RB = kRowBlocks;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -61,14 +64,20 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   const int64_t bb = p.b0 + blockIdx.z;
   const int q0 = qt * kQueryRows;
   const int kv_all = (p.M + kSmall - 1) / kSmall;
-  const int tiles = p.causal ? min(kv_all, (q0 + kQueryRows + kSmall - 1) / kSmall) : kv_all;
+  int tiles = p.causal ? min(kv_all, (q0 + kQueryRows + kSmall - 1) / kSmall) : kv_all;
+  int j_first = 0;
+  const int32_t* doc = DOCS ? p.starts + bb * p.N : nullptr;  // this batch entry's starts (N == M)
+  if constexpr (DOCS) {
+    j_first = doc[q0] / kSmall;
+    if (!p.causal) tiles = tiles_starting_by(doc, kv_all, kSmall, min(q0 + kQueryRows, p.N) - 1);
+  }
   auto prefetch = [&](int j) {
     T* kt = kv + 2 * (j & 1) * kSmall * LD;
     copy_rows_async<T, HD, kSmall>(kt, p.k, blockIdx.z, h, p.H, p.M, j * kSmall);
     copy_rows_async<T, HD, kSmall>(kt + kSmall * LD, p.v, blockIdx.z, h, p.H, p.M, j * kSmall);
     cp_async_commit();
   };
-  if (tiles > 0) prefetch(0);
+  if (tiles > j_first) prefetch(j_first);
   // Q carries the scale's sign, so the scores times |scale log2 e| are the logits and their row maxima
   // can be taken before scaling.
   Pair<T> fq = p.fq;
@@ -79,6 +88,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
   __syncthreads();  // Q and the first K, V tiles published
   const int r0 = warp * 16 * RB;  // this warp's first row in the tile; a thread's rows: r0 + 16 rb + g (+ 8)
   const int last_row = q0 + r0 + 16 * RB - 1;
+  // Documents: the start of this warp's first row's document (its rows see no key before it).
+  const int warp_start = DOCS ? doc[min(q0 + r0, p.N - 1)] : 0;
   float o[RB][HD / 8][4];
   float m[RB][2], l[RB][2];
 #pragma unroll
@@ -87,14 +98,17 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
     m[rb][0] = m[rb][1] = -INFINITY;
     l[rb][0] = l[rb][1] = 0.f;
   }
-  for (int j = 0; j < tiles; ++j) {
-    if (j > 0) {
+  for (int j = j_first; j < tiles; ++j) {
+    if (j > j_first) {
       cp_async_wait<0>();
       __syncthreads();  // tile j published; every warp is done with tile j - 1, whose pair is free
     }
     if (j + 1 < tiles) prefetch(j + 1);
     const int k0 = j * kSmall;
     if (p.causal && k0 > last_row) continue;  // above all of this warp's rows
+    if constexpr (DOCS) {  // before every document of this warp's rows, or (not causal) after
+      if (k0 + kSmall <= warp_start || (!p.causal && doc[k0] > min(last_row, p.N - 1))) continue;
+    }
     const T* ks = kv + 2 * (j & 1) * kSmall * LD;
     float s[RB][8][4];
 #pragma unroll
@@ -116,15 +130,26 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb) {
       const int row_a = q0 + r0 + 16 * rb + g;
-      const bool mask = k0 + kSmall > p.M || (p.causal && k0 + kSmall - 1 > q0 + r0 + 16 * rb);
-      if (mask)
+      bool mask = k0 + kSmall > p.M || (p.causal && k0 + kSmall - 1 > q0 + r0 + 16 * rb);
+      if constexpr (DOCS)  // a key before the last row's document, or (not causal) one after the first row's
+        mask = mask || k0 < doc[min(q0 + r0 + 16 * rb + 15, p.N - 1)] ||
+               (!p.causal && doc[min(k0 + kSmall, p.M) - 1] > q0 + r0 + 16 * rb);
+      if (mask) {
+        int row_start[2] = {0, 0};
+        if constexpr (DOCS)
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) row_start[rr] = doc[min(row_a + rr * 8, p.N - 1)];
 #pragma unroll
         for (int t = 0; t < 8; ++t)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int col = k0 + t * 8 + c + (e & 1), row = row_a + (e >> 1) * 8;
-            if (col >= p.M || (p.causal && col > row)) s[rb][t][e] = -INFINITY;
+            bool hidden = col >= p.M || (p.causal && col > row);
+            if constexpr (DOCS)
+              hidden = hidden || col < row_start[e >> 1] || (!p.causal && col < p.M && doc[col] > row);
+            if (hidden) s[rb][t][e] = -INFINITY;
           }
+      }
       // p = 2^(s |scale| log2 e - m): one FFMA and one MUFU an element.
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
@@ -206,7 +231,7 @@ bool forward_on_wgmma(int device) {
   return major == 9 && minor == 0;
 }
 
-template <class T, int HD, bool Wg>
+template <class T, int HD, bool Wg, bool DOCS>
 void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   Params<T> p = make_params<T>(a);
   p.out = static_cast<T*>(out.data());
@@ -224,7 +249,8 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   T* v = k + chunk * kv_len;
   p.k = k;
   p.v = v;
-  const auto kernel = Wg ? attention_wg::forward<T, HD> : attention_fwd<T, HD>;
+  static_assert(!(Wg && DOCS), "the warpgroup kernel takes no documents");
+  const auto kernel = Wg ? attention_wg::forward<T, HD> : attention_fwd<T, HD, DOCS>;
   const size_t smem = Wg ? attention_wg::smem_bytes<HD>() : fwd_smem<HD>();
   static bool configured = false;
   allow_smem(kernel, smem, configured);
@@ -254,22 +280,26 @@ std::string attention_unsupported(DType dtype, int64_t D, int64_t E, int64_t Rq,
 }
 
 namespace {
-template <bool Wg>
+template <bool Wg, bool DOCS>
 void forward_dispatch(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   const bool bf16 = a.aq.dtype() == DType::BF16;
   const bool wide = a.bq.size(3) == 128;
   if (bf16)
-    wide ? forward_typed<__nv_bfloat16, 128, Wg>(a, out, lse) : forward_typed<__nv_bfloat16, 64, Wg>(a, out, lse);
+    wide ? forward_typed<__nv_bfloat16, 128, Wg, DOCS>(a, out, lse)
+         : forward_typed<__nv_bfloat16, 64, Wg, DOCS>(a, out, lse);
   else
-    wide ? forward_typed<__half, 128, Wg>(a, out, lse) : forward_typed<__half, 64, Wg>(a, out, lse);
+    wide ? forward_typed<__half, 128, Wg, DOCS>(a, out, lse) : forward_typed<__half, 64, Wg, DOCS>(a, out, lse);
 }
 }  // namespace
 
 void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
-  if (a.allow_wgmma && forward_on_wgmma(a.aq.device().index))
-    forward_dispatch<true>(a, out, lse);
+  // Documents run the mma.sync kernel: the warpgroup kernel takes none.
+  if (a.starts.defined())
+    forward_dispatch<false, true>(a, out, lse);
+  else if (a.allow_wgmma && forward_on_wgmma(a.aq.device().index))
+    forward_dispatch<true, false>(a, out, lse);
   else
-    forward_dispatch<false>(a, out, lse);
+    forward_dispatch<false, false>(a, out, lse);
 }
 
 }  // namespace lintape::tpa_cuda

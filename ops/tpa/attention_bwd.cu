@@ -59,7 +59,10 @@ static_assert(size_t(kBig) * (128 + 4) * 4 <= size_t(2 * kBig) * (128 + 8) * 2, 
 static_assert(size_t(kBig) * (64 + 4) * 4 <= size_t(2 * kBig) * (64 + 8) * 2, "f32 results fit");
 static_assert(size_t(2 * kBig) * 16 * 4 <= size_t(2 * kBig) * (kSmall + 8) * 2, "rank weights fit");
 
-template <class T, int HD>
+// DOCS: compiled for documents (p.starts). A block skips the query tiles whose first query's document starts
+// after its last key (not causal: also those before its first key's document); the dQ turns of query tile i
+// are then taken by the key tiles from starts[i's first query] / kBig on, which count from 0.
+template <class T, int HD, bool DOCS>
 __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) {
   constexpr int LD = HD + 8, LDS = kSmall + 8, QW = kSmall / 2;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -77,7 +80,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
             lane = threadIdx.x % 32, g = lane >> 2, c = (lane & 3) * 2;
   const int64_t bb = p.b0 + (place / int(gridDim.x)) % int(gridDim.y);
   const int k0 = kt * kBig;
-  const int first = p.causal ? k0 / kSmall : 0, last = (p.N + kSmall - 1) / kSmall;
+  const int q_tiles = (p.N + kSmall - 1) / kSmall;
+  int first = p.causal ? k0 / kSmall : 0, last = q_tiles;
+  const int32_t* doc = DOCS ? p.starts + bb * p.N : nullptr;  // this batch entry's starts (N == M)
+  if constexpr (DOCS) {
+    last = tiles_starting_by(doc, q_tiles, kSmall, min(k0 + kBig, p.M) - 1);
+    if (!p.causal) first = doc[k0] / kSmall;
+  }
   float stat = 0.f;  // lse (threads < kSmall) or Delta (the next kSmall) of the next query tile's rows
   auto prefetch = [&](int i) {
     const int q0 = i * kSmall;
@@ -97,10 +106,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   zero<HD>(dk);
   zero<HD>(dv);
   const int key_a = k0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
+  int key_start[2] = {0, 0};             // documents: where their documents start
+  if constexpr (DOCS)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) key_start[e] = doc[min(key_a + 8 * e, p.M - 1)];
   const int dq_row = (warp & 3) * 16, dq_col = (warp >> 2) * (HD / 2);  // this warp's part of dQ
   // dQ / scale = dS' K of query tile i (rows dq_row.., columns dq_col..) added to the workspace in its
   // turn. It runs in the next tile's barrier interval: one barrier a tile pair.
-  int* dq_turn = p.dq_turn + ((bb - p.b0) * p.H + h) * last;
+  int* dq_turn = p.dq_turn + ((bb - p.b0) * p.H + h) * q_tiles;
   auto dq_tile = [&](int i) {
     const int seen = poll_turn(dq_turn + i);
     const T* ds = dst + (i & 1) * kBig * LDS;
@@ -119,7 +132,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
         mma16816<T>(dq[2 * np + 1], fa, fb[2], fb[3]);
       }
     }
-    wait_turn(dq_turn + i, p.ordered ? kt : 0, seen);  // every key tile from 0 sees query tile i
+    // Every key tile from 0 (documents: from the first that reaches tile i's first document) sees query tile i.
+    const int turn = DOCS ? kt - doc[i * kSmall] / kBig : kt;
+    wait_turn(dq_turn + i, p.ordered ? turn : 0, seen);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int n = i * kSmall + dq_row + g + rr * 8;
@@ -159,8 +174,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
       float st[QW / 8][4], dpt[QW / 8][4];
       rows_times_rows_t<T, HD, QW / 8>(st, ks, warp * 16, qs, c0);    // S^T = K Q^T
       rows_times_rows_t<T, HD, QW / 8>(dpt, vs, warp * 16, dos, c0);  // dP^T = V dO^T
-      const bool mask =
-          q0 + c0 + QW > p.N || k0 + kBig > p.M || (p.causal && k0 + warp * 16 + 15 > q0 + c0);
+      bool mask = q0 + c0 + QW > p.N || k0 + kBig > p.M || (p.causal && k0 + warp * 16 + 15 > q0 + c0);
+      if constexpr (DOCS)  // a key before the last query's document, or (not causal) one after the first's
+        mask = mask || k0 + warp * 16 < doc[min(q0 + c0 + QW, p.N) - 1] ||
+               (!p.causal && doc[min(k0 + warp * 16 + 15, p.M - 1)] > q0 + c0);
       // Base-2 logits; the bounds and the causal rule only where this warp's part of the tile needs them
       // (evaluating them everywhere cost 13% of the pass).
 #pragma unroll
@@ -175,7 +192,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int col = q0 + c0 + t * 8 + c + (e & 1), key = key_a + (e >> 1) * 8;
-            if (col >= p.N || key >= p.M || (p.causal && key > col)) st[t][e] = -INFINITY;
+            bool hidden = col >= p.N || key >= p.M || (p.causal && key > col);
+            if constexpr (DOCS)
+              hidden = hidden || (col < p.N && key < doc[col]) || (!p.causal && key_start[e >> 1] > col);
+            if (hidden) st[t][e] = -INFINITY;
           }
 #pragma unroll
       for (int t = 0; t < QW / 8; ++t) {
@@ -275,7 +295,7 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const Pai
 // ---------------------------------------------------------------------------------------------------
 // Launcher.
 
-template <class T, int HD>
+template <class T, int HD, bool DOCS>
 void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                     FactorGrads& g) {
   const Device dev = a.aq.device();
@@ -308,7 +328,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   p.q = static_cast<const T*>(qbuf.data());
   static bool configured = false;
-  allow_smem(attention_bwd<T, HD>, bwd_smem<HD>(), configured);
+  allow_smem(attention_bwd<T, HD, DOCS>, bwd_smem<HD>(), configured);
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.N;
     p.b0 = b0;
@@ -323,7 +343,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
         p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
-    attention_bwd<T, HD><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
+    attention_bwd<T, HD, DOCS><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
     attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
         p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
@@ -337,14 +357,27 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
 
 }  // namespace
 
-void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
-                        FactorGrads& g) {
+namespace {
+template <bool DOCS>
+void backward_dispatch(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                       FactorGrads& g) {
   const bool bf16 = a.aq.dtype() == DType::BF16;
   const bool wide = a.bq.size(3) == 128;
   if (bf16)
-    wide ? backward_typed<__nv_bfloat16, 128>(a, out, lse, dout, g) : backward_typed<__nv_bfloat16, 64>(a, out, lse, dout, g);
+    wide ? backward_typed<__nv_bfloat16, 128, DOCS>(a, out, lse, dout, g)
+         : backward_typed<__nv_bfloat16, 64, DOCS>(a, out, lse, dout, g);
   else
-    wide ? backward_typed<__half, 128>(a, out, lse, dout, g) : backward_typed<__half, 64>(a, out, lse, dout, g);
+    wide ? backward_typed<__half, 128, DOCS>(a, out, lse, dout, g)
+         : backward_typed<__half, 64, DOCS>(a, out, lse, dout, g);
+}
+}  // namespace
+
+void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
+                        FactorGrads& g) {
+  if (a.starts.defined())
+    backward_dispatch<true>(a, out, lse, dout, g);
+  else
+    backward_dispatch<false>(a, out, lse, dout, g);
 }
 
 }  // namespace lintape::tpa_cuda

@@ -58,6 +58,10 @@ struct Params {
   int N, M, H;
   float scale, sl2;  // sl2 = scale log2(e)
   bool causal;
+  // Documents (N == M): starts (B, N), query n sees key m iff starts[n] <= m <= n (causal), or iff
+  // starts[n] <= m and starts[m] <= n (not causal: the same document); null without. The kernels read it
+  // only where compiled for documents (their DOCS parameter).
+  const int32_t* starts;
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -425,6 +429,17 @@ __device__ __forceinline__ void count_turn(int* turn) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(turn) : "memory");
 }
 
+// Documents: the tiles [0, count) of `tiles` tiles of `rows` rows whose first row's document starts at or
+// before `limit` (starts is nondecreasing, so they come first); every thread of the block gets the count.
+__device__ __forceinline__ int tiles_starting_by(const int32_t* starts, int tiles, int rows, int limit) {
+  int count = 0;
+  for (int j0 = 0; j0 < tiles; j0 += kThreads) {
+    const int j = j0 + int(threadIdx.x);
+    count += __syncthreads_count(j < tiles && starts[int64_t(j) * rows] <= limit);
+  }
+  return count;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Launchers.
 
@@ -454,6 +469,7 @@ Params<T> make_params(const AttentionArgs& a) {
   p.scale = float(a.scale);
   p.sl2 = float(a.scale) * kLog2e;
   p.causal = a.causal;
+  p.starts = a.starts.defined() ? a.starts.data_ptr<int32_t>() : nullptr;
   return p;
 }
 

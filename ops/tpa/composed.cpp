@@ -16,9 +16,22 @@ Tensor expand_composed(const Tensor& a, const Tensor& b) {
 }
 
 // An additive mask (B or 1, 1, N, M): 0 where a key is visible, a large negative number elsewhere (-inf
-// once rounded to f16); undefined if every key is visible. Built on the factors' device from aranges:
-// key m is hidden when m > n (causal) or m >= length[b], i.e. when relu(m - n) + relu(m - length + 1) >= 1.
+// once rounded to f16); undefined if every key is visible and there are no documents. Without documents it
+// is built on the factors' device from aranges: key m is hidden when m > n (causal) or m >= length[b], i.e.
+// when relu(m - n) + relu(m - length + 1) >= 1.
 Tensor visibility_mask(const Factors& f, const Visibility& vis) {
+  const Device dev = f.aq.device();
+  if (!vis.starts.empty()) {  // documents (N == M): key m is hidden from query n when m < starts[n], and when
+                              // m > n (causal) or starts[m] > n (not causal: a later document)
+    NoGradGuard no_grad;
+    const Tensor st = from_vector(std::vector<double>(vis.starts.begin(), vis.starts.end()), {f.B, 1, f.N, 1},
+                                  DType::F32, dev);
+    const Tensor key = arange(0, f.M, DType::F32, dev).view({1, 1, 1, f.M});
+    const Tensor query = arange(0, f.N, DType::F32, dev).view({1, 1, f.N, 1});
+    const Tensor later = vis.causal ? relu(key - query) : relu(st.view({f.B, 1, 1, f.M}) - query);
+    const Tensor visible = relu((relu(st - key) + later) * -1.0 + 1.0);
+    return ((visible - 1.0) * 1e30).to(f.aq.dtype());
+  }
   bool all_visible = true;
   bool same_lengths = true;
   for (int64_t b = 0; b < f.B; ++b) {
@@ -27,7 +40,6 @@ Tensor visibility_mask(const Factors& f, const Visibility& vis) {
   }
   if (all_visible) return Tensor();
   NoGradGuard no_grad;
-  const Device dev = f.aq.device();
   const int64_t rows = same_lengths ? 1 : f.B;
   const Tensor key = arange(0, f.M, DType::F32, dev).view({1, 1, 1, f.M});
   Tensor hidden = zeros({rows, 1, f.N, f.M}, DType::F32, dev);

@@ -25,7 +25,9 @@ struct TpaOptions {
   // tpa_decode over whole factors: rows of the cache each sequence uses (B entries, each 1..M);
   // empty means all M rows for every sequence.
   std::vector<int64_t> cache_lengths;
-  // tpa_attention: packed rows (ops/documents.h); no query attends a key of another document.
+  // tpa_attention: packed rows (ops/documents.h) for the factors' (B, N) on their device, N == M; no query
+  // attends a key of another document: causal, key m is visible to query n iff starts[n] <= m <= n; not
+  // causal, iff starts[m] == starts[n]. Every path takes them; undefined costs nothing.
   Documents documents;
 };
 
