@@ -104,7 +104,8 @@ __device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, NT>& 
 // registers and give the SM twice the warps to hide the products' latency.
 constexpr int kGradThreads = 512;
 
-template <class T, int EP>
+// Docs: a.starts is set (a kernel apart, so that the calls without documents keep their registers).
+template <class T, int EP, bool Docs>
 __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   constexpr int NThr = kGradThreads, kParts = NThr / 128;
   using Smem = GradSmem<T, EP>;
@@ -143,16 +144,16 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
     fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
     fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
   };
-  const int* doc = a.starts ? sm.st : nullptr;
-  const float* gate_q = a.starts ? sm.gate_q : nullptr;
-  const float* gate_k = a.starts ? sm.gate_k : nullptr;
+  const int* doc = Docs ? sm.st : nullptr;
+  const float* gate_q = Docs ? sm.gate_q : nullptr;
+  const float* gate_k = Docs ? sm.gate_k : nullptr;
   auto store_qk = [&](int slice, const Raw<kSlice, NThr>& qr, const Raw<kSlice, NThr>& kr) {
     store_encoded<T, NThr, 4>(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0,
                               slice, sm.rates, doc);
   };
   if (a.lrpe == FalStepSpec::kCosine)
     for (int j = threadIdx.x; j < a.D; j += NThr) sm.rates[j] = rate_of(a, h, j);
-  if (a.starts) {
+  if (Docs) {
     const int st_last = doc_start(a, b, t0 + cl - 1);
     for (int i = threadIdx.x; i < kC; i += NThr) {
       const int st = doc_start(a, b, t0 + i);
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
       sm.gate_k[i] = t0 + i >= st_last ? 1.0f : 0.0f;
     }
   }
-  if (a.lrpe == FalStepSpec::kCosine || a.starts) __syncthreads();
+  if (a.lrpe == FalStepSpec::kCosine || Docs) __syncthreads();
   issue_states(0);
   {  // the first slice's q and k rows load with v, g and dO
     Raw<kSlice, NThr> qr, kr;
@@ -316,8 +317,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
 template <class T, int EP>
 void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = GradSmem<T, EP>::bytes();
-  LT_CUDA_CHECK(cudaFuncSetAttribute(grad_kernel<T, EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  grad_kernel<T, EP><<<dim3(unsigned(a.nC), unsigned(BH)), kGradThreads, smem, st>>>(a);
+  auto kernel = a.starts ? grad_kernel<T, EP, true> : grad_kernel<T, EP, false>;
+  LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 

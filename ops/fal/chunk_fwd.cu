@@ -24,7 +24,7 @@ struct StateSmem {
   int st[kC];               // documents: the chunk's rows' document starts
 };
 
-template <class T, bool Reverse, bool Whole>
+template <class T, bool Reverse, bool Whole, bool Docs>
 __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, StateSmem<T>& sm) {
   auto& xs = sm.xs;
   auto& zs = sm.zs;
@@ -67,11 +67,11 @@ __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, 
     const int64_t t0 = int64_t(c) * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
     // With documents: the start of the last token's document, and whether the entering state crosses the chunk.
-    const int st_last = a.starts ? doc_start(a, b, t0 + cl - 1) : 0;
-    const bool crosses = !a.starts || enters(st_last, t0);
+    const int st_last = Docs ? doc_start(a, b, t0 + cl - 1) : 0;
+    const bool crosses = !Docs || enters(st_last, t0);
     for (int i = threadIdx.x; i < kC; i += kThreads) {
       float f = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
-      if (a.starts) {
+      if (Docs) {
         const int st = doc_start(a, b, t0 + i);
         sm.st[i] = st;
         if (Reverse ? !enters(st, t0) : t0 + i < st_last) f = 0.0f;
@@ -86,7 +86,7 @@ __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, 
       fetch(a, z, zts, t0, e0, a.E, zr);
       if (Reverse) fetch(a, dout, dts, t0, e0, a.E, dr);
       store_encoded<T, kThreads, 4>(a, xr, x_act, xs[0], xs[1], nullptr, 0, nullptr, nullptr, h, t0, slice,
-                                    sm.rates, a.starts ? sm.st : nullptr);
+                                    sm.rates, Docs ? sm.st : nullptr);
       store_rows<T, kEtile, kThreads>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, scale, zs);
     }
     if (active) {
@@ -122,10 +122,10 @@ __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, 
       }
 }
 
-template <class T, bool Reverse, bool Whole>
+template <class T, bool Reverse, bool Whole, bool Docs>
 __global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
   __shared__ StateSmem<T> sm;
-  state_body<T, Reverse, Whole>(a, a.walks_in_z ? blockIdx.z : blockIdx.x,
+  state_body<T, Reverse, Whole, Docs>(a, a.walks_in_z ? blockIdx.z : blockIdx.x,
                                 int(a.walks_in_z ? blockIdx.x : blockIdx.z) * kEtile, sm);
 }
 
@@ -232,8 +232,9 @@ __device__ __forceinline__ void store_values(const Args& a, const Raw<EP, kFused
 
 // Local: the local pass of a cut sequence (a.local): only K, diag(delta) V and the state update, each segment's
 // sum from zero into its boundary slot. Save (not local): every chunk's entering state S_c is saved to a.states in T
-// for the backward, which then skips its forward state pass (a kernel apart: the stores take registers).
-template <class T, int EP, int Slices, bool Local, bool Save>
+// for the backward, which then skips its forward state pass (a kernel apart: the stores take registers). Docs:
+// a.starts is set (a kernel apart too, so that the calls without documents keep their registers).
+template <class T, int EP, int Slices, bool Local, bool Save, bool Docs>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
   using Sm = FusedSmem<T, EP, Slices>;
   constexpr int D = Sm::D, ldE = Sm::ldE, SCT = 8 / kColGroups, YT = EP / 8 / kColGroups;
@@ -291,7 +292,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
     // A. Encode. delta's previous readers passed a barrier since; st's (step B) read the other parity. With
     // documents, delta keeps the keys of the last token's document only.
-    int* doc = a.starts ? sm.st + (c & 1) * kC : nullptr;
+    int* doc = Docs ? sm.st + (c & 1) * kC : nullptr;
     const int st_last = doc ? doc_start(a, opaque(int(b)), t0 + cl - 1) : 0;
     for (int i = threadIdx.x; i < kC; i += kFusedThreads) {
       sm.delta[i] = i < cl && t0 + i >= st_last ? decay_pow(log2_lam, cl - 1 - i) : 0.0f;
@@ -405,6 +406,16 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
   if (last) each_state([&](float& x, size_t i) { last[i] = x; });
 }
 
+// The state kernel for a direction, a whole walk or segments, and with or without documents.
+template <class T>
+auto state_kernel_of(bool reverse, bool whole, bool docs) {
+  if (docs)
+    return reverse ? (whole ? state_kernel<T, true, true, true> : state_kernel<T, true, false, true>)
+                   : (whole ? state_kernel<T, false, true, true> : state_kernel<T, false, false, true>);
+  return reverse ? (whole ? state_kernel<T, true, true, false> : state_kernel<T, true, false, false>)
+                 : (whole ? state_kernel<T, false, true, false> : state_kernel<T, false, false, false>);
+}
+
 template <class T>
 void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   const int64_t walks = BH * (a.local ? a.G - 1 : a.G);
@@ -416,18 +427,19 @@ void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   const dim3 grid = b.walks_in_z ? dim3(etiles, slices, unsigned(walks)) : dim3(unsigned(walks), slices, etiles);
   // The whole sequence's walk (no cut) compiles apart: its loop and pointers come from the arguments.
   const bool whole = a.G == 1;
-  auto kernel = reverse ? (whole ? state_kernel<T, true, true> : state_kernel<T, true, false>)
-                        : (whole ? state_kernel<T, false, true> : state_kernel<T, false, false>);
-  kernel<<<grid, kThreads, 0, st>>>(b);
+  state_kernel_of<T>(reverse, whole, a.starts != nullptr)<<<grid, kThreads, 0, st>>>(b);
   LT_CUDA_CHECK_LAUNCH();
 }
 
 template <class T, int EP, int Slices>
 void launch_fused(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = FusedSmem<T, EP, Slices>::bytes();
-  auto kernel = a.local    ? fused_forward_kernel<T, EP, Slices, true, false>
-                : a.states ? fused_forward_kernel<T, EP, Slices, false, true>
-                           : fused_forward_kernel<T, EP, Slices, false, false>;
+  auto kernel = a.starts ? (a.local    ? fused_forward_kernel<T, EP, Slices, true, false, true>
+                           : a.states ? fused_forward_kernel<T, EP, Slices, false, true, true>
+                                      : fused_forward_kernel<T, EP, Slices, false, false, true>)
+                        : (a.local    ? fused_forward_kernel<T, EP, Slices, true, false, false>
+                           : a.states ? fused_forward_kernel<T, EP, Slices, false, true, false>
+                                      : fused_forward_kernel<T, EP, Slices, false, false, false>);
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kFusedThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
