@@ -4,11 +4,11 @@
 # `lintape bench tpa-decode` under each schedule (LINTAPE_TPA_DECODE_CLUSTER), runs the PyTorch peer,
 # compute-sanitizer on the decode cases and ncu on the kernel.
 #   bench/notes/tpa-decode.sh OUTDIR [STEPS] [SCHEDULES]
-# STEPS: a comma list of build,tests,bench,peer,memcheck,racecheck,ncu (default: all, in that order).
+# STEPS: a comma list of build,tests,bench,peer,ncu,memcheck,racecheck (default: all, in that order).
 # SCHEDULES: LINTAPE_TPA_DECODE_CLUSTER values to time (default 0,8,1,4; the first two at every m).
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
-steps=,${2:-build,tests,bench,peer,memcheck,racecheck,ncu},
+steps=,${2:-build,tests,bench,peer,ncu,memcheck,racecheck},
 schedules=${3:-0,8,1,4}
 root=$(pwd)
 cli=$root/build-gpu/lintape
@@ -51,6 +51,18 @@ if has peer; then
     --decode-ms 2048,8192,32768) >"$out/peer.txt" 2>&1
   log "peer rc=$?"
 fi
+if has ncu; then
+  sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats
+            --section WarpStateStats)
+  for c in 0 8; do
+    for m in 2048 8192; do
+      echo "== cluster $c, m $m (B = 8)" >>"$out/ncu.txt"
+      LINTAPE_TPA_DECODE_CLUSTER=$c timeout 60 ncu --clock-control none "${sections[@]}" -k regex:decode_tc -c 1 \
+        "$cli" bench tpa-decode --n $m --reps 1 --metric speed >>"$out/ncu.txt" 2>&1
+      log "ncu cluster=$c m=$m rc=$?: $(grep -E 'Duration' "$out/ncu.txt" | tail -n1 | tr -s ' ')"
+    done
+  done
+fi
 if has memcheck; then
   LINTAPE_TPA_DECODE_CLUSTER=8 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
     -tc="$decode_cases" -tce='*seeds*' >>"$out/sanitizer.log" 2>&1
@@ -62,18 +74,6 @@ if has racecheck; then
       -tc='*cuda tpa decode cluster schedule matches*,*cuda tpa decode tensor-core kernel matches*' \
       >>"$out/sanitizer.log" 2>&1
     log "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1)"
-  done
-fi
-if has ncu; then
-  sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats
-            --section WarpStateStats)
-  for c in 0 8; do
-    for m in 2048 8192; do
-      echo "== cluster $c, m $m (B = 8)" >>"$out/ncu.txt"
-      LINTAPE_TPA_DECODE_CLUSTER=$c timeout 60 ncu --clock-control none "${sections[@]}" -k regex:decode_tc -c 1 \
-        "$cli" bench tpa-decode --n $m --reps 1 --metric speed >>"$out/ncu.txt" 2>&1
-      log "ncu cluster=$c m=$m rc=$?: $(grep -E 'Duration' "$out/ncu.txt" | tail -n1 | tr -s ' ')"
-    done
   done
 fi
 log "done"
