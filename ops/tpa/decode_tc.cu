@@ -379,65 +379,63 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   float* res_o = reinterpret_cast<float*>(smem + g.res);  // cluster schedule: [h][e], then max[h], sum[h]
   float* res_m = res_o + H * E;
   float* res_l = res_m + H;
-  const int64_t slot = int64_t(b) * g.splits + split;
-  for (int i = tid; i < H * E; i += kThreads) {
-    const int h = i / E, e = i - h * E, r = h % 16, w0 = h / 16;  // warps w0, w0 + HG, ... hold head h
-    float m = -INFINITY;
+  if constexpr (CL) {
+    // Four values of e a thread (E = 8 NT: the divisions are shifts), into this block's result.
+    constexpr int EQ = 2 * NT;  // quads of a head's E values
+    for (int q = tid; q < H * EQ; q += kThreads) {
+      const int h = q / EQ, e = (q - h * EQ) * 4, r = h % 16, w0 = h / 16;
+      float m = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < RG; ++c) m = fmaxf(m, ml_s[(w0 + c * HG) * 32 + r]);
-    float o = 0.f, l = 0.f;
+      for (int c = 0; c < RG; ++c) m = fmaxf(m, ml_s[(w0 + c * HG) * 32 + r]);
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      float l = 0.f;
 #pragma unroll
-    for (int c = 0; c < RG; ++c) {
-      const int w = w0 + c * HG;
-      const float mc = ml_s[w * 32 + r], f = mc == -INFINITY ? 0.f : exp2f(mc - m);
-      o += f * o_s[(w * 16 + r) * g.o_stride + e];
-      l += f * ml_s[w * 32 + 16 + r];
-    }
-    if constexpr (CL) {
-      res_o[i] = o * g.inv_rv;
+      for (int c = 0; c < RG; ++c) {
+        const int w = w0 + c * HG;
+        const float mc = ml_s[w * 32 + r], f = mc == -INFINITY ? 0.f : exp2f(mc - m);
+        const float4 v = *reinterpret_cast<const float4*>(o_s + (w * 16 + r) * g.o_stride + e);
+        o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
+        l += f * ml_s[w * 32 + 16 + r];
+      }
+      const float k = g.inv_rv;
+      *reinterpret_cast<float4*>(res_o + h * E + e) = make_float4(o.x * k, o.y * k, o.z * k, o.w * k);
       if (e == 0) {
         res_m[h] = m;
         res_l[h] = l;
       }
-    } else if (g.splits == 1) {
-      out[(int64_t(b) * H + h) * E + e] = from_acc<T>(o * g.inv_rv / l);
-    } else {
-      part_acc[(slot * H + h) * E + e] = o * g.inv_rv;
-      if (e == 0) {
-        part_stat[(slot * H + h) * 2] = m;  // -inf for a split past the sequence's length
-        part_stat[(slot * H + h) * 2 + 1] = l;
-      }
     }
-  }
-  if constexpr (CL) {
-    // Block r of the cluster combines the r-th slice of the (h, e) values over the cluster's blocks.
+    // Block r of the cluster combines the r-th slice of the (h, e) quads over the cluster's blocks.
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
-    const int C = g.cluster, rank = int(cluster.block_rank()), per = (H * E + C - 1) / C;
+    const int C = g.cluster, rank = int(cluster.block_rank()), quads = H * EQ, per = (quads + C - 1) / C;
     const bool whole = g.splits == C;  // one cluster a sequence: the output
     const int64_t cslot = int64_t(b) * (g.splits / C) + split / C;
-    for (int i = rank * per + tid; i < min(H * E, (rank + 1) * per); i += kThreads) {
-      const int h = i / E;
+    for (int q = rank * per + tid; q < min(quads, (rank + 1) * per); q += kThreads) {
+      const int h = q / EQ, i = q * 4;
       float mc[kMaxCluster], m = -INFINITY;  // unrolled: the remote loads go out together
 #pragma unroll
       for (int c = 0; c < kMaxCluster; ++c) {
         mc[c] = c < C ? cluster.map_shared_rank(res_m, c)[h] : -INFINITY;
         m = fmaxf(m, mc[c]);
       }
-      float o = 0.f, l = 0.f;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      float l = 0.f;
 #pragma unroll
       for (int c = 0; c < kMaxCluster; ++c)
         if (mc[c] != -INFINITY) {
           const float f = exp2f(mc[c] - m);
-          o += f * cluster.map_shared_rank(res_o, c)[i];
+          const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
+          o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
           l += f * cluster.map_shared_rank(res_l, c)[h];
         }
       if (whole) {
-        out[int64_t(b) * H * E + i] = from_acc<T>(o / l);
+        const float k = 1.f / l;
+        *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i) =
+            make_uint2(pack2<T>(o.x * k, o.y * k), pack2<T>(o.z * k, o.w * k));
       } else {
-        part_acc[cslot * H * E + i] = o;
-        if (i - h * E == 0) {
+        *reinterpret_cast<float4*>(part_acc + cslot * H * E + i) = o;
+        if (i == h * E) {
           part_stat[(cslot * H + h) * 2] = m;  // -inf for a cluster past the sequence's length
           part_stat[(cslot * H + h) * 2 + 1] = l;
         }
@@ -445,8 +443,32 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     }
     cluster.sync();  // no block leaves while another reads its shared memory
     if (whole) return;
-  } else if (g.splits == 1) {
-    return;
+  } else {
+    const int64_t slot = int64_t(b) * g.splits + split;
+    for (int i = tid; i < H * E; i += kThreads) {
+      const int h = i / E, e = i - h * E, r = h % 16, w0 = h / 16;  // warps w0, w0 + HG, ... hold head h
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < RG; ++c) m = fmaxf(m, ml_s[(w0 + c * HG) * 32 + r]);
+      float o = 0.f, l = 0.f;
+#pragma unroll
+      for (int c = 0; c < RG; ++c) {
+        const int w = w0 + c * HG;
+        const float mc = ml_s[w * 32 + r], f = mc == -INFINITY ? 0.f : exp2f(mc - m);
+        o += f * o_s[(w * 16 + r) * g.o_stride + e];
+        l += f * ml_s[w * 32 + 16 + r];
+      }
+      if (g.splits == 1) {
+        out[(int64_t(b) * H + h) * E + e] = from_acc<T>(o * g.inv_rv / l);
+      } else {
+        part_acc[(slot * H + h) * E + e] = o * g.inv_rv;
+        if (e == 0) {
+          part_stat[(slot * H + h) * 2] = m;  // -inf for a split past the sequence's length
+          part_stat[(slot * H + h) * 2 + 1] = l;
+        }
+      }
+    }
+    if (g.splits == 1) return;
   }
   __threadfence();
   __syncthreads();
@@ -586,9 +608,26 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
   auto kernel = decode_tc<T, HG, NT, CH, false>;
   auto clustered = decode_tc<T, HG, NT, CH, CH == 2>;
-  const int64_t resident =
-      cluster ? prepare<T, HG, NT, CH, CH == 2>(device, g, cluster) : prepare<T, HG, NT, CH, false>(device, g, 0);
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
+  int64_t resident = 0;
+  if (cluster) {
+    // The cluster size up to the one asked for that runs the most blocks at once with every cluster of
+    // the grid resident (a grid past the resident clusters runs a second wave); at least one cluster of
+    // one block a sequence.
+    int best = 1;
+    int64_t best_blocks = 0;
+    for (int c = cluster; c >= 1; --c) {
+      const int64_t per_sequence = prepare<T, HG, NT, CH, CH == 2>(device, g, c) / c / B;
+      if (per_sequence * c > best_blocks) {
+        best = c;
+        best_blocks = per_sequence * c;
+      }
+    }
+    if (a.split_rows <= 0) cluster = best;
+    resident = std::max<int64_t>(best_blocks, 1) * B;
+  } else {
+    resident = prepare<T, HG, NT, CH, false>(device, g, 0);
+  }
   int64_t rows = a.split_rows;
   if (rows > 0) {
     rows = (rows + g.rows - 1) / g.rows * g.rows;
@@ -599,7 +638,8 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   }
   g.split_rows = int(rows);
   g.splits = int((M + rows - 1) / rows);
-  // A cluster of at most the splits; trailing splits past M (no rows) round the grid up to whole clusters.
+  // A cluster of at most the splits; trailing splits past M (no rows) round the grid up to whole clusters
+  // (with the cluster size chosen above, still within the resident clusters).
   cluster = std::min(cluster, g.splits);
   g.cluster = cluster;
   if (cluster) g.splits = (g.splits + cluster - 1) / cluster * cluster;
