@@ -6,6 +6,9 @@
 #   bench/notes/tpa-decode.sh OUTDIR [STEPS] [SCHEDULES]
 # STEPS: a comma list of build,tests,bench,peer,ncu,memcheck,racecheck (default: all, in that order).
 # SCHEDULES: LINTAPE_TPA_DECODE_CLUSTER values to time (default 0,8,1,4; the first two at every m).
+# The tests run with the default schedule and again (the decode cases) with OTHER_SCHEDULE (default 8),
+# memcheck beside them; racecheck and synccheck together on RACE_CASES (default the decode cases); ncu on
+# NCU_SCHEDULES x NCU_MS (default 0 8 x 2048 8192, batch 8).
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 steps=,${2:-build,tests,bench,peer,ncu,memcheck,racecheck},
@@ -26,11 +29,25 @@ if has build; then
     >"$out/build.log" 2>&1
   log "build rc=$? ($(grep -c 'spill' "$out/build.log") spill lines)"
 fi
-if has tests; then
-  timeout 150 "$tests" -tc='*cuda*tpa*' >"$out/tests.log" 2>&1
+if has tests; then  # correctness only: the three runs share the GPU
+  timeout 150 "$tests" -tc='*cuda*tpa*' >"$out/tests.log" 2>&1 &
+  p1=$!
+  LINTAPE_TPA_DECODE_CLUSTER=${OTHER_SCHEDULE:-8} timeout 100 "$tests" -tc="$decode_cases" >"$out/tests-other.log" 2>&1 &
+  p2=$!
+  if has memcheck; then
+    LINTAPE_TPA_DECODE_CLUSTER=8 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
+      -tc="$decode_cases" -tce='*seeds*' >>"$out/sanitizer.log" 2>&1 &
+    p3=$!
+  fi
+  wait $p1
   log "TPA CUDA tests rc=$?: $(grep -E '^\[doctest\] (test cases|assertions)' "$out/tests.log" | tr '\n' ' ')"
-  LINTAPE_TPA_DECODE_CLUSTER=8 timeout 60 "$tests" -tc="$decode_cases" >>"$out/tests.log" 2>&1
-  log "decode cases under cluster 8 rc=$?: $(grep -E '^\[doctest\] test cases' "$out/tests.log" | tail -n1)"
+  wait $p2
+  log "decode cases, LINTAPE_TPA_DECODE_CLUSTER=${OTHER_SCHEDULE:-8} rc=$?: $(grep -E '^\[doctest\] (test cases|assertions)' \
+    "$out/tests-other.log" | tr '\n' ' ')"
+  if has memcheck; then
+    wait $p3
+    log "memcheck (decode cases, cluster 8) rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
+  fi
 fi
 if has bench; then
   first=1
@@ -54,8 +71,8 @@ fi
 if has ncu; then
   sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats
             --section WarpStateStats)
-  for c in 0 8; do
-    for m in 2048 8192; do
+  for c in ${NCU_SCHEDULES:-0 8}; do
+    for m in ${NCU_MS:-2048 8192}; do
       echo "== cluster $c, m $m (B = 8)" >>"$out/ncu.txt"
       LINTAPE_TPA_DECODE_CLUSTER=$c timeout 60 ncu --clock-control none "${sections[@]}" -k regex:decode_tc -c 1 \
         "$cli" bench tpa-decode --n $m --reps 1 --metric speed >>"$out/ncu.txt" 2>&1
@@ -63,17 +80,16 @@ if has ncu; then
     done
   done
 fi
-if has memcheck; then
-  LINTAPE_TPA_DECODE_CLUSTER=8 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
-    -tc="$decode_cases" -tce='*seeds*' >>"$out/sanitizer.log" 2>&1
-  log "memcheck (decode cases, cluster 8 by default) rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
-fi
-if has racecheck; then
+if has racecheck; then  # both tools at once
+  pids=()
   for tool in racecheck synccheck; do
-    timeout 90 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" \
-      -tc='*cuda tpa decode cluster schedule matches*,*cuda tpa decode tensor-core kernel matches*' \
-      >>"$out/sanitizer.log" 2>&1
-    log "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1)"
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="${RACE_CASES:-$decode_cases}" \
+      -tce='*seeds*' >"$out/$tool.log" 2>&1 &
+    pids+=($!)
   done
+  wait "${pids[0]}"
+  log "racecheck rc=$?: $(grep -E 'RACECHECK SUMMARY' "$out/racecheck.log" | tail -n1)"
+  wait "${pids[1]}"
+  log "synccheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/synccheck.log" | tail -n1)"
 fi
 log "done"
