@@ -6,7 +6,7 @@
 #   bench/notes/tpa-decode.sh OUTDIR [STEPS] [SCHEDULES]
 # STEPS: a comma list of build,tests,bench,peer,ncu,memcheck,racecheck (default: all, in that order).
 # SCHEDULES: LINTAPE_TPA_DECODE_CLUSTER values to time (default 0,8,1,4; the first two at every m).
-# The tests run with the default schedule and again (the decode cases) with OTHER_SCHEDULE (default 8),
+# The tests run with the default schedule and again (the decode cases) with OTHER_SCHEDULE (default 0),
 # memcheck beside them; racecheck and synccheck together on RACE_CASES (default the decode cases); ncu on
 # NCU_SCHEDULES x NCU_MS (default 0 8 x 2048 8192, batch 8).
 set -uo pipefail
@@ -32,7 +32,8 @@ fi
 if has tests; then  # correctness only: the three runs share the GPU
   timeout 150 "$tests" -tc='*cuda*tpa*' >"$out/tests.log" 2>&1 &
   p1=$!
-  LINTAPE_TPA_DECODE_CLUSTER=${OTHER_SCHEDULE:-8} timeout 100 "$tests" -tc="$decode_cases" >"$out/tests-other.log" 2>&1 &
+  LINTAPE_TPA_DECODE_CLUSTER=${OTHER_SCHEDULE:-0} timeout 100 "$tests" -tc="$decode_cases" \
+    >"$out/tests-other.log" 2>&1 &
   p2=$!
   if has memcheck; then
     LINTAPE_TPA_DECODE_CLUSTER=8 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
@@ -42,8 +43,8 @@ if has tests; then  # correctness only: the three runs share the GPU
   wait $p1
   log "TPA CUDA tests rc=$?: $(grep -E '^\[doctest\] (test cases|assertions)' "$out/tests.log" | tr '\n' ' ')"
   wait $p2
-  log "decode cases, LINTAPE_TPA_DECODE_CLUSTER=${OTHER_SCHEDULE:-8} rc=$?: $(grep -E '^\[doctest\] (test cases|assertions)' \
-    "$out/tests-other.log" | tr '\n' ' ')"
+  log "decode cases, LINTAPE_TPA_DECODE_CLUSTER=${OTHER_SCHEDULE:-0} rc=$?: \
+$(grep -E '^\[doctest\] (test cases|assertions)' "$out/tests-other.log" | tr '\n' ' ')"
   if has memcheck; then
     wait $p3
     log "memcheck (decode cases, cluster 8) rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"

@@ -17,13 +17,16 @@
 // block writes its unnormalised accumulator and (max, sum) per head; the last block of a sequence to
 // finish (a counter per sequence, reset by that block) combines them, so a call is always one launch.
 //
-// The cluster schedule (LINTAPE_TPA_DECODE_CLUSTER=1..8, or DecodeArgs::cluster) starts each block's
-// copies with bq (cp.async, no load-store chain) and issues its aq loads together; it launches the splits
-// of a sequence in thread-block clusters of up to that many blocks. Each block leaves its merged (acc,
-// max, sum) in its own shared memory; after a cluster barrier block r of the cluster combines the r-th
-// slice of the (h, e) values across the cluster's blocks through distributed shared memory. One cluster
-// a sequence writes the output there; with several, each cluster writes one partial and the last block
-// of the sequence combines those (cluster-many times fewer than splits).
+// The cluster schedule (the default; LINTAPE_TPA_DECODE_CLUSTER=0 or DecodeArgs::cluster = 0 runs the
+// schedule above, 1..7 caps the cluster size; it needs two chunks a warp and bq 16-byte aligned, else the
+// schedule above runs) starts each block's copies with bq (cp.async, no load-store chain) and issues its
+// aq loads together. The splits of a sequence run as thread-block clusters: of the sizes up to the cap,
+// the one that keeps the most blocks resident with every cluster of the grid resident (a grid past the
+// resident clusters would run a second wave). Each block leaves its merged (acc, max, sum) in its own
+// shared memory, four values of e a thread; after a cluster barrier block r of the cluster combines the
+// r-th slice of the (h, e) values across the cluster's blocks through distributed shared memory. One
+// cluster a sequence writes the output there; with several, each cluster writes one partial and the last
+// block of the sequence combines those (cluster-many times fewer than splits).
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
@@ -551,13 +554,13 @@ int* split_counters(int device, int64_t B) {
   return ptr[device];
 }
 
-// The blocks a cluster asked for: DecodeArgs::cluster, else LINTAPE_TPA_DECODE_CLUSTER, else 0 (the
-// last-block combine).
+// The blocks a cluster asked for: DecodeArgs::cluster, else LINTAPE_TPA_DECODE_CLUSTER, else kMaxCluster
+// (the cluster schedule; 0 is the last-block combine).
 int cluster_request(const DecodeArgs& a) {
   if (a.cluster >= 0) return a.cluster;
   static const int env = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_CLUSTER");
-    return v ? std::atoi(v) : 0;
+    return v ? std::atoi(v) : kMaxCluster;
   }();
   return env;
 }

@@ -21,7 +21,7 @@ struct DecodeArgs {
   bool allow_tensor_cores = true;  // false forces the general kernel (tests)
   // Tensor-core kernel: 1..8 runs the cluster schedule (splits combined by thread-block clusters of up
   // to this many blocks through distributed shared memory), 0 the last-block combine, -1 what
-  // LINTAPE_TPA_DECODE_CLUSTER says (unset: 0).
+  // LINTAPE_TPA_DECODE_CLUSTER says (unset: the cluster schedule, clusters of up to 8).
   int cluster = -1;
 };
 
