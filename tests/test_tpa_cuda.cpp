@@ -366,6 +366,7 @@ std::vector<int64_t> spread_lengths(const DecodeShape& s) {
 
 TEST_CASE("cuda tpa decode cluster schedule matches the CPU reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
+  // Clusters of up to 1, 2 and 8 blocks, and 0: the last-block schedule (LINTAPE_TPA_DECODE_CLUSTER=0).
   // M = 1, M not a multiple of any tile (the 64-row tiles of H <= 32, the 32-row ones of H = 64), ranks 1
   // and 16 for q, up to 4 for k and v, D 64 and 128, E 64 and 128, a batch past the inline lengths (300);
   // split_rows 0 (the launcher's choice: one cluster a sequence, e.g. B = 5, M = 1000, or several, e.g.
@@ -376,7 +377,7 @@ TEST_CASE("cuda tpa decode cluster schedule matches the CPU reference" * LT_CUDA
                                 {3, 301, 12, 6, 2, 2, 64, 128}};
   for (const DecodeShape& s : shapes)
     for (DType dt : {DType::BF16, DType::F16})
-      for (int cluster : {1, 2, 8})
+      for (int cluster : {0, 1, 2, 8})
         for (int64_t split_rows : {int64_t(0), int64_t(32)}) {
           CAPTURE(s.B);
           CAPTURE(s.M);
@@ -407,8 +408,9 @@ TEST_CASE("cuda tpa decode cluster schedule: seeds' shape, repeated calls, a Tpa
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   // B = 2 at M = 8192 takes several clusters a sequence (the last block combines them, then resets its
-  // counter): the error vs f64 within 5e-3 and the same bits on a second call.
-  for (int cluster : {4, 8}) {
+  // counter), or with 0 one partial a split: the error vs f64 within 5e-3 and the same bits on a second
+  // call.
+  for (int cluster : {0, 4, 8}) {
     CAPTURE(cluster);
     const DecodeShape s{2, 8192, 32, 16, 1, 1, 128, 128};
     const Inputs in = decode_inputs(s, DType::BF16, 17);
