@@ -42,15 +42,16 @@ Tensor cpu_decode(const Inputs& in, const std::vector<int64_t>& lengths) {
   return tpa_decode(c[0], c[1], c[2], c[3], c[4], c[5], o, Impl::Reference);
 }
 
-// Runs the launcher on a poisoned output and compares with the reference.
+// Runs the launcher on a poisoned output and compares with the reference; cluster as DecodeArgs::cluster.
 void check_decode(const DecodeShape& s, DType dt, const std::vector<int64_t>& lengths, int64_t split_rows,
-                  bool tensor_cores, uint64_t seed) {
+                  bool tensor_cores, uint64_t seed, int cluster = -1) {
   const Inputs in = decode_inputs(s, dt, seed);
 #if LINTAPE_WITH_CUDA
   tpa_cuda::DecodeArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], lengths};
   a.scale = 1.0 / std::sqrt(double(s.D));
   a.split_rows = split_rows;
   a.allow_tensor_cores = tensor_cores;
+  a.cluster = cluster;
   CHECK(tpa_cuda::decode_uses_tensor_cores(a) == tensor_cores);
   Tensor out = empty({s.B, 1, s.H, s.E}, dt, gpu());
   poison_(out);
@@ -61,6 +62,7 @@ void check_decode(const DecodeShape& s, DType dt, const std::vector<int64_t>& le
   (void)lengths;
   (void)split_rows;
   (void)tensor_cores;
+  (void)cluster;
 #endif
 }
 
@@ -347,4 +349,113 @@ TEST_CASE("cuda tpa decode of the last token equals the last row of the fused at
                                 in.cpu[3], in.cpu[4], in.cpu[5]);
   CHECK_CLOSE_TENSOR(full.narrow(1, s.N - 1, 1).contiguous().to(Device::cpu()), ref, DType::BF16);
   CHECK_CLOSE_TENSOR(last.to(Device::cpu()), ref, DType::BF16);
+}
+
+// Decode schedules: the tensor-core kernel's cluster schedule (a cluster of 1: its prologue with the
+// last-block combine), the general kernel at the rank extremes.
+namespace {
+
+// Several sequences of mixed cache length: the full M, length 1, and spread values in between.
+std::vector<int64_t> spread_lengths(const DecodeShape& s) {
+  std::vector<int64_t> lengths(size_t(s.B), s.M);
+  for (int64_t b = 1; b < s.B; ++b) lengths[size_t(b)] = b == 2 ? 1 : 1 + (b * 7919) % s.M;
+  return lengths;
+}
+
+}  // namespace
+
+TEST_CASE("cuda tpa decode cluster schedule matches the CPU reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // Clusters of up to 1, 2 and 8 blocks, and 0: the last-block schedule (LINTAPE_TPA_DECODE_CLUSTER=0).
+  // M = 1, M not a multiple of any tile (the 64-row tiles of H <= 32, the 32-row ones of H = 64), ranks 1
+  // and 16 for q, up to 4 for k and v, D 64 and 128, E 64 and 128, a batch past the inline lengths (300);
+  // split_rows 0 (the launcher's choice: one cluster a sequence, e.g. B = 5, M = 1000, or several, e.g.
+  // B = 2, M = 4097) and 32 (many splits: several clusters a sequence, combined by the last block).
+  const DecodeShape shapes[] = {{3, 1, 32, 16, 1, 1, 128, 128},   {5, 1000, 32, 1, 1, 1, 128, 128},
+                                {4, 777, 16, 16, 4, 4, 64, 64},   {2, 4097, 64, 16, 1, 1, 128, 128},
+                                {8, 2048, 32, 16, 1, 1, 128, 128}, {300, 40, 8, 2, 1, 1, 64, 64},
+                                {3, 301, 12, 6, 2, 2, 64, 128}};
+  for (const DecodeShape& s : shapes)
+    for (DType dt : {DType::BF16, DType::F16})
+      for (int cluster : {0, 1, 2, 8})
+        for (int64_t split_rows : {int64_t(0), int64_t(32)}) {
+          CAPTURE(s.B);
+          CAPTURE(s.M);
+          CAPTURE(s.H);
+          CAPTURE(dtype_name(dt));
+          CAPTURE(cluster);
+          CAPTURE(split_rows);
+          check_decode(s, dt, spread_lengths(s), split_rows, true, uint64_t(s.M + 3 * s.B), cluster);
+        }
+}
+
+TEST_CASE("cuda tpa decode general kernel at ranks 1 and 16" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const DecodeShape shapes[] = {{3, 129, 4, 1, 1, 1, 64, 64}, {2, 77, 2, 16, 16, 16, 128, 128},
+                                {4, 1, 3, 16, 16, 16, 64, 128}};
+  for (const DecodeShape& s : shapes)
+    for (DType dt : {DType::F32, DType::BF16, DType::F16})
+      for (int64_t split_rows : {int64_t(0), int64_t(16)}) {
+        CAPTURE(s.M);
+        CAPTURE(s.Rk);
+        CAPTURE(dtype_name(dt));
+        CAPTURE(split_rows);
+        check_decode(s, dt, spread_lengths(s), split_rows, false, uint64_t(s.M + s.Rk));
+      }
+}
+
+TEST_CASE("cuda tpa decode cluster schedule: seeds' shape, repeated calls, a TpaCache in place" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  // B = 2 at M = 8192 takes several clusters a sequence (the last block combines them, then resets its
+  // counter), or with 0 one partial a split: the error vs f64 within 5e-3 and the same bits on a second
+  // call.
+  for (int cluster : {0, 4, 8}) {
+    CAPTURE(cluster);
+    const DecodeShape s{2, 8192, 32, 16, 1, 1, 128, 128};
+    const Inputs in = decode_inputs(s, DType::BF16, 17);
+    const std::vector<int64_t> lengths{8192, 5000};
+    tpa_cuda::DecodeArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], lengths};
+    a.scale = 1.0 / std::sqrt(double(s.D));
+    a.cluster = cluster;
+    Tensor out = empty({s.B, 1, s.H, s.E}, DType::BF16, gpu());
+    poison_(out);
+    tpa_cuda::decode(a, out);
+    CHECK(rel_error(out.to(Device::cpu()), cpu_decode(in, lengths)) <= 5e-3);
+    Tensor again = empty({s.B, 1, s.H, s.E}, DType::BF16, gpu());
+    poison_(again);
+    tpa_cuda::decode(a, again);
+    CHECK(rel_error(again.to(Device::cpu()), out.to(Device::cpu())) == 0.0);
+  }
+  // The cache's buffers narrowed to the used rows: batch strides of the whole capacity.
+  const DecodeShape s{4, 300, 32, 16, 1, 1, 128, 128};
+  const Inputs in = decode_inputs(s, DType::BF16, 5);
+  TpaCache cache(s.B, s.H, s.Rk, s.Rv, s.D, s.E, DType::BF16, gpu(), Tensor(), 64);
+  for (int64_t t = 0; t < s.M; ++t)
+    cache.append(in.gpu[2].narrow(1, t, 1), in.gpu[3].narrow(1, t, 1), in.gpu[4].narrow(1, t, 1),
+                 in.gpu[5].narrow(1, t, 1), {true, t < 200, t < 1, true});
+  const std::vector<int64_t> lengths{300, 200, 1, 300};
+  REQUIRE(cache.lengths() == lengths);
+  const int64_t M = cache.max_length();
+  tpa_cuda::DecodeArgs a{in.gpu[0],
+                         in.gpu[1],
+                         cache.ak().narrow(1, 0, M),
+                         cache.bk().narrow(1, 0, M),
+                         cache.av().narrow(1, 0, M),
+                         cache.bv().narrow(1, 0, M),
+                         lengths};
+  REQUIRE(a.ak.strides()[0] != a.ak.size(1) * a.ak.size(2) * a.ak.size(3));  // not contiguous: in place
+  a.scale = 1.0 / std::sqrt(double(s.D));
+  for (int cluster : {2, 8})
+    for (int64_t split_rows : {int64_t(0), int64_t(64)}) {
+      CAPTURE(cluster);
+      CAPTURE(split_rows);
+      a.cluster = cluster;
+      a.split_rows = split_rows;
+      Tensor out = empty({s.B, 1, s.H, s.E}, DType::BF16, gpu());
+      poison_(out);
+      tpa_cuda::decode(a, out);
+      CHECK_CLOSE_TENSOR(out.to(Device::cpu()), cpu_decode(in, lengths), DType::BF16);
+    }
+#endif
 }

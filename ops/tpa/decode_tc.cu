@@ -16,8 +16,21 @@
 // tensor cores, so the kernel is bound by the cache's bytes. With several splits (flash-decoding), each
 // block writes its unnormalised accumulator and (max, sum) per head; the last block of a sequence to
 // finish (a counter per sequence, reset by that block) combines them, so a call is always one launch.
+//
+// The cluster schedule (the default; LINTAPE_TPA_DECODE_CLUSTER=0 or DecodeArgs::cluster = 0 runs the
+// schedule above, 1..7 caps the cluster size; it needs two chunks a warp and bq 16-byte aligned, else the
+// schedule above runs) starts each block's copies with bq (cp.async, no load-store chain) and issues its
+// aq loads together. The splits of a sequence run as thread-block clusters: of the sizes up to the cap,
+// the one that keeps the most blocks resident with every cluster of the grid resident (a grid past the
+// resident clusters would run a second wave). Each block leaves its merged (acc, max, sum) in its own
+// shared memory, four values of e a thread; after a cluster barrier block r of the cluster combines the
+// r-th slice of the (h, e) values across the cluster's blocks through distributed shared memory. One
+// cluster a sequence writes the output there; with several, each cluster writes one partial and the last
+// block of the sequence combines those (cluster-many times fewer than splits).
+#include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <vector>
 #include "core/cuda.h"
@@ -36,6 +49,7 @@ constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kPad = 8;  // 16-bit elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxSplits = 64;
+constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kMaxDevices = 16;
 constexpr int kTwoBlocksBytes = 113 * 1024;  // shared memory that leaves room for two blocks per SM
 constexpr int kMaxSharedBytes = 200 * 1024;
@@ -45,12 +59,13 @@ struct Geo {
   int H, Rq, Rk, Rv, D, E;
   int chunks, rows;                // 16-row chunks a warp takes of each tile; rows a tile
   int stages, splits, split_rows;  // split_rows: cache rows a split
+  int cluster;                     // blocks a cluster (cluster schedule; splits is a multiple of it), else 0
   int64_t ak_b, bk_b, av_b, bv_b;  // batch strides in elements
   float q_mix;                     // scale log2(e) / (R_q R_k): scores in base 2
   float inv_rv;
   // Shared memory in bytes: `stages` stages of (ak, bk, av, bv), then bq; the merge of the row groups and
   // the combine of the splits reuse the stages.
-  int st_ak, st_bk, st_av, st_bv, stage, bq, o_stride, total;
+  int st_ak, st_bk, st_av, st_bv, stage, bq, o_stride, res, total;  // res: a block's merged result
   int bq_stride, bk_stride, bv_stride;  // row strides in elements
 };
 
@@ -74,7 +89,11 @@ Geo make_geo(const DecodeArgs& a, int ch) {
   g.stage = g.st_bv + g.rows * g.Rv * g.bv_stride * e2;
   const int merge = kWarps * 16 * (g.o_stride + 2) * 4;  // each warp's acc, max and sum
   const int combine = 2 * kMaxSplits * g.H * 4;
-  auto total_for = [&](int stages) { return std::max({stages * g.stage + 16 * g.bq_stride * e2, merge, combine}); };
+  g.res = merge;                                 // after the row groups' values, which the merge reads
+  const int result = merge + (g.H * g.E + 2 * g.H) * 4;
+  auto total_for = [&](int stages) {
+    return std::max({stages * g.stage + 16 * g.bq_stride * e2, merge, combine, result});
+  };
   // The deepest pipeline that keeps two blocks per SM (two stages only with two chunks a warp, whose tiles
   // are twice as long), else the deepest that fits.
   for (int st : {4, 3, 2})
@@ -147,7 +166,7 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
 
 // Registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory keeps two resident,
 // and they ran 2-4% faster than at the uncapped 204.
-template <class T, int HG, int NT, int CH>
+template <class T, int HG, int NT, int CH, bool CL>
 __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
                                                          const T* __restrict__ av, const T* __restrict__ bv,
@@ -182,6 +201,13 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     copy_rows(st + g.st_av, avb + int64_t(r0) * H * Rv, plan_av, valid);
     copy_rows(st + g.st_bv, bvb + int64_t(r0) * Rv * E, plan_bv, valid * Rv);
   };
+  if constexpr (CL) {  // bq (rows past R_q zero-filled) at the head of the first tile's group
+    const int chunks = D / 8;
+    for (int i = tid; i < 16 * chunks; i += kThreads) {
+      const int r = i / chunks, c = i - r * chunks;
+      cp_async16(bq_s + r * g.bq_stride + c * 8, r < Rq ? bq + (int64_t(b) * Rq + r) * D + c * 8 : bq, r < Rq);
+    }
+  }
   for (int t = 0; t < g.stages - 1; ++t) {
     if (t < tiles) load_tile(t, t);
     cp_async_commit();
@@ -189,12 +215,21 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
 
   // bq with rows past R_q zeroed; aq of this warp's 16 heads as an A operand (heads x ranks), zero past
   // H and R_q.
-  for (int i = tid; i < 16 * g.bq_stride; i += kThreads) {
-    const int r = i / g.bq_stride, d = i - r * g.bq_stride;
-    bq_s[i] = r < Rq && d < D ? bq[(int64_t(b) * Rq + r) * D + d] : from_acc<T>(0.f);
-  }
+  if constexpr (!CL)
+    for (int i = tid; i < 16 * g.bq_stride; i += kThreads) {
+      const int r = i / g.bq_stride, d = i - r * g.bq_stride;
+      bq_s[i] = r < Rq && d < D ? bq[(int64_t(b) * Rq + r) * D + d] : from_acc<T>(0.f);
+    }
   const int h0 = hg * 16 + gr, h1 = h0 + 8;
-  auto aq_at = [&](int h, int r) { return h < H && r < Rq ? to_acc(aq[(int64_t(b) * H + h) * Rq + r]) : 0.f; };
+  // The cluster schedule loads every aq value unconditionally (at a clamped index), so the eight loads
+  // go out together; a load under its condition waits for the one before it.
+  auto aq_at = [&](int h, int r) {
+    if constexpr (CL) {
+      const float v = to_acc(aq[(int64_t(b) * H + min(h, H - 1)) * Rq + min(r, Rq - 1)]);
+      return h < H && r < Rq ? v : 0.f;
+    }
+    return h < H && r < Rq ? to_acc(aq[(int64_t(b) * H + h) * Rq + r]) : 0.f;
+  };
   const uint32_t qa[4] = {pack2<T>(aq_at(h0, gc), aq_at(h0, gc + 1)), pack2<T>(aq_at(h1, gc), aq_at(h1, gc + 1)),
                           pack2<T>(aq_at(h0, gc + 8), aq_at(h0, gc + 9)),
                           pack2<T>(aq_at(h1, gc + 8), aq_at(h1, gc + 9))};
@@ -344,31 +379,100 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     ml_s[warp * 32 + 16 + gr + 8] = l_run[1];
   }
   __syncthreads();
-  const int64_t slot = int64_t(b) * g.splits + split;
-  for (int i = tid; i < H * E; i += kThreads) {
-    const int h = i / E, e = i - h * E, r = h % 16, w0 = h / 16;  // warps w0, w0 + HG, ... hold head h
-    float m = -INFINITY;
+  float* res_o = reinterpret_cast<float*>(smem + g.res);  // cluster schedule: [h][e], then max[h], sum[h]
+  float* res_m = res_o + H * E;
+  float* res_l = res_m + H;
+  if constexpr (CL) {
+    // Four values of e a thread (E = 8 NT: the divisions are shifts), into this block's result.
+    constexpr int EQ = 2 * NT;  // quads of a head's E values
+    for (int q = tid; q < H * EQ; q += kThreads) {
+      const int h = q / EQ, e = (q - h * EQ) * 4, r = h % 16, w0 = h / 16;
+      float m = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < RG; ++c) m = fmaxf(m, ml_s[(w0 + c * HG) * 32 + r]);
-    float o = 0.f, l = 0.f;
+      for (int c = 0; c < RG; ++c) m = fmaxf(m, ml_s[(w0 + c * HG) * 32 + r]);
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      float l = 0.f;
 #pragma unroll
-    for (int c = 0; c < RG; ++c) {
-      const int w = w0 + c * HG;
-      const float mc = ml_s[w * 32 + r], f = mc == -INFINITY ? 0.f : exp2f(mc - m);
-      o += f * o_s[(w * 16 + r) * g.o_stride + e];
-      l += f * ml_s[w * 32 + 16 + r];
-    }
-    if (g.splits == 1) {
-      out[(int64_t(b) * H + h) * E + e] = from_acc<T>(o * g.inv_rv / l);
-    } else {
-      part_acc[(slot * H + h) * E + e] = o * g.inv_rv;
+      for (int c = 0; c < RG; ++c) {
+        const int w = w0 + c * HG;
+        const float mc = ml_s[w * 32 + r], f = mc == -INFINITY ? 0.f : exp2f(mc - m);
+        const float4 v = *reinterpret_cast<const float4*>(o_s + (w * 16 + r) * g.o_stride + e);
+        o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
+        l += f * ml_s[w * 32 + 16 + r];
+      }
+      const float k = g.inv_rv;
+      *reinterpret_cast<float4*>(res_o + h * E + e) = make_float4(o.x * k, o.y * k, o.z * k, o.w * k);
       if (e == 0) {
-        part_stat[(slot * H + h) * 2] = m;  // -inf for a split past the sequence's length
-        part_stat[(slot * H + h) * 2 + 1] = l;
+        res_m[h] = m;
+        res_l[h] = l;
       }
     }
+    // Block r of the cluster combines the r-th slice of the (h, e) quads over the cluster's blocks.
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const int C = g.cluster, rank = int(cluster.block_rank()), quads = H * EQ, per = (quads + C - 1) / C;
+    const bool whole = g.splits == C;  // one cluster a sequence: the output
+    const int64_t cslot = int64_t(b) * (g.splits / C) + split / C;
+    for (int q = rank * per + tid; q < min(quads, (rank + 1) * per); q += kThreads) {
+      const int h = q / EQ, i = q * 4;
+      float mc[kMaxCluster], m = -INFINITY;  // unrolled: the remote loads go out together
+#pragma unroll
+      for (int c = 0; c < kMaxCluster; ++c) {
+        mc[c] = c < C ? cluster.map_shared_rank(res_m, c)[h] : -INFINITY;
+        m = fmaxf(m, mc[c]);
+      }
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+      float l = 0.f;
+#pragma unroll
+      for (int c = 0; c < kMaxCluster; ++c)
+        if (mc[c] != -INFINITY) {
+          const float f = exp2f(mc[c] - m);
+          const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
+          o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
+          l += f * cluster.map_shared_rank(res_l, c)[h];
+        }
+      if (whole) {
+        const float k = 1.f / l;
+        *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i) =
+            make_uint2(pack2<T>(o.x * k, o.y * k), pack2<T>(o.z * k, o.w * k));
+      } else {
+        *reinterpret_cast<float4*>(part_acc + cslot * H * E + i) = o;
+        if (i == h * E) {
+          part_stat[(cslot * H + h) * 2] = m;  // -inf for a cluster past the sequence's length
+          part_stat[(cslot * H + h) * 2 + 1] = l;
+        }
+      }
+    }
+    cluster.sync();  // no block leaves while another reads its shared memory
+    if (whole) return;
+  } else {
+    const int64_t slot = int64_t(b) * g.splits + split;
+    for (int i = tid; i < H * E; i += kThreads) {
+      const int h = i / E, e = i - h * E, r = h % 16, w0 = h / 16;  // warps w0, w0 + HG, ... hold head h
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < RG; ++c) m = fmaxf(m, ml_s[(w0 + c * HG) * 32 + r]);
+      float o = 0.f, l = 0.f;
+#pragma unroll
+      for (int c = 0; c < RG; ++c) {
+        const int w = w0 + c * HG;
+        const float mc = ml_s[w * 32 + r], f = mc == -INFINITY ? 0.f : exp2f(mc - m);
+        o += f * o_s[(w * 16 + r) * g.o_stride + e];
+        l += f * ml_s[w * 32 + 16 + r];
+      }
+      if (g.splits == 1) {
+        out[(int64_t(b) * H + h) * E + e] = from_acc<T>(o * g.inv_rv / l);
+      } else {
+        part_acc[(slot * H + h) * E + e] = o * g.inv_rv;
+        if (e == 0) {
+          part_stat[(slot * H + h) * 2] = m;  // -inf for a split past the sequence's length
+          part_stat[(slot * H + h) * 2 + 1] = l;
+        }
+      }
+    }
+    if (g.splits == 1) return;
   }
-  if (g.splits == 1) return;
   __threadfence();
   __syncthreads();
   if (tid == 0) is_last = atomicAdd(counters + b, 1) == g.splits - 1;
@@ -376,8 +480,9 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   if (!is_last) return;
   __threadfence();
 
-  // The combine: weight of split s for head h = 2^(m_s - m) / sum_s' l_s' 2^(m_s' - m).
-  const int S = g.splits;
+  // The combine: weight of slot s for head h = 2^(m_s - m) / sum_s' l_s' 2^(m_s' - m); a slot is a split,
+  // or a cluster of splits in the cluster schedule.
+  const int S = CL ? g.splits / g.cluster : g.splits;
   float* wm = reinterpret_cast<float*>(smem);
   float* wl = wm + S * H;
   const float* stat = part_stat + int64_t(b) * S * H * 2;
@@ -422,9 +527,9 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
 // Splits: one wave of resident blocks over the batch (the kernel is bound by the bytes its blocks keep
 // in flight, so every resident slot should stream), each split at least two tiles long (the pipeline's
 // depth), at most kMaxSplits.
-int choose_splits(int64_t B, int64_t M, int sms, int blocks_per_sm, const Geo& g) {
+int choose_splits(int64_t B, int64_t M, int64_t resident, const Geo& g) {
   const int64_t tiles = (M + g.rows - 1) / g.rows;
-  const int64_t wave = std::max<int64_t>(1, int64_t(blocks_per_sm) * sms / B);
+  const int64_t wave = std::max<int64_t>(1, resident / B);
   return int(std::max<int64_t>(1, std::min<int64_t>({wave, (tiles + 1) / 2, kMaxSplits})));
 }
 
@@ -449,49 +554,135 @@ int* split_counters(int device, int64_t B) {
   return ptr[device];
 }
 
-template <class T, int HG, int NT, int CH>
-void launch(const DecodeArgs& a, Geo g, Tensor& out) {
-  auto kernel = decode_tc<T, HG, NT, CH>;
-  const Device dev = a.aq.device();
-  const int device = dev.index;
+// The blocks a cluster asked for: DecodeArgs::cluster, else LINTAPE_TPA_DECODE_CLUSTER, else kMaxCluster
+// (the cluster schedule; 0 is the last-block combine).
+int cluster_request(const DecodeArgs& a) {
+  if (a.cluster >= 0) return a.cluster;
+  static const int env = [] {
+    const char* v = std::getenv("LINTAPE_TPA_DECODE_CLUSTER");
+    return v ? std::atoi(v) : kMaxCluster;
+  }();
+  return env;
+}
+
+// The kernel's limits, worked out once per device and shared-memory size: its dynamic shared memory
+// allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0).
+template <class T, int HG, int NT, int CH, bool CL>
+int64_t prepare(int device, const Geo& g, int cluster) {
+  auto kernel = decode_tc<T, HG, NT, CH, CL>;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
-  static int occupancy_total[kMaxDevices] = {}, occupancy_blocks[kMaxDevices] = {};
+  static int seen_total[kMaxDevices][kMaxCluster + 1] = {};
+  static int64_t resident[kMaxDevices][kMaxCluster + 1] = {};
   if (allowed[device] < g.total) {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, g.total));
     allowed[device] = g.total;
   }
-  if (occupancy_total[device] != g.total) {
-    LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy_blocks[device], kernel, kThreads,
-                                                                size_t(g.total)));
-    occupancy_total[device] = g.total;
+  if (seen_total[device][cluster] != g.total) {
+    if (cluster == 0) {
+      int blocks = 0;
+      LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, size_t(g.total)));
+      resident[device][cluster] = int64_t(std::max(1, blocks)) * sm_count(device);
+    } else {
+      cudaLaunchConfig_t cfg{};
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = unsigned(cluster);
+      attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+      cfg.gridDim = dim3(unsigned(cluster));
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = size_t(g.total);
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      LT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+      resident[device][cluster] = int64_t(std::max(1, clusters)) * cluster;
+    }
+    seen_total[device][cluster] = g.total;
   }
+  return resident[device][cluster];
+}
+
+template <class T, int HG, int NT, int CH>
+void launch(const DecodeArgs& a, Geo g, Tensor& out) {
+  const Device dev = a.aq.device();
+  const int device = dev.index;
+  // The cluster schedule where it was asked for and applies (two chunks a warp, bq 16-byte aligned).
+  int cluster = std::min(cluster_request(a), kMaxCluster);
+  if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
+  auto kernel = decode_tc<T, HG, NT, CH, false>;
+  auto clustered = decode_tc<T, HG, NT, CH, CH == 2>;
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
+  int64_t resident = 0;
+  if (cluster) {
+    // The cluster size up to the one asked for that runs the most blocks at once with every cluster of
+    // the grid resident (a grid past the resident clusters runs a second wave); at least one cluster of
+    // one block a sequence.
+    int best = 1;
+    int64_t best_blocks = 0;
+    for (int c = cluster; c >= 1; --c) {
+      const int64_t per_sequence = prepare<T, HG, NT, CH, CH == 2>(device, g, c) / c / B;
+      if (per_sequence * c > best_blocks) {
+        best = c;
+        best_blocks = per_sequence * c;
+      }
+    }
+    if (a.split_rows <= 0) cluster = best;
+    resident = std::max<int64_t>(best_blocks, 1) * B;
+  } else {
+    resident = prepare<T, HG, NT, CH, false>(device, g, 0);
+  }
   int64_t rows = a.split_rows;
   if (rows > 0) {
     rows = (rows + g.rows - 1) / g.rows * g.rows;
     rows = std::max(rows, (M + kMaxSplits - 1) / kMaxSplits);
   } else {
-    const int s = choose_splits(B, M, sm_count(device), std::max(1, occupancy_blocks[device]), g);
+    const int s = choose_splits(B, M, resident, g);
     rows = ((M + s - 1) / s + g.rows - 1) / g.rows * g.rows;
   }
   g.split_rows = int(rows);
   g.splits = int((M + rows - 1) / rows);
+  // A cluster of at most the splits; trailing splits past M (no rows) round the grid up to whole clusters
+  // (with the cluster size chosen above, still within the resident clusters).
+  cluster = std::min(cluster, g.splits);
+  g.cluster = cluster;
+  if (cluster) g.splits = (g.splits + cluster - 1) / cluster * cluster;
+  const int slots = cluster ? g.splits / cluster : g.splits;  // partial results a sequence
   Tensor length_storage, part_acc, part_stat;
   const DecodeLengths lengths = make_decode_lengths(a.lengths, dev, length_storage);
   float* pa = nullptr;
   float* ps = nullptr;
   int* counters = nullptr;
-  if (g.splits > 1) {
-    part_acc = empty({B, g.splits, g.H, g.E}, DType::F32, dev);
-    part_stat = empty({B, g.splits, g.H, 2}, DType::F32, dev);
+  if (slots > 1) {
+    part_acc = empty({B, slots, g.H, g.E}, DType::F32, dev);
+    part_stat = empty({B, slots, g.H, 2}, DType::F32, dev);
     pa = part_acc.data_ptr<float>();
     ps = part_stat.data_ptr<float>();
     counters = split_counters(device, B);
   }
-  kernel<<<dim3(unsigned(g.splits), unsigned(B)), kThreads, size_t(g.total), stream(device)>>>(
-      static_cast<const T*>(a.aq.data()), static_cast<const T*>(a.bq.data()), static_cast<const T*>(a.ak.data()),
-      static_cast<const T*>(a.bk.data()), static_cast<const T*>(a.av.data()), static_cast<const T*>(a.bv.data()),
-      lengths, static_cast<T*>(out.data()), pa, ps, counters, g);
+  const T* f[6];
+  const Tensor* factors[6] = {&a.aq, &a.bq, &a.ak, &a.bk, &a.av, &a.bv};
+  for (int i = 0; i < 6; ++i) f[i] = static_cast<const T*>(factors[i]->data());
+  T* o = static_cast<T*>(out.data());
+  const dim3 grid(unsigned(g.splits), unsigned(B));
+  if (!cluster) {
+    kernel<<<grid, kThreads, size_t(g.total), stream(device)>>>(f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa,
+                                                                ps, counters, g);
+    LT_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cluster);
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = size_t(g.total);
+  cfg.stream = stream(device);
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  LT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, clustered, f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa, ps,
+                                   counters, g));
   LT_CUDA_CHECK_LAUNCH();
 }
 

@@ -19,6 +19,10 @@ struct DecodeArgs {
   double scale = 0;
   int64_t split_rows = 0;          // cache rows per split; 0 lets the launcher choose from the shapes
   bool allow_tensor_cores = true;  // false forces the general kernel (tests)
+  // Tensor-core kernel: 1..8 runs the cluster schedule (splits combined by thread-block clusters of up
+  // to this many blocks through distributed shared memory), 0 the last-block combine, -1 what
+  // LINTAPE_TPA_DECODE_CLUSTER says (unset: the cluster schedule, clusters of up to 8).
+  int cluster = -1;
 };
 
 // out (B, 1, H, E) contiguous, in the factors' dtype. The tensor-core kernel is one launch (with a split
