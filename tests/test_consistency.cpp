@@ -85,7 +85,7 @@ Row md_row(std::string name, MdLrpeOptions o, Shape x, Shape theta) {
 // then D=64 over N=37 tokens.
 std::vector<Row> lrpe_rows() {
   std::vector<Row> r;
-  auto o = [](Act act, ActDim dim = ActDim::None, int64_t offset = 0) { return LrpeOptions{offset, act, dim}; };
+  auto o = [](Act act, ActDim dim = ActDim::None, int64_t offset = 0) { return LrpeOptions{offset, act, dim, {}}; };
   for (const ActCase& a : kActs) r.push_back(lrpe_row(str("act ", a.name), LrpeKind::Cosine, o(a.act, a.dim),
                                                       {2, 5, 2, 4}, {2, 4}));
   r.push_back(lrpe_row("theta (1, E)", LrpeKind::Cosine, o(Act::Silu), {2, 5, 2, 4}, {1, 4}));

@@ -103,7 +103,11 @@ void TpaCache::append(const Tensor& ak, const Tensor& bk, const Tensor& av, cons
     for (int i = 0; i < 4; ++i) {
       Tensor src = tok[i].narrow(0, b0, count);
       // bk is rotated at the token's position; its R_k rows share the one-row theta.
-      if (i == 1 && theta_.defined()) src = lrpe_rotate(src, theta_, LrpeOptions{pos});
+      if (i == 1 && theta_.defined()) {
+        LrpeOptions at;
+        at.offset = pos;
+        src = lrpe_rotate(src, theta_, at);
+      }
       bufs[i]->narrow(0, b0, count).narrow(1, pos, 1).copy_(src);
     }
   };
