@@ -118,7 +118,12 @@ class Trainer {
   double last_grad_norm_ = 0;    // of the last update (tried)
   std::unique_ptr<StepGraph> graph_;               // queued steps only
   bool graph_said_ = false;                        // the log told whether the step is a CUDA graph
-  std::vector<std::pair<Tensor, Tensor>> inputs_;  // queued steps: each micro-batch's (tokens, targets)
+  // Queued steps: each micro-batch's fixed device buffers, which every step's batch is copied into.
+  struct StepInputs {
+    Tensor tokens, targets;
+    Documents documents;  // defined when the data has documents
+  };
+  std::vector<StepInputs> inputs_;
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;
 };
