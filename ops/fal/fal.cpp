@@ -39,7 +39,7 @@ std::vector<double> decay_values(const FalOptions& o, int64_t H) {
 }
 
 Tensor act_lrpe(const Tensor& x, const ActSpec& a, const FalOptions& o, Impl impl) {
-  const LrpeOptions lo{o.offset, a.act, a.dim};
+  const LrpeOptions lo{o.offset, a.act, a.dim, o.documents};
   switch (o.lrpe) {
     case FalLrpe::None: return impl == Impl::Reference ? reference_act(x.contiguous(), a) : apply_act(x, a.act, a.dim);
     case FalLrpe::Cosine: return lrpe_cosine(x, o.theta, lo, impl);
@@ -116,6 +116,13 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
     LT_CHECK(o.theta.defined(), "[", op, "] lrpe ", fal_lrpe_name(o.lrpe), " needs theta; got an undefined tensor");
   LT_CHECK(o.lrpe != FalLrpe::MdCosine || o.offset == 0, "[", op,
            "] md_cosine takes its positions from the grid; offset must be 0, got ", o.offset);
+  if (o.documents.defined()) {
+    LT_CHECK(o.causal, "[", op, "] documents are for causal mode only (noncausal FAL sums every key of a row); "
+             "got documents in noncausal mode");
+    LT_CHECK(o.lrpe != FalLrpe::MdCosine, "[", op, "] md_cosine takes its positions from one grid per row and "
+             "does not take documents");
+    o.documents.check(op, B, N, q.device());
+  }
   if (o.decay.defined()) {
     LT_CHECK(o.causal, "[", op,
              "] decay is for causal mode only; got a decay tensor in noncausal "
@@ -204,6 +211,7 @@ Tensor fal_step(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Tenso
   const char* op = "fal_step";
   FalOptions o = options;
   o.causal = true;
+  o.documents = Documents();  // decoding continues the last document
   check_inputs(q_t, k_t, v_t, g_t, o, op, !o.decay.defined() || !o.decay.is_cuda());
   LT_CHECK(q_t.size(1) == 1, "[", op,
            "] q_t, k_t, v_t and g_t must hold one token, (B, 1, H, D or E); "

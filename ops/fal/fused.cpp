@@ -104,6 +104,7 @@ const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions
   if (q.dtype() != DType::F32 && q.dtype() != DType::BF16 && q.dtype() != DType::F16)
     return "the fused kernels take f32, bf16 or f16 inputs";
   if (o.lrpe == FalLrpe::MdCosine) return "md_cosine runs composed";
+  if (o.documents.defined()) return "the fused kernels do not take documents yet (Composed runs them)";
   if (is_seq_softmax(o.q) || is_seq_softmax(o.k) || is_seq_softmax(o.v) || is_seq_softmax(o.g))
     return "softmax over the sequence runs composed";
   if (o.lrpe == FalLrpe::Rotate && q.size(3) % 2 != 0) return "rotate needs an even D";

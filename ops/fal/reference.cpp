@@ -26,17 +26,20 @@ Tensor reference_act(const Tensor& x, const ActSpec& a) {
 namespace {
 
 // The linear attention on activated, encoded inputs: qb (B, N, H, P), kb (B, M, H, P), vb (B, M, H, E), gb (B,
-// N, H, E), all contiguous, values in double.
+// N, H, E), all contiguous, values in double; starts (B x N) the documents' starts (causal; empty: none).
 struct CoreInputs {
   int64_t B, N, M, H, P, E;
   std::vector<double> q, k, v, g;
+  std::vector<int32_t> starts;
+  // Token t > 0 of row b begins a document: the state is reset before it.
+  bool resets(int64_t b, int64_t t) const { return !starts.empty() && t > 0 && starts[size_t(b * N + t)] == t; }
   size_t qi(int64_t b, int64_t t, int64_t h) const { return size_t(((b * N + t) * H + h) * P); }
   size_t ki(int64_t b, int64_t t, int64_t h) const { return size_t(((b * M + t) * H + h) * P); }
   size_t vi(int64_t b, int64_t t, int64_t h) const { return size_t(((b * M + t) * H + h) * E); }
   size_t gi(int64_t b, int64_t t, int64_t h) const { return size_t(((b * N + t) * H + h) * E); }
 };
 
-CoreInputs core_inputs(const Tensor& qb, const Tensor& kb, const Tensor& vb, const Tensor& gb) {
+CoreInputs core_inputs(const Tensor& qb, const Tensor& kb, const Tensor& vb, const Tensor& gb, const Documents& docs) {
   return {qb.size(0),
           qb.size(1),
           kb.size(1),
@@ -46,11 +49,13 @@ CoreInputs core_inputs(const Tensor& qb, const Tensor& kb, const Tensor& vb, con
           qb.to_vector<double>(),
           kb.to_vector<double>(),
           vb.to_vector<double>(),
-          gb.to_vector<double>()};
+          gb.to_vector<double>(),
+          docs.host_starts()};
 }
 
 // The states of (b, h) walked forward from S0's block (zeros when s0 is empty). Causal: S_t = lambda S_{t-1} +
-// kb_t^T vb_t, then at_query(t) at each token; noncausal: every key first (S = kv), then at_query(t) for each
+// kb_t^T vb_t (S_{t-1} taken as 0 where t begins a document other than the row's first), then at_query(t) at
+// each token; noncausal: every key first (S = kv), then at_query(t) for each
 // query. S holds the last state on return.
 template <class AtQuery>
 void walk_states(const CoreInputs& c, bool causal, double lambda, const std::vector<double>& s0, int64_t b,
@@ -68,7 +73,8 @@ void walk_states(const CoreInputs& c, bool causal, double lambda, const std::vec
   };
   if (causal) {
     for (int64_t t = 0; t < c.N; ++t) {
-      for (double& x : S) x *= lambda;
+      const double carry = c.resets(b, t) ? 0.0 : lambda;
+      for (double& x : S) x *= carry;
       add_token(t);
       at_query(t);
     }
@@ -108,7 +114,7 @@ struct CoreGrads {
 };
 
 // Backward of core_forward from do (empty: zero) and, causal, dS_final (empty: zero). Causal: G_t = dL/dS_t =
-// qb_t^T dy_t + lambda G_{t+1} (+ dS_final at t = N-1); dkb_t = G_t vb_t, dvb_t = kb_t G_t, dS0 = lambda G_0;
+// qb_t^T dy_t + lambda G_{t+1} (+ dS_final at t = N-1; no lambda G_{t+1} where t + 1 begins a document); dkb_t = G_t vb_t, dvb_t = kb_t G_t, dS0 = lambda G_0;
 // dqb_t = dy_t S_t^T and dgb_t = do_t * y_t need the forward states.
 CoreGrads core_backward(const CoreInputs& c, bool causal, const std::vector<double>& lam, const std::vector<double>& s0,
                         const std::vector<double>& dout, const std::vector<double>& dS_final) {
@@ -167,7 +173,8 @@ CoreGrads core_backward(const CoreInputs& c, bool causal, const std::vector<doub
         for (int64_t t = c.N - 1; t >= 0; --t) {
           add_query(t);
           key_grads(t);
-          for (double& s : G) s *= l;
+          const double carry = c.resets(b, t) ? 0.0 : l;
+          for (double& s : G) s *= carry;
         }
         if (!s0.empty()) std::copy(G.begin(), G.end(), gr.s0.begin() + (b * c.H + h) * P * E);
       } else {
@@ -190,7 +197,7 @@ std::pair<Tensor, Tensor> run_reference(const Tensor& q, const Tensor& k, const 
   const bool causal = o.causal;
   const std::vector<double> lam = decay_values(o, q.size(2));
   const DType sdt = state_dtype(q.dtype());
-  auto ctx = std::make_shared<CoreInputs>(core_inputs(qb.detach(), kb.detach(), vb.detach(), gb.detach()));
+  auto ctx = std::make_shared<CoreInputs>(core_inputs(qb.detach(), kb.detach(), vb.detach(), gb.detach(), o.documents));
   const std::vector<double> s0 = S0.defined() ? S0.to_vector<double>() : std::vector<double>();
   auto [ov, sv] = core_forward(*ctx, causal, lam, s0);
   Tensor out = from_vector(ov, g.shape(), q.dtype());
