@@ -61,16 +61,6 @@ void write_bin_tokens(const std::string& path, const std::vector<uint16_t>& toke
   out.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(2 * tokens.size()));
 }
 
-// A fortunes-like corpus: short sayings between `%` lines.
-std::string write_fortunes(const TempDir& dir) {
-  const std::string path = dir.file("fortunes");
-  std::ofstream out(path);
-  const char* sayings[] = {"the quick brown fox jumps over the lazy dog.\n", "a stitch in time saves nine.\n",
-                           "all that glitters\nis not gold.\n", "where there is smoke there is fire.\n", "!\n"};
-  for (int i = 0; i < 200; ++i) out << sayings[(i * 7 + i / 3) % 5] << "%\n";
-  return path;
-}
-
 double mean_of(const std::vector<double>& v, size_t from, size_t to) {
   double s = 0;
   for (size_t i = from; i < to; ++i) s += v[i];
@@ -481,7 +471,7 @@ TEST_CASE("documents: packed rows carry their documents' starts and no target cr
 
 TEST_CASE("documents: the held-out tail starts a document, and mqar refuses them") {
   TempDir dir("docopen");
-  const std::string corpus = write_fortunes(dir);
+  const std::string corpus = write_document_corpus(dir);
   const auto data = open_data(corpus, "", 2, 32, 0, 4, 256, 0.05, {"auto"});
   CHECK(data->documents().find("the fortunes' % lines: ") == 0);
   const Batch v = data->validation(0);
@@ -502,7 +492,7 @@ TEST_CASE("documents: the held-out tail starts a document, and mqar refuses them
 
 TEST_CASE("documents: a training step's loss is the model's on the batch with its documents") {
   TempDir dir("docstep");
-  TrainConfig c = micro_train_config(write_fortunes(dir));
+  TrainConfig c = micro_train_config(write_document_corpus(dir));
   c.documents = "auto";
   c.steps = 1;
   const auto data = open_data(c.data, "", c.batch, c.model.seq_len, c.seed, c.val_batches, c.model.vocab_size, 0.05,
@@ -522,7 +512,7 @@ TEST_CASE("documents: a training step's loss is the model's on the batch with it
 
 TEST_CASE("documents: resume is bit-identical to an uninterrupted run") {
   TempDir dir("docresume");
-  TrainConfig c = micro_train_config(write_fortunes(dir));
+  TrainConfig c = micro_train_config(write_document_corpus(dir));
   c.documents = "auto";
   c.steps = 6;
   c.checkpoint_every = 2;

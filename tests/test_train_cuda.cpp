@@ -1,7 +1,8 @@
 // Deterministic GPU training and the step as a CUDA graph: the weight gradients of the embedding and of
 // rms_norm have the same bits on every call, two runs with the same seed give the same losses
 // and the same checkpoint bytes, a resumed run continues as the uninterrupted one did, and replayed steps
-// equal eager ones, bit for bit, for either mixer (bf16 activations, the default on CUDA).
+// equal eager ones, bit for bit, for either mixer (bf16 activations, the default on CUDA), with packed
+// documents too (each replay reads its batch's boundaries).
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -176,5 +177,30 @@ TEST_CASE("cuda graph: five replayed steps equal five eager steps bit for bit" *
     CHECK(weights(graphed) == weights(eager));
     // Validation between replays runs eagerly on the updated weights: the same on both.
     CHECK(graphed.validate().first == eager.validate().first);
+  }
+}
+
+TEST_CASE("cuda graph with documents: each replay reads its step's boundaries, equal to eager steps" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  TempDir dir("cuda_graph_documents");
+  const std::string corpus = write_document_corpus(dir);
+  for (const char* mixer : {"fal", "tpa"}) {
+    CAPTURE(mixer);
+    TrainConfig c = config_for(corpus, mixer);
+    c.steps = 5;
+    c.documents = "auto";
+    Trainer graphed(c, on_gpu("", true)), eager(c, on_gpu("", false));
+    const TrainResult g = graphed.run(), e = eager.run();
+    INFO("graphed: CUDA graph " << g.cuda_graph);
+    CHECK(g.cuda_graph == "on");
+    REQUIRE(g.losses.size() == 5);
+    INFO(side_by_side(g.losses, e.losses));
+    CHECK(same_bits(g.losses, e.losses));
+    CHECK(weights(graphed) == weights(eager));
+    CHECK(graphed.validate().first == eager.validate().first);
+    // The boundaries reach the ops: the same rows without them train otherwise.
+    c.documents = "";
+    const TrainResult plain = Trainer(c, on_gpu("", true)).run();
+    CHECK_FALSE(same_bits(plain.losses, g.losses));
   }
 }
