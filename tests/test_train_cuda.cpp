@@ -198,9 +198,5 @@ TEST_CASE("cuda graph with documents: each replay reads its step's boundaries, e
     CHECK(same_bits(g.losses, e.losses));
     CHECK(weights(graphed) == weights(eager));
     CHECK(graphed.validate().first == eager.validate().first);
-    // The boundaries reach the ops: the same rows without them train otherwise.
-    c.documents = "";
-    const TrainResult plain = Trainer(c, on_gpu("", true)).run();
-    CHECK_FALSE(same_bits(plain.losses, g.losses));
   }
 }
