@@ -139,10 +139,10 @@ TokenText load_documents(const std::string& path, const DocumentSplit& split, in
       for (char c : doc) t.tokens.push_back(int32_t(static_cast<unsigned char>(c)));
     }
   LT_CHECK(!t.tokens.empty(), "[data] --documents: '", path, "' holds no document (only separators)");
-  if (vocab > 0 && vocab < 256)
-    for (size_t i = 0; i < t.tokens.size(); ++i)
-      LT_CHECK(int64_t(t.tokens[i]) < vocab, "[data] '", path, "' holds token ", t.tokens[i], "; the model's vocabulary has ",
-               vocab, " tokens (0..", vocab - 1, ")");
+  // Bytes: only a vocabulary below 256 can be too small for them.
+  const auto big = std::find_if(t.tokens.begin(), t.tokens.end(), [&](int32_t v) { return vocab > 0 && v >= vocab; });
+  LT_CHECK(big == t.tokens.end(), "[data] '", path, "' holds byte ", big == t.tokens.end() ? 0 : *big,
+           "; the model's vocabulary has ", vocab, " tokens (0..", vocab - 1, ")");
   return t;
 }
 
