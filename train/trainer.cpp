@@ -292,7 +292,8 @@ double Trainer::forward_backward() {
   }
   // Before any other collective: every rank issues them in the same order.
   if (session_.reducer) session_.reducer->finish();
-  // The mean over the global batch: every rank's slice has the same number of targets.
+  // The mean of the ranks' means: the global batch's mean where every slice has as many targets (with
+  // documents the slices' -1 targets differ a little, and each slice's mean weighs the same).
   if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
   return loss;
 }
