@@ -11,7 +11,7 @@ Tensor run_composed(const Tensor& x, const LrpeSpec& spec) {
   const int64_t N = x.size(1), D = x.size(3), A = spec.rotate() ? D / 2 : D;
   const DType ct = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   const Device dev = x.device();
-  Tensor c, s;  // (N, 1 or H, A or 1), in x's dtype
+  Tensor c, s;  // (N, 1 or H, A or 1), or (B, N, 1 or H, A or 1) with documents, in x's dtype
   {
     NoGradGuard no_grad;  // theta gets no gradient
     Tensor th = spec.theta.detach().to(ct);
@@ -31,6 +31,13 @@ Tensor run_composed(const Tensor& x, const LrpeSpec& spec) {
       }
       angle = cat(axes, 2).narrow(2, 0, D);
       if (L > 0) angle = cat({zeros({L, R, D}, ct, dev), angle}, 0);
+    } else if (spec.starts.defined()) {  // each token's position in its document
+      const int64_t B = x.size(0);
+      const std::vector<int32_t> starts = spec.starts.to_vector<int32_t>();
+      std::vector<double> pos(starts.size());
+      for (size_t i = 0; i < pos.size(); ++i) pos[i] = double(spec.offset + int64_t(i) % N - starts[i]);
+      angle = from_vector(pos, {B, N, 1, 1}, ct, dev) * th.view({1, 1, R, E});
+      if (!spec.rate_per_head() && E < A) angle = cat({angle, zeros({B, N, R, A - E}, ct, dev)}, 3);
     } else {
       angle = arange(spec.offset, spec.offset + N, ct, dev).view({N, 1, 1}) * th;
       if (!spec.rate_per_head() && E < A) angle = cat({angle, zeros({N, R, A - E}, ct, dev)}, 2);

@@ -48,6 +48,7 @@ struct Geo {
   int E;
   bool rate_per_head;    // 1d theta of one column: one rate for all features of a head
   int64_t offset;
+  const int32_t* starts; // 1d with documents: (B, N), token t of row b at offset + t - starts[b, t]; else null
   int md_k;              // 0 for 1d; else the number of grid axes
   int64_t grid[4];
   int64_t L;             // md: tokens in front with angle 0
@@ -121,7 +122,8 @@ __device__ __forceinline__ float rate_1d(const Geo& g, const float* th, int64_t 
   return g.rate_per_head ? th[0] : (j < g.E ? th[j] : 0.f);
 }
 
-// cos/sin of angle indices j0 .. j0 + VEC - 1 of token t, head h.
+// cos/sin of angle indices j0 .. j0 + VEC - 1 of token t, head h (1d: of position offset + t, t the
+// token's place in its document).
 template <int VEC>
 __device__ __forceinline__ void unit_sincos(const Geo& g, int64_t t, int64_t h, int64_t j0, float (&c)[VEC],
                                             float (&s)[VEC]) {

@@ -14,6 +14,8 @@ struct LrpeSpec {
   enum Kind { Cosine, Rotate, MdCosine } kind = Cosine;
   Tensor theta;               // (H or 1, E); for the kernels f32, contiguous, on x's device
   int64_t offset = 0;         // 1d: token s sits at position offset + s
+  Tensor starts;              // 1d with documents: (B, N) int32 on x's device (ops/documents.h), token s of
+                              // row b then sits at offset + s - starts[b, s]; undefined: no boundaries
   std::vector<int64_t> grid;  // md: the token grid (1 to 4 dims)
   int64_t extra_tokens = 0;   // md: L tokens in front with angle 0
   Act act = Act::None;

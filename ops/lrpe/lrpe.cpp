@@ -52,6 +52,16 @@ void check_inputs(const Tensor& x, const LrpeSpec& spec) {
   LT_CHECK(spec.offset >= 0, "[", op, "] offset must be >= 0; got ", spec.offset);
 }
 
+// The documents' checks; their starts go into the spec.
+void check_documents(const Tensor& x, const Documents& docs, LrpeSpec& spec) {
+  const char* op = spec.name();
+  docs.check(op, x.size(0), x.size(1), x.device());
+  if (!docs.defined()) return;
+  LT_CHECK(!spec.seq_softmax(), "[", op, "] documents do not combine with softmax over the sequence (it would "
+           "normalise across the documents of a row)");
+  spec.starts = docs.starts().contiguous();
+}
+
 // Impl::Fused: the fused path's own checks, then the kernels.
 Tensor fused_path(const Tensor& x, const LrpeSpec& spec, bool cache_angles) {
   const char* op = spec.name();
@@ -65,8 +75,9 @@ Tensor fused_path(const Tensor& x, const LrpeSpec& spec, bool cache_angles) {
 #endif
 }
 
-Tensor run(const Tensor& x_in, const LrpeSpec& spec, Impl impl, bool cache_angles = false) {
+Tensor run(const Tensor& x_in, LrpeSpec spec, Impl impl, const Documents& docs = {}, bool cache_angles = false) {
   check_inputs(x_in, spec);
+  check_documents(x_in, docs, spec);
   const char* op = spec.name();
   // ops/impl.h's rule: the fused kernels take every f32/bf16/f16 CUDA call.
   if (impl == Impl::Auto)
@@ -91,11 +102,11 @@ LrpeSpec spec_1d(LrpeSpec::Kind kind, const Tensor& theta, const LrpeOptions& op
 }  // namespace
 
 Tensor lrpe_cosine(const Tensor& x, const Tensor& theta, const LrpeOptions& options, Impl impl) {
-  return run(x, spec_1d(LrpeSpec::Cosine, theta, options), impl);
+  return run(x, spec_1d(LrpeSpec::Cosine, theta, options), impl, options.documents);
 }
 
 Tensor lrpe_rotate(const Tensor& x, const Tensor& theta, const LrpeOptions& options, Impl impl) {
-  return run(x, spec_1d(LrpeSpec::Rotate, theta, options), impl);
+  return run(x, spec_1d(LrpeSpec::Rotate, theta, options), impl, options.documents);
 }
 
 Tensor md_lrpe_cosine(const Tensor& x, const Tensor& theta, const MdLrpeOptions& options, Impl impl) {
@@ -106,7 +117,7 @@ Tensor md_lrpe_cosine(const Tensor& x, const Tensor& theta, const MdLrpeOptions&
   spec.extra_tokens = options.extra_tokens;
   spec.act = options.act;
   spec.dim = options.dim;
-  return run(x, spec, impl, options.cache_angles);
+  return run(x, spec, impl, {}, options.cache_angles);
 }
 
 Tensor lrpe_theta(int64_t H, int64_t E, double base, Device device) {

@@ -24,10 +24,14 @@ struct LrpeOptions {
   int64_t offset = 0;  // token s sits at position offset + s (decoding a new chunk)
   Act act = Act::None;
   ActDim dim = ActDim::None;
-  Documents documents;  // packed rows (ops/documents.h): positions restart at each document start
+  // Packed rows (ops/documents.h), for x's (B, N) on x's device: positions restart at each document start,
+  // token s of row b sits at offset + s - starts[b, s]. Not with softmax over the sequence (it would mix
+  // the documents of a row).
+  Documents documents;
 };
 
-// out (B, N, H, 2D) = [act(x) * cos(angle), act(x) * sin(angle)], angle[s, h, k] = (offset + s) * theta[h, k],
+// out (B, N, H, 2D) = [act(x) * cos(angle), act(x) * sin(angle)], angle[s, h, k] = (offset + s) * theta[h, k]
+// (offset + s - starts[b, s] with documents),
 // theta (H, E), (1, E) or (H, 1) with E <= D; features k >= E have angle 0.
 Tensor lrpe_cosine(const Tensor& x, const Tensor& theta, const LrpeOptions& options = {}, Impl impl = Impl::Auto);
 

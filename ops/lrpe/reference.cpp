@@ -12,7 +12,8 @@ using autograd::record;
 
 namespace {
 
-// cos and sin of every angle, (N, H, A) with A the angle width (D, or D/2 for rotate).
+// cos and sin of every angle, (N, H, A) with A the angle width (D, or D/2 for rotate), indexed by the token's
+// place t (md) or its position in its document (1d; t without documents).
 struct AngleTable {
   std::vector<double> c, s;
 };
@@ -56,13 +57,17 @@ template <class Fn>
 void for_each_unit(const Shape& xs, const LrpeSpec& spec, Fn&& fn) {
   const int64_t B = xs[0], N = xs[1], H = xs[2], D = xs[3];
   const int64_t A = spec.rotate() ? D / 2 : D, orow = spec.rotate() ? D : 2 * D;
+  std::vector<int32_t> starts;  // documents: each token's place in its document is t - starts[b, t]
+  if (spec.starts.defined()) starts = spec.starts.to_vector<int32_t>();
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < N; ++t)
+    for (int64_t t = 0; t < N; ++t) {
+      const int64_t pos = starts.empty() ? t : t - starts[size_t(b * N + t)];
       for (int64_t h = 0; h < H; ++h) {
         const int64_t r = (b * N + t) * H + h;
-        for (int64_t j = 0; j < A; ++j) fn(size_t(r * D + j), size_t((t * H + h) * A + j), size_t(r * orow + j),
+        for (int64_t j = 0; j < A; ++j) fn(size_t(r * D + j), size_t((pos * H + h) * A + j), size_t(r * orow + j),
                                            size_t(r * orow + A + j));
       }
+    }
 }
 
 Tensor reference_forward(const Tensor& x, const LrpeSpec& spec) {

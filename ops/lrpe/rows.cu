@@ -4,7 +4,9 @@
 // packed features (Geo's batch, token and head strides), read in place; out, dout and dx are contiguous.
 // A group of `lpr` lanes (a power of two <= 32) handles one (t, h) with vectors of VEC elements (16 bytes
 // when D and x's strides allow) for a group of g.bchunk batch rows: the angles depend on (t, h, feature)
-// only, so each lane computes its cos/sin once and reuses them for every b of its group. A lane's "unit"
+// only, so each lane computes its cos/sin once and reuses them for every b of its group. With documents
+// (g.starts) they depend on t's place in its document, which may differ between batch rows: a lane
+// recomputes them when it does (never when every row is cut alike). A lane's "unit"
 // is VEC consecutive angle indices j: for the cosine kinds x[j] -> out[j], out[D + j]; for rotate the
 // pair x[j], x[D/2 + j] -> out[j], out[D/2 + j]. The kernels are memory-bound; the row kernels are kept within
 // 64 to 80 registers, so that 24 to 32 warps per SM keep enough loads in flight.
@@ -20,6 +22,20 @@ namespace lintape::lrpe_cuda {
 using namespace lintape::cuda;
 
 namespace {
+
+// With documents: c and s for token t of batch row b, recomputed only when its position in its document
+// differs from `pos`, the one they hold (rows cut alike share them).
+template <int NV, int VEC>
+__device__ __forceinline__ void move_to_document(const Geo& g, int64_t b, int64_t t, int64_t h, int lane, int lpr,
+                                                 const bool (&ok)[NV], int64_t& pos, float (&c)[NV][VEC],
+                                                 float (&s)[NV][VEC]) {
+  const int64_t at = t - g.starts[b * g.N + t];
+  if (at == pos) return;
+  pos = at;
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+    if (ok[i]) unit_sincos<VEC>(g, at, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
+}
 
 // The row kernels: one (t, h) row per lane group, the batch rows b0 .. b1 - 1 of blockIdx.y. The rows
 // are grid-strided; the loops over rows and batch rows are uniform across a block, so that the softmax
@@ -39,6 +55,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 #pragma unroll
     for (int i = 0; i < NV; ++i) ok[i] = row < rows && lane + i * lpr < units;
     float c[NV][VEC], s[NV][VEC];
+    int64_t pos = t;  // the position (in its document) that c and s are for
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
@@ -59,6 +76,7 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : ROT && (CLS == kFeature
 #pragma unroll
       for (int k = 0; k < BT; ++k) {
         if (b + k >= b1) break;
+        if (g.starts && row < rows) move_to_document(g, b + k, t, h, lane, lpr, ok, pos, c, s);
         float v[NV][P][VEC];
 #pragma unroll
         for (int i = 0; i < NV; ++i)
@@ -120,10 +138,12 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : CLS == kNoAct ? 8 : ROT
 #pragma unroll
     for (int i = 0; i < NV; ++i) ok[i] = row < rows && lane + i * lpr < units;
     float c[NV][VEC], s[NV][VEC];
+    int64_t pos = t;
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (ok[i]) unit_sincos<VEC>(g, t, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
     for (int64_t b = b0; b < b1; ++b) {
+      if (g.starts && row < rows) move_to_document(g, b, t, h, lane, lpr, ok, pos, c, s);
       const int64_t r = (b * g.N + t) * g.H + h;
       // gr: the gradient of act(x) (the inverse rotation of dout); v: x, then y for softmax.
       float gr[NV][P][VEC], v[NV][P][VEC];
@@ -245,6 +265,7 @@ Geo make_geo(const Shape& xs, const LrpeSpec& spec) {
   g.theta_stride = th.size(0) == 1 ? 0 : th.size(1);
   g.rate_per_head = spec.rate_per_head();
   g.offset = spec.offset;
+  g.starts = spec.starts.defined() ? spec.starts.data_ptr<int32_t>() : nullptr;
   if (spec.kind == LrpeSpec::MdCosine) {
     g.md_k = int(spec.grid.size());
     for (int a = 0; a < g.md_k; ++a) g.grid[a] = spec.grid[size_t(a)];
@@ -263,6 +284,14 @@ void check_tensor(const Tensor& t, const Shape& shape, DType dtype, Device devic
            t.defined() ? str(shape_str(t.shape()), " ", dtype_name(t.dtype()), t.is_contiguous() ? "" : " strided",
                              " on ", t.device().name())
                        : std::string("an undefined tensor"));
+}
+
+// Documents: starts (B, N) int32 contiguous on x's device, for the 1d kinds without softmax over the sequence.
+void check_starts(const LrpeSpec& spec, const Tensor& x, const char* op) {
+  if (!spec.starts.defined()) return;
+  LT_CHECK(spec.kind != LrpeSpec::MdCosine && !spec.seq_softmax(), "[", op,
+           "] the kernels take documents for lrpe_cosine and lrpe_rotate without softmax over the sequence");
+  check_tensor(spec.starts, {x.size(0), x.size(1)}, DType::I32, x.device(), op, "starts");
 }
 
 // x's features are packed (stride 1); its other strides may be anything.
@@ -442,6 +471,7 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
   const Device dev = x.device();
   check_tensor(out, spec.out_shape(x.shape()), x.dtype(), dev, op, "out");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
+  check_starts(spec, x, op);
   Geo g = make_geo(x.shape(), spec);
   set_x_strides(g, x);
   if (x.numel() == 0) return;
@@ -476,6 +506,7 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
   check_tensor(dout, spec.out_shape(x.shape()), x.dtype(), dev, op, "dout");
   check_tensor(dx, x.shape(), x.dtype(), dev, op, "dx");
   if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
+  check_starts(spec, x, op);
   Geo g = make_geo(x.shape(), spec);
   set_x_strides(g, x);
   if (x.numel() == 0) return;
