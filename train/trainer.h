@@ -6,6 +6,7 @@
 // finishes the current step, writes a checkpoint and returns with the signal in the result (cli/ makes it the
 // exit status 128 + signal). On CUDA the parameters, their
 // gradients and the AdamW moments are float32 on the device and the forward runs in the compute dtype.
+// Data cut into documents (TrainConfig::documents) hands each batch's boundaries to the model with its tokens.
 #pragma once
 #include <chrono>
 #include <cstdint>
