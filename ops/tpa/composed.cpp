@@ -16,9 +16,18 @@ Tensor expand_composed(const Tensor& a, const Tensor& b) {
 }
 
 // An additive mask (B or 1, 1, N, M): 0 where a key is visible, a large negative number elsewhere (-inf
-// once rounded to f16); undefined if every key is visible. Built on the factors' device from aranges:
-// key m is hidden when m > n (causal) or m >= length[b], i.e. when relu(m - n) + relu(m - length + 1) >= 1.
+// once rounded to f16); undefined if every key is visible and there are no documents. Without documents it
+// is built on the factors' device from aranges: key m is hidden when m > n (causal) or m >= length[b], i.e.
+// when relu(m - n) + relu(m - length + 1) >= 1.
 Tensor visibility_mask(const Factors& f, const Visibility& vis) {
+  if (!vis.starts.empty()) {  // documents: the mask (B, 1, N, M) built on the host
+    std::vector<double> mask(size_t(f.B * f.N * f.M), 0.0);
+    for (int64_t b = 0; b < f.B; ++b)
+      for (int64_t n = 0; n < f.N; ++n)
+        for (int64_t m = 0; m < f.M; ++m)
+          if (m < vis.first(b, n) || m >= vis.limit(b, n)) mask[size_t((b * f.N + n) * f.M + m)] = -1e30;
+    return from_vector(mask, {f.B, 1, f.N, f.M}, f.aq.dtype(), f.aq.device());
+  }
   bool all_visible = true;
   bool same_lengths = true;
   for (int64_t b = 0; b < f.B; ++b) {

@@ -55,10 +55,11 @@ Tensor run_fused_decode(const Factors& f, double scale, const std::vector<int64_
   return out;
 }
 
-// Fused attention: forward saves the detached factors, the output and the log-sum-exp; the backward
-// kernels return the six factor gradients (dq, dk, dv are contracted on chip).
-Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
+// Fused attention: forward saves the detached factors (and the documents' starts), the output and the
+// log-sum-exp; the backward kernels return the six factor gradients (dq, dk, dv are contracted on chip).
+Tensor run_fused_attention(const Factors& f, double scale, bool causal, const Tensor& starts) {
   const char* op = "tpa_attention";
+  LT_CHECK(!starts.defined(), "[", op, "] the fused kernels take no documents yet; use Impl::Composed");
   tpa_cuda::AttentionArgs a;
   a.aq = factor_in_place(f.aq.detach(), false);
   a.bq = factor_in_place(f.bq.detach(), true);
@@ -68,6 +69,7 @@ Tensor run_fused_attention(const Factors& f, double scale, bool causal) {
   a.bv = factor_in_place(f.bv.detach(), true);
   a.causal = causal;
   a.scale = scale;
+  a.starts = starts.defined() ? starts.contiguous() : Tensor();
   const Device dev = f.aq.device();
   Tensor out = empty({f.B, f.N, f.H, f.E}, f.aq.dtype(), dev);
   Tensor lse = empty({f.B, f.N, f.H}, DType::F32, dev);

@@ -47,6 +47,10 @@ struct AttentionArgs {
   bool causal = true;
   double scale = 0;
   bool allow_wgmma = true;  // false forces the mma.sync forward (tests)
+  // Documents (N == M): starts (B, N) int32 contiguous on the factors' device (ops/documents.h); query n sees
+  // key m iff starts[n] <= m <= n (causal) or starts[m] == starts[n]. Undefined: no boundaries. The forward
+  // then runs the mma.sync kernel (the warpgroup kernel takes no documents).
+  Tensor starts;
 };
 
 // Why the fused attention cannot run these factors, or "" when it can.

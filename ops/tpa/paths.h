@@ -18,12 +18,19 @@ struct Factors {
   int64_t B = 0, N = 0, M = 0, H = 0, Rq = 0, Rk = 0, Rv = 0, D = 0, E = 0;
 };
 
-// What query (b, n) sees: keys m < limit.
+// What query (b, n) sees: keys first <= m < limit.
 struct Visibility {
   bool causal;
   std::vector<int64_t> lengths;
+  // Attention with documents (N == M, rows of `row` tokens): starts[b row + n] as in ops/documents.h and
+  // ends[b row + n], the end of n's document; both empty without documents.
+  std::vector<int32_t> starts, ends;
+  int64_t row = 0;
+  int64_t first(int64_t b, int64_t n) const { return starts.empty() ? 0 : starts[size_t(b * row + n)]; }
   int64_t limit(int64_t b, int64_t n) const {
-    return causal ? std::min(lengths[size_t(b)], n + 1) : lengths[size_t(b)];
+    int64_t end = lengths[size_t(b)];
+    if (!ends.empty()) end = std::min<int64_t>(end, ends[size_t(b * row + n)]);
+    return causal ? std::min(end, n + 1) : end;
   }
 };
 
@@ -38,7 +45,7 @@ Tensor run_composed(const Factors& f, double scale, const Visibility& vis);
 // The fused paths take CUDA factors other than f64; attention's within those limits.
 std::string fused_attention_unsupported(const Factors& f);
 Tensor run_fused_decode(const Factors& f, double scale, const std::vector<int64_t>& lengths);
-Tensor run_fused_attention(const Factors& f, double scale, bool causal);
+Tensor run_fused_attention(const Factors& f, double scale, bool causal, const Tensor& starts);  // starts: documents
 #else
 // Without CUDA the fused kernels take no call.
 inline std::string fused_attention_unsupported(const Factors&) { return "a CUDA build"; }

@@ -67,10 +67,10 @@ void reference_forward(const Factors& f, const Qkv& t, double scale, const Visib
   for (int64_t b = 0; b < f.B; ++b)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t lim = vis.limit(b, n);
+        const int64_t m0 = vis.first(b, n), lim = vis.limit(b, n);
         const double* q = t.q.data() + ((b * N + n) * H + h) * D;
         double mx = -INFINITY;
-        for (int64_t m = 0; m < lim; ++m) {
+        for (int64_t m = m0; m < lim; ++m) {
           const double* k = t.k.data() + ((b * M + m) * H + h) * D;
           double dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
@@ -78,9 +78,9 @@ void reference_forward(const Factors& f, const Qkv& t, double scale, const Visib
           mx = std::max(mx, s[size_t(m)]);
         }
         double sum = 0;
-        for (int64_t m = 0; m < lim; ++m) sum += std::exp(s[size_t(m)] - mx);
+        for (int64_t m = m0; m < lim; ++m) sum += std::exp(s[size_t(m)] - mx);
         double* out = o.data() + ((b * N + n) * H + h) * E;
-        for (int64_t m = 0; m < lim; ++m) {
+        for (int64_t m = m0; m < lim; ++m) {
           const double p = std::exp(s[size_t(m)] - mx) / sum;
           const double* v = t.v.data() + ((b * M + m) * H + h) * E;
           for (int64_t e = 0; e < E; ++e) out[e] += p * v[e];
@@ -97,13 +97,13 @@ Qkv reference_backward_qkv(const Factors& f, const Qkv& t, const Vec& o, const V
   for (int64_t b = 0; b < f.B; ++b)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t row = (b * N + n) * H + h, lim = vis.limit(b, n);
+        const int64_t row = (b * N + n) * H + h, m0 = vis.first(b, n), lim = vis.limit(b, n);
         const double* q = t.q.data() + row * D;
         const double* go = dout.data() + row * E;
         double delta = 0;  // sum_m p dp = do . o
         for (int64_t e = 0; e < E; ++e) delta += go[e] * o[size_t(row * E + e)];
         double* dq = g.q.data() + row * D;
-        for (int64_t m = 0; m < lim; ++m) {
+        for (int64_t m = m0; m < lim; ++m) {
           const int64_t krow = (b * M + m) * H + h;
           const double* k = t.k.data() + krow * D;
           const double* v = t.v.data() + krow * E;

@@ -110,6 +110,21 @@ std::vector<int64_t> key_lengths(const char* op, const std::vector<int64_t>& len
   return lengths;
 }
 
+// The documents' starts and ends (host vectors) into vis.
+void document_bounds(const Documents& docs, Visibility& vis) {
+  vis.starts = docs.host_starts();
+  vis.row = docs.seq_len();
+  vis.ends.resize(vis.starts.size());
+  for (int64_t b = 0; b < docs.batch(); ++b) {
+    int32_t end = int32_t(vis.row);
+    for (int64_t n = vis.row - 1; n >= 0; --n) {
+      const size_t i = size_t(b * vis.row + n);
+      vis.ends[i] = end;
+      if (vis.starts[i] == n) end = int32_t(n);
+    }
+  }
+}
+
 // Impl::Fused: each fused path's own checks, then the kernels.
 Tensor fused_decode_path(const Factors& f, double scale, const std::vector<int64_t>& lengths) {
   const char* op = "tpa_decode";
@@ -124,16 +139,17 @@ Tensor fused_decode_path(const Factors& f, double scale, const std::vector<int64
 #endif
 }
 
-Tensor fused_attention_path(const Factors& f, double scale, bool causal) {
+Tensor fused_attention_path(const Factors& f, double scale, bool causal, const Tensor& starts) {
   const char* op = "tpa_attention";
   LT_CHECK(f.aq.is_cuda(), "[", op, "] Impl::Fused needs the factors on a CUDA device; got ", f.aq.device().name());
   const std::string why = tpa_paths::fused_attention_unsupported(f);
   LT_CHECK(why.empty(), "[", op, "] Impl::Fused needs ", why, "; use Impl::Auto or Composed");
 #if LINTAPE_WITH_CUDA
-  return tpa_paths::run_fused_attention(f, scale, causal);
+  return tpa_paths::run_fused_attention(f, scale, causal, starts);
 #else
   (void)scale;
   (void)causal;
+  (void)starts;
   fail(str("[", op, "] lintape was built without CUDA"));
 #endif
 }
@@ -159,13 +175,17 @@ Tensor tpa_attention(const Tensor& aq, const Tensor& bq, const Tensor& ak, const
            " queries and M = ", f.M, " keys");
   LT_CHECK(options.cache_lengths.empty(), "[", op, "] cache_lengths is a decode option; got ",
            options.cache_lengths.size(), " entries");
+  const Documents& docs = options.documents;
+  LT_CHECK(!docs.defined() || f.N == f.M, "[", op, "] documents need N == M; got N = ", f.N, " queries and M = ",
+           f.M, " keys");
+  docs.check(op, f.B, f.N, f.aq.device());
   const double scale = resolve_scale(options, f.D);
-  const Visibility vis{options.causal, std::vector<int64_t>(size_t(f.B), f.M)};
-  switch (resolve(impl, f, false)) {
-    case Impl::Composed: return tpa_paths::run_composed(f, scale, vis);
-    case Impl::Fused: return fused_attention_path(f, scale, options.causal);
-    default: return tpa_paths::run_reference_attention(f, scale, vis, op);
-  }
+  impl = resolve(impl, f, false);
+  if (impl == Impl::Fused) return fused_attention_path(f, scale, options.causal, docs.starts());
+  Visibility vis{options.causal, std::vector<int64_t>(size_t(f.B), f.M)};
+  if (docs.defined()) document_bounds(docs, vis);
+  return impl == Impl::Composed ? tpa_paths::run_composed(f, scale, vis)
+                                : tpa_paths::run_reference_attention(f, scale, vis, op);
 }
 
 Tensor tpa_decode(const Tensor& aq, const Tensor& bq, const Tensor& ak, const Tensor& bk, const Tensor& av,
