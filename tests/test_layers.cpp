@@ -343,15 +343,18 @@ void check_packed_equals_unpacked(const std::vector<std::string>& mixers, Impl i
     CAPTURE(name);
     CHECK(rel_error(packed_grads.at(name), p->grad()) < tol);
   }
-  // The boundaries matter: the same rows without them give another loss.
-  CHECK(std::abs(model.loss(tokens, target).item() - packed.item()) > 1e-4);
+  // The boundaries matter: the same rows without them give another loss, far beyond the tolerance (at
+  // initialisation the mixers move the loss little; f32 cannot tell).
+  if (dtype == DType::F64) CHECK(std::abs(model.loss(tokens, target).item() - packed.item()) > 1e4 * tol);
 }
 
 }  // namespace
 
 TEST_CASE("packed documents: the loss and gradients of each document run alone") {
-  for (const std::vector<std::string>& mixers : {std::vector<std::string>{"fal"}}) {
+  using Mixers = std::vector<std::string>;
+  for (const Mixers& mixers : {Mixers{"fal"}, Mixers{"tpa"}, Mixers{"fal", "tpa"}}) {
     CAPTURE(mixers.front());
+    CAPTURE(mixers.size());
     check_packed_equals_unpacked(mixers, Impl::Auto, DType::F64, 1e-10);
     check_packed_equals_unpacked(mixers, Impl::Composed, DType::F64, 1e-10);
     check_packed_equals_unpacked(mixers, Impl::Auto, DType::F32, 1e-4);
