@@ -308,6 +308,13 @@ CLI::Validator number_at_least(double min, bool strict, const std::string& words
 }
 }  // namespace
 
+namespace {
+// --documents takes an optional value: alone it means "auto".
+void add_documents_option(CLI::App* sub, std::string& slot, const std::string& help) {
+  sub->add_option("--documents", slot, help)->expected(0, 1)->default_str("auto")->option_text("[=SEP|off]");
+}
+}  // namespace
+
 CLI::Validator positive_number() { return number_at_least(0, true, "must be positive"); }
 CLI::Validator non_negative_number() { return number_at_least(0, false, "must not be negative"); }
 
@@ -352,11 +359,11 @@ Command add_train_command(CLI::App& app) {
                   "0 (default): one, after backward")
       ->capture_default_str()
       ->check(non_negative_number());
-  sub->add_flag("--documents{auto}", args->documents,
-                "cut the data into documents and pack the rows with their boundaries (no token sees another "
-                "document, no target crosses one): alone, the fortunes' % lines when the text has them, else "
-                "blank lines, and an llm.c .bin's end-of-text tokens; --documents=SEP cuts text at each SEP "
-                "(\\n for a newline); --documents=off: none (default)");
+  add_documents_option(sub, args->documents,
+                       "cut the data into documents and pack the rows with their boundaries (no token sees another "
+                       "document, no target crosses one): alone, the fortunes' % lines when the text has them, "
+                       "else blank lines, and an llm.c .bin's end-of-text tokens; --documents=SEP cuts text at "
+                       "each SEP (\\n for a newline); off: none (default)");
   sub->add_option("--eot-token", args->eot_token,
                   "with --documents on llm.c .bin data: the end-of-text token that starts each document")
       ->capture_default_str()
@@ -374,9 +381,9 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--batches", args->batches, "sequences to evaluate")->capture_default_str()
       ->check(positive_number());
   sub->add_option("--json", args->json_path, "write the result as JSON");
-  sub->add_flag("--documents{auto}", args->documents,
-                "cut the data into documents as train's --documents does (default: as the checkpoint was "
-                "trained); --documents=off: none");
+  add_documents_option(sub, args->documents,
+                       "cut the data into documents as train's --documents does (default: as the checkpoint was "
+                       "trained); off: none");
   sub->add_option("--eot-token", args->eot_token,
                   "with --documents on llm.c .bin data: the end-of-text token (default: the checkpoint's)")
       ->check(non_negative_number());
