@@ -2,7 +2,7 @@
 // LRPE; q, k, g silu, and q softmax over the feature dim with k, g silu), floor and % copy. `fal-causal`:
 // causal with cosine LRPE, silu acts and a per-head decay (B = H = 12, D = E = 128, the language model's
 // B = 16, H = 6, N = 2048, and B = 1, H = 8 at N = 8192 and 32768), TFLOP/s of the chunked algorithm and
-// % copy; and the decoding step (B = 8, H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is
+// % copy, with packed documents under --documents L (the title says docs<L>); and the decoding step (B = 8, H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is
 // Impl::Composed.
 #include <cmath>
 #include "bench/harness.h"
@@ -85,12 +85,15 @@ std::vector<Config> noncausal_configs(const RunOptions& o) {
 
 Config causal_config(const RunOptions& o, const Dims& d, std::vector<int64_t> ns) {
   Config c;
-  c.stem = str("fal_causal-{metric}-{mode}-", dims_tag(d), "-cosine-act_silu-decay-", dtype_name(o.dtype));
+  c.stem = str("fal_causal-{metric}-{mode}-", dims_tag(d), "-cosine-act_silu-decay", documents_tag(o.document_length),
+               "-", dtype_name(o.dtype));
   c.ns = std::move(ns);
-  c.make = [d](const Case& k) {
+  const int64_t doc_len = o.document_length;
+  c.make = [d, doc_len](const Case& k) {
     FalOptions opts = cosine_options(d, k.device, {Act::Silu, ActDim::None});
     opts.causal = true;
     opts.decay = make_decay(d.H, k.device);
+    opts.documents = bench_documents(d.B, k.n, doc_len, k.device);
     return fal_call(k, d, opts);
   };
   c.floor_bytes = floor_of(d, o.dtype);

@@ -2,6 +2,8 @@
 // own (values, every input's gradient, S0's and the final state's).
 #pragma once
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 #include "helpers.h"
 #include "ops/documents.h"
@@ -30,15 +32,32 @@ inline std::vector<Tensor> fal_doc_values(const FalDocCase& c, uint64_t seed) {
   return t;
 }
 
+// The values rounded to dt (S0 to f32), back in f64: what a run in dt sees.
+inline std::vector<Tensor> fal_doc_rounded(const std::vector<Tensor>& values, DType dt) {
+  std::vector<Tensor> r;
+  for (size_t i = 0; i < values.size(); ++i)
+    r.push_back(values[i].to(i == 4 && dt != DType::F64 ? DType::F32 : dt).to(DType::F64));
+  return r;
+}
+
 struct FalDocRun {
   Tensor out, state;
   std::vector<Tensor> grads;  // q, k, v, g, S0 (when used)
+  Tensor w, ws;               // the loss weights (f64 on the CPU)
 };
 
+// The loss weights of o and of the final state: f64 values rounded to dt (ws to f32).
+inline std::pair<Tensor, Tensor> fal_doc_weights(const Shape& out, const Shape& state, DType dt) {
+  const DType sdt = dt == DType::F64 ? DType::F64 : DType::F32;
+  return {randn(out, DType::F64, Device::cpu(), 1001).to(dt).to(DType::F64),
+          randn(state, DType::F64, Device::cpu(), 1002).to(sdt).to(DType::F64)};
+}
+
 // Leaves of dtype dt on dev from the values, then o and the final state and the gradients of
-// sum(o * w) + sum(S * ws). alone: each document of each row is its own call (S0 into each row's first).
+// sum(o * w) + sum(S * ws), the weights rounded to wdt. alone: each document of each row is its own call (S0
+// into each row's first).
 inline FalDocRun fal_doc_run(const FalDocCase& c, const std::vector<Tensor>& values, DType dt, Device dev,
-                             Impl impl, bool alone) {
+                             Impl impl, bool alone, DType wdt) {
   std::vector<Tensor> x;
   for (size_t i = 0; i < values.size(); ++i) {
     if (i == 4 && !c.with_s0) break;
@@ -74,28 +93,35 @@ inline FalDocRun fal_doc_run(const FalDocCase& c, const std::vector<Tensor>& val
     r.out = cat(rows_out, 0);
     r.state = cat(rows_state, 0);
   }
-  const Tensor w = randn(r.out.shape(), DType::F64, Device::cpu(), 1001).to(dt).to(dev);
-  const Tensor ws = randn(r.state.shape(), DType::F64, Device::cpu(), 1002).to(r.state.dtype()).to(dev);
-  backward(sum(r.out * w) + sum(r.state * ws).to(dt));
+  std::tie(r.w, r.ws) = fal_doc_weights(r.out.shape(), r.state.shape(), wdt);
+  const DType sdt = r.state.dtype();
+  backward(sum(r.out * r.w.to(dt).to(dev)).to(sdt) + sum(r.state * r.ws.to(sdt).to(dev)));
   for (const Tensor& t : x) r.grads.push_back(t.grad());
   return r;
 }
 
-// The packed call of `impl` against the documents alone through the reference (f64 on the CPU), within tol.
-inline void check_fal_documents(const FalDocCase& c, DType dt, Device dev, Impl impl, double tol, uint64_t seed) {
-  CAPTURE(c.name);
-  const std::vector<Tensor> values = fal_doc_values(c, seed);
-  const FalDocRun ref = fal_doc_run(c, values, DType::F64, Device::cpu(), Impl::Reference, true);
-  const FalDocRun got = fal_doc_run(c, values, dt, dev, impl, false);
+// o, the final state and the gradients (q, k, v, g and S0 when used) against the reference's, within tol.
+inline void check_fal_doc_results(const Tensor& out, const Tensor& state, const std::vector<Tensor>& grads,
+                                  const FalDocRun& ref, double tol) {
   const std::string names[] = {"o", "S_final", "dq", "dk", "dv", "dg", "dS0"};
-  std::vector<std::pair<Tensor, Tensor>> pairs{{got.out, ref.out}, {got.state, ref.state}};
-  REQUIRE(got.grads.size() == ref.grads.size());
-  for (size_t i = 0; i < ref.grads.size(); ++i) pairs.emplace_back(got.grads[i], ref.grads[i]);
+  std::vector<std::pair<Tensor, Tensor>> pairs{{out, ref.out}, {state, ref.state}};
+  REQUIRE(grads.size() == ref.grads.size());
+  for (size_t i = 0; i < ref.grads.size(); ++i) pairs.emplace_back(grads[i], ref.grads[i]);
   for (size_t i = 0; i < pairs.size(); ++i) {
-    const double err = rel_error(pairs[i].first, pairs[i].second);
+    const double err = rel_error(pairs[i].first.to(Device::cpu()), pairs[i].second);
     INFO(names[i] << ": relative error " << err << " (tolerance " << tol << ")");
     CHECK(err <= tol);
   }
+}
+
+// The packed call of `impl` against the documents alone through the reference (f64 on the CPU, on the values
+// rounded to dt), within tol.
+inline void check_fal_documents(const FalDocCase& c, DType dt, Device dev, Impl impl, double tol, uint64_t seed) {
+  CAPTURE(c.name);
+  const std::vector<Tensor> values = fal_doc_rounded(fal_doc_values(c, seed), dt);
+  const FalDocRun ref = fal_doc_run(c, values, DType::F64, Device::cpu(), Impl::Reference, true, dt);
+  const FalDocRun got = fal_doc_run(c, values, dt, dev, impl, false, dt);
+  check_fal_doc_results(got.out, got.state, got.grads, ref, tol);
 }
 
 }  // namespace lintape::test

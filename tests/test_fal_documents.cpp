@@ -35,6 +35,9 @@ std::vector<FalDocCase> small_cases() {
   c.push_back({"none, decay, one-token documents", options(FalLrpe::None, true), 2, 9, 2, 4, 3,
                {0, 1, 2, 5, 9, 10, 11, 17, 18}});
   c.push_back({"none, decay, no S0", options(FalLrpe::None, true), 3, 6, 2, 4, 3, {0, 6, 8, 12, 13, 18}, false});
+  c.push_back({"cosine, decay, offset 3", options(FalLrpe::Cosine, true), 2, 9, 2, 4, 3, {0, 4, 9, 12, 18}});
+  c.back().o.offset = 3;
+  c.push_back({"rotate, no decay", options(FalLrpe::Rotate, false), 2, 9, 2, 4, 3, {0, 2, 7, 9, 10, 18}});
   return c;
 }
 
@@ -45,6 +48,8 @@ std::vector<FalDocCase> long_cases() {
                                                                                       429, 430, 600}});
   c.push_back({"none, no decay, long", options(FalLrpe::None, false), 2, 300, 2, 4, 3, {0, 127, 129, 256,
                                                                                       300, 600}});
+  c.push_back({"cosine, no decay, long", options(FalLrpe::Cosine, false), 2, 300, 2, 4, 3, {0, 127, 129, 256,
+                                                                                          300, 600}});
   c.push_back({"none, no decay, rows of one document", options(FalLrpe::None, false), 2, 140, 2, 4, 3, {0, 140,
                                                                                                        280}});
   return c;

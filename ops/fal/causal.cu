@@ -10,7 +10,9 @@
 // dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The chunk kernels run 1-2
 // before each of their two state passes, which then write every chunk's state from the segments' entering states;
 // the forward pass is skipped when the forward saved every chunk's state. The segment states, (B, H, G, D', E) or
-// (B, H, G - 1, D', E) in f32, are the only extra memory beside the chunk kernels' per-chunk states.
+// (B, H, G - 1, D', E) in f32, are the only extra memory beside the chunk kernels' per-chunk states. Documents
+// (spec.starts) run on the chunk kernels only; the scan passes no state across a segment that a document start
+// cuts off.
 #include "ops/fal/chunk.cuh"
 #include "ops/fal/sweep.cuh"
 
@@ -27,19 +29,27 @@ constexpr int64_t kMaxChunkSegments = 64;
 // through the slots in order, reverse from start (dS_final) the other way; each cell receives the state
 // before its segment (after false: the sweeps' entering states) or past it (after true: the chunk kernels'
 // boundaries), and last (BH, n) or null the state past the final slot. len(seg) is the segment's token count
-// (only the last may be short).
+// (only the last may be short). starts: the documents' starts (B, tokens) or null; a segment whose last token's
+// document began inside it (and is not the row's first) passes nothing of the state before it on.
 __global__ void scan_segments(float* __restrict__ cells, const float* __restrict__ start, float* __restrict__ last,
-                              const float* __restrict__ decay, int H, int64_t slots, int shift, bool after,
-                              int64_t n, int64_t total, int64_t tokens, int64_t per, bool reverse) {
+                              const float* __restrict__ decay, const int32_t* __restrict__ starts, int H,
+                              int64_t slots, int shift, bool after, int64_t n, int64_t total, int64_t tokens,
+                              int64_t per, bool reverse) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int64_t bh = i / n, j = i % n;
   const float lam = decay ? decay[bh % H] : 1.0f;
   float s = start ? start[i] : 0.0f;
   for (int64_t step = 0; step < slots; ++step) {
-    const int64_t slot = reverse ? slots - 1 - step : step, len = min(per, tokens - (slot + shift) * per);
+    const int64_t slot = reverse ? slots - 1 - step : step, first = (slot + shift) * per,
+                  len = min(per, tokens - first);
     float* cell = cells + (bh * slots + slot) * n + j;
-    const float next = (lam == 1.0f ? 1.0f : powf(lam, float(len))) * s + *cell;
+    float carry = lam == 1.0f ? 1.0f : powf(lam, float(len));
+    if (starts) {
+      const int st = starts[(bh / H) * tokens + first + len - 1];
+      if (st >= first && st != 0) carry = 0.0f;
+    }
+    const float next = carry * s + *cell;
     *cell = after ? next : s;
     s = next;
   }
@@ -69,8 +79,9 @@ void causal_sweep(SweepArgs a, int pass, int reduce, bool reverse, const float* 
   a.state_out = states.data_ptr<float>();
   launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
   const int64_t total = BH * n;
-  scan_segments<<<unsigned((total + 255) / 256), 256, 0, st>>>(states.data_ptr<float>(), start, last, a.decay, a.H,
-                                                               G, 0, false, n, total, a.N, per, reverse);
+  scan_segments<<<unsigned((total + 255) / 256), 256, 0, st>>>(states.data_ptr<float>(), start, last, a.decay,
+                                                               nullptr, a.H, G, 0, false, n, total, a.N, per,
+                                                               reverse);
   LT_CUDA_CHECK_LAUNCH();
   a.pass = pass;
   a.block_states = true;
@@ -117,8 +128,8 @@ void fill_boundaries(const chunk::Args& a, int64_t BH, bool reverse, DType dtype
   const int64_t n = int64_t(a.P) * a.E, total = BH * n;
   // Boundary j: forward the state past segment j, reverse the state entering segment j + 1 from its right.
   scan_segments<<<unsigned((total + 255) / 256), 256, 0, st>>>(a.boundary, reverse ? a.dS_final : a.S0, nullptr,
-                                                               a.decay, a.H, a.G - 1, reverse ? 1 : 0, true, n, total,
-                                                               a.N, a.seg_chunks * chunk::kC, reverse);
+                                                               a.decay, a.starts, a.H, a.G - 1, reverse ? 1 : 0, true,
+                                                               n, total, a.N, a.seg_chunks * chunk::kC, reverse);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -198,6 +209,7 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     chunk::forward(a, q.dtype(), BH, st);
     return;
   }
+  LT_CHECK(!spec.starts.defined(), "[fal] internal: the causal sweep takes no documents");
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
   a.out = out.data();
@@ -237,6 +249,7 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     chunk::gradients(a, q.dtype(), BH, st);
     return;
   }
+  LT_CHECK(!spec.starts.defined(), "[fal] internal: the causal sweep takes no documents");
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
   SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
   set_gradient_pointers(a, dout, dq, dk, dv, dg);

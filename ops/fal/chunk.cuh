@@ -9,6 +9,12 @@
 //   R_c = lambda^cl R_(c+1) + Q^T diag(gamma) dY
 //   dQ = diag(gamma) dY S_c^T + (dY V^T o M) K,   dK = (dY V^T o M)^T Q + diag(delta) V R_(c+1)^T
 //   dV = (Q K^T o M)^T dY + diag(delta) K R_(c+1),  dgb = dO o Y.
+// With documents (ops/documents.h: st_i the start of row i's document, t0 the chunk's first token): M_ij is 0
+// also where t0 + j < st_i; gamma_i is 0 unless the state entering the chunk reaches row i (enters(st_i, t0):
+// its document began before t0 or is the row's first); delta_j is 0 unless key j is in the document of the
+// chunk's last token; lambda^cl becomes 0 unless that document entered the chunk. The decay powers stay those
+// of the token gaps, and R follows the same rules backward. The 1-D LRPE position of row i is offset + t0 + i -
+// st_i.
 // The forward is one kernel per (b, h), sequential over chunks with the whole f32 state in registers; it writes
 // the output and S_final, and every S_c (in T) when the call records its backward. The backward's state kernels
 // are sequential over chunks and parallel over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32
@@ -69,6 +75,7 @@ struct Args {
   const float* theta;
   int theta_rows, theta_cols;
   const float* decay;  // (H) or null
+  const int32_t* starts;  // (B, N) the documents' starts (ops/documents.h), or null (one document per row)
   int H, D, E, P;      // P = D' (2D with cosine LRPE)
   int64_t N, nC;
   int64_t position;
@@ -314,6 +321,18 @@ __device__ __forceinline__ void act_grad_n(const float (&x)[N], float (&dy)[N], 
   }
 }
 
+// Documents (a.starts non-null): the start of token t's document in row b (a token past the sequence: itself),
+// and whether the state entering a chunk at t0 reaches a token whose document starts at st.
+__device__ __forceinline__ int doc_start(const Args& a, int64_t b, int64_t t) {
+  return t < a.N ? a.starts[b * a.N + t] : int(t);
+}
+__device__ __forceinline__ bool enters(int st, int64_t t0) { return st < t0 || st == 0; }
+// The chunk's rows' document starts into st (kC entries, rows i = tid, tid + NThr, ...).
+template <int NThr>
+__device__ __forceinline__ void load_doc_starts(const Args& a, int64_t b, int64_t t0, int* st) {
+  for (int i = threadIdx.x; i < kC; i += NThr) st[i] = doc_start(a, b, t0 + i);
+}
+
 // lambda^e for e >= 0 (1 without decay).
 __device__ __forceinline__ float decay_pow(float log2_lam, int e) {
   return e <= 0 ? 1.0f : exp2_ftz(log2_lam * float(e));
@@ -358,16 +377,19 @@ __device__ __forceinline__ void store2(T* p, float x0, float x1) {
 }
 
 // acc (a warp's 16 x 8 NT tile at rows m0, columns n0 of a kC x kC matrix) times the causal decay mask
-// (lambda^(i - j) for j <= i, else 0), into dst (leading dim kLdC).
+// (lambda^(i - j) for j <= i, else 0), into dst (leading dim kLdC). With documents, st holds the rows' document
+// starts (load_doc_starts) and keys before them are masked too (j from lo = st_i - t0); null: none.
 template <class T, int NT>
-__device__ __forceinline__ void store_masked(const Acc<1, NT>& acc, T* dst, int m0, int n0, float log2_lam) {
+__device__ __forceinline__ void store_masked(const Acc<1, NT>& acc, T* dst, int m0, int n0, float log2_lam,
+                                             const int* st = nullptr, int64_t t0 = 0) {
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int r = 0; r < 4; r += 2) {
       const int i = m0 + acc.row(0, r), j = n0 + acc.col(n, r);
-      const float w0 = j <= i ? decay_pow(log2_lam, i - j) : 0.0f;
-      const float w1 = j + 1 <= i ? decay_pow(log2_lam, i - j - 1) : 0.0f;
+      const int lo = st ? int(st[i] - t0) : 0;
+      const float w0 = j <= i && j >= lo ? decay_pow(log2_lam, i - j) : 0.0f;
+      const float w1 = j + 1 <= i && j + 1 >= lo ? decay_pow(log2_lam, i - j - 1) : 0.0f;
       store2(dst + i * kLdC + j, acc.x[0][n][r] * w0, acc.x[0][n][r + 1] * w1);
     }
 }
@@ -429,11 +451,12 @@ __device__ __forceinline__ void store_part(T* p, const float (&x)[N]) {
 // are kC x kSlice tiles of leading dimension kLdS. Rows past the sequence are zeros. With r2 (q and k of the
 // same tokens) the second rows go to r2_half0 and r2_half1 through the same angles. A thread's 8 columns go
 // through in parts of Part (4 needs fewer registers). rates: the head's D rates (shared memory), or null to
-// read them from theta.
+// read them from theta. st: the rows' document starts (load_doc_starts), or null (no documents).
 template <class T, int NThr, int Part = 8>
 __device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice, NThr>& r, int act, T* half0, T* half1,
                                               const Raw<kSlice, NThr>* r2, int act2, T* r2_half0, T* r2_half1, int h,
-                                              int64_t t0, int slice, const float* rates = nullptr) {
+                                              int64_t t0, int slice, const float* rates = nullptr,
+                                              const int* st = nullptr) {
   static_assert(Part == 8 || Part == 4, "parts of 8 or 4 columns");
   const int c8 = (threadIdx.x % (kSlice / 8)) * 8;
 #pragma unroll
@@ -458,7 +481,7 @@ __device__ __forceinline__ void store_encoded(const Args& a, const Raw<kSlice, N
         act_n(y, act2, live);
       }
       if (a.lrpe == FalStepSpec::kCosine) {  // dead rows are zeros whatever their angles
-        const int64_t pos = a.position + t;
+        const int64_t pos = a.position + t - (st ? st[i] : 0);
         float xs[Part], ys[Part];
 #pragma unroll
         for (int u = 0; u < Part; ++u) {
@@ -558,6 +581,7 @@ inline chunk::Args chunk_args(const Tensor& q, const Tensor& k, const Tensor& v,
                               const FalStepSpec& spec) {
   chunk::Args a{};
   fill_common_args(a, q, k, v, g, spec);
+  a.starts = spec.starts.defined() ? spec.starts.data_ptr<int32_t>() : nullptr;
   a.sq_b = q.strides()[0], a.sq_t = q.strides()[1];
   a.sk_b = k.strides()[0], a.sk_t = k.strides()[1];
   a.sv_b = v.strides()[0], a.sv_t = v.strides()[1];

@@ -19,6 +19,9 @@ struct GradSmem {
   T* am;  // [kC][kLdC]      (Q K^T) o M
   T* bm;  // [kC][kLdC]      (dY V^T) o M
   float* rates;  // [2 kSlice]   the head's LRPE rates (D <= 128)
+  float* gate_q;  // [kC]        documents: whether S_c reaches row i (gamma's gate, chunk.cuh)
+  float* gate_k;  // [kC]        documents: whether key j reaches R_(c+1) (delta's gate)
+  int* st;        // [kC]        documents: the rows' document starts
   __device__ explicit GradSmem(T* base) {
     qs = base;
     ks = qs + 2 * kC * kLdS;
@@ -29,18 +32,24 @@ struct GradSmem {
     am = ys + kC * ldE;
     bm = am + kC * kLdC;
     rates = reinterpret_cast<float*>(bm + kC * kLdC);
+    gate_q = rates + 2 * kSlice;
+    gate_k = gate_q + kC;
+    st = reinterpret_cast<int*>(gate_k + kC);
   }
   static constexpr size_t bytes() {
     return sizeof(T) * size_t(4 * kC * kLdS + 8 * kSlice * ldE + 2 * kC * ldE + 2 * kC * kLdC) +
-           sizeof(float) * 2 * kSlice;
+           sizeof(float) * (2 * kSlice + 2 * kC) + sizeof(int) * kC;
   }
 };
 
+// Row i of acc times lambda^(base + sign i), and times gate[i] when given (documents).
 template <int NT>
-__device__ __forceinline__ void scale_rows(Acc<1, NT>& acc, int m0, float log2_lam, int base, int sign) {
+__device__ __forceinline__ void scale_rows(Acc<1, NT>& acc, int m0, float log2_lam, int base, int sign,
+                                           const float* gate) {
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const float f = decay_pow(log2_lam, base + sign * (m0 + acc.row(0, r)));
+    const int i = m0 + acc.row(0, r);
+    const float f = decay_pow(log2_lam, base + sign * i) * (gate ? gate[i] : 1.0f);
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc.x[0][n][r] *= f;
   }
@@ -95,7 +104,8 @@ __device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, NT>& 
 // registers and give the SM twice the warps to hide the products' latency.
 constexpr int kGradThreads = 512;
 
-template <class T, int EP>
+// Docs: a.starts is set (a kernel apart, so that the calls without documents keep their registers).
+template <class T, int EP, bool Docs>
 __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   constexpr int NThr = kGradThreads, kParts = NThr / 128;
   using Smem = GradSmem<T, EP>;
@@ -134,14 +144,25 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
     fetch(a, q, a.sq_t, t0, slice * kSlice, a.D, qr);
     fetch(a, k, a.sk_t, t0, slice * kSlice, a.D, kr);
   };
+  const int* doc = Docs ? sm.st : nullptr;
+  const float* gate_q = Docs ? sm.gate_q : nullptr;
+  const float* gate_k = Docs ? sm.gate_k : nullptr;
   auto store_qk = [&](int slice, const Raw<kSlice, NThr>& qr, const Raw<kSlice, NThr>& kr) {
     store_encoded<T, NThr, 4>(a, qr, a.act_q, sm.qs, sm.qs + kC * kLdS, &kr, a.act_k, sm.ks, sm.ks + kC * kLdS, h, t0,
-                              slice, sm.rates);
+                              slice, sm.rates, doc);
   };
-  if (a.lrpe == FalStepSpec::kCosine) {
+  if (a.lrpe == FalStepSpec::kCosine)
     for (int j = threadIdx.x; j < a.D; j += NThr) sm.rates[j] = rate_of(a, h, j);
-    __syncthreads();
+  if (Docs) {
+    const int st_last = doc_start(a, b, t0 + cl - 1);
+    for (int i = threadIdx.x; i < kC; i += NThr) {
+      const int st = doc_start(a, b, t0 + i);
+      sm.st[i] = st;
+      sm.gate_q[i] = enters(st, t0) ? 1.0f : 0.0f;
+      sm.gate_k[i] = t0 + i >= st_last ? 1.0f : 0.0f;
+    }
   }
+  if (a.lrpe == FalStepSpec::kCosine || Docs) __syncthreads();
   issue_states(0);
   {  // the first slice's q and k rows load with v, g and dO
     Raw<kSlice, NThr> qr, kr;
@@ -159,7 +180,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
     Acc<1, NS> bsc;
     bsc.zero();
     warp_mma<T, false, false>(bsc, sm.ys, ldE, m0, sm.vs, ldE, sc0, EP);
-    store_masked(bsc, sm.bm, m0, sc0, log2_lam);
+    store_masked(bsc, sm.bm, m0, sc0, log2_lam, doc, t0);
   }
 
   Acc<1, NS> sc;   // Q K^T: rows m0, columns sc0
@@ -198,7 +219,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
         cs[4 * n + r] = 1.0f, sn[4 * n + r] = 0.0f;
         if (a.lrpe != FalStepSpec::kNoLrpe)
           angle_cs(sm.rates[slice * kSlice + sc0 + Acc<1, NS>::col(n, r)],
-                   a.position + t0 + m0 + Acc<1, NS>::row(0, r), cs[4 * n + r], sn[4 * n + r]);
+                   a.position + t0 + m0 + Acc<1, NS>::row(0, r) - (doc ? doc[m0 + Acc<1, NS>::row(0, r)] : 0),
+                   cs[4 * n + r], sn[4 * n + r]);
       }
     // dQ = diag(gamma) dY S^T + Bm K, then dK = diag(delta) V R^T + Bm^T Q, each over both halves and folded
     // through the transposed LRPE into the raw rows' gradient (one of them live at a time).
@@ -208,6 +230,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
       const T* state = which == 0 ? sm.ss : sm.rs;   // S_c or R_(c+1)
       const T* rows = which == 0 ? sm.ks : sm.qs;    // K or Q, by halves
       const int base = which == 0 ? 1 : cl - 1, sign = which == 0 ? 1 : -1;
+      const float* gate = which == 0 ? gate_q : gate_k;
       uint32_t raw[NS][2];  // the raw q (dQ) or k (dK) values, in flight during the products
       if (which == 0)
         fetch_raw(a, q, a.sq_t, t0, m0, col0, raw);
@@ -220,8 +243,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
       if (halves == 2) {  // both halves at once: two independent chains
         warp_mma2<T, false, false>(d0, d1, left, ldE, m0, half_tile(state, 0, kSlice, ldE),
                                    half_tile(state, 1, kSlice, ldE), ldE, sc0, EP);
-        scale_rows(d0, m0, log2_lam, base, sign);
-        scale_rows(d1, m0, log2_lam, base, sign);
+        scale_rows(d0, m0, log2_lam, base, sign, gate);
+        scale_rows(d1, m0, log2_lam, base, sign, gate);
         if (which == 0)
           warp_mma2<T, false, true>(d0, d1, sm.bm, kLdC, m0, rows, rows + kC * kLdS, kLdS, sc0, kC);
         else
@@ -230,7 +253,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
         fold(gx, d1, cs, sn, 1);
       } else {
         warp_mma<T, false, false>(d0, left, ldE, m0, half_tile(state, 0, kSlice, ldE), ldE, sc0, EP);
-        scale_rows(d0, m0, log2_lam, base, sign);
+        scale_rows(d0, m0, log2_lam, base, sign, gate);
         if (which == 0)
           warp_mma<T, false, true>(d0, sm.bm, kLdC, m0, rows, kLdS, sc0, kC);
         else
@@ -258,9 +281,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
       draw[n][r / 2] = in ? *reinterpret_cast<const uint32_t*>(dout + t * out_ts + e) : 0u;
       vraw[n][r / 2] = in && v_act ? *reinterpret_cast<const uint32_t*>(v + t * a.sv_t + e) : 0u;
     }
-  store_masked(sc, sm.am, m0, sc0, log2_lam);
-  scale_rows(y, m0, log2_lam, 1, 1);
-  scale_rows(dvo, m0, log2_lam, cl - 1, -1);
+  store_masked(sc, sm.am, m0, sc0, log2_lam, doc, t0);
+  scale_rows(y, m0, log2_lam, 1, 1, gate_q);
+  scale_rows(dvo, m0, log2_lam, cl - 1, -1, gate_k);
   __syncthreads();
   warp_mma<T, false, true>(y, sm.am, kLdC, m0, sm.vs, ldE, ec, kC);
   warp_mma<T, true, true>(dvo, sm.am, kLdC, m0, sm.ys, ldE, ec, kC);
@@ -294,8 +317,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
 template <class T, int EP>
 void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = GradSmem<T, EP>::bytes();
-  LT_CUDA_CHECK(cudaFuncSetAttribute(grad_kernel<T, EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  grad_kernel<T, EP><<<dim3(unsigned(a.nC), unsigned(BH)), kGradThreads, smem, st>>>(a);
+  auto kernel = a.starts ? grad_kernel<T, EP, true> : grad_kernel<T, EP, false>;
+  LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 

@@ -12,7 +12,8 @@ namespace {
 //   forward  store S_c; S <- lambda^cl S + X^T Z       (c = c0 ... c1-1, from S0 or a boundary)
 //   reverse  store R_(c+1); R <- lambda^cl R + X^T Z   (c = c1-1 ... c0, from dS_final or a boundary)
 // and the state past the walk into S_final / dS0 (the sequence's last walk) or a boundary (a local pass,
-// which stores nothing per chunk). Without segments the walk is the whole sequence.
+// which stores nothing per chunk). Without segments the walk is the whole sequence. With documents delta, gamma
+// and lambda^cl take chunk.cuh's gates.
 // The state tiles in shared memory.
 template <class T>
 struct StateSmem {
@@ -20,9 +21,10 @@ struct StateSmem {
   __align__(16) T zs[kC * (kEtile + kPad)];
   float scale[kC];
   float rates[2 * kSlice];  // the head's LRPE rates (D <= 128)
+  int st[kC];               // documents: the chunk's rows' document starts
 };
 
-template <class T, bool Reverse, bool Whole>
+template <class T, bool Reverse, bool Whole, bool Docs>
 __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, StateSmem<T>& sm) {
   auto& xs = sm.xs;
   auto& zs = sm.zs;
@@ -64,8 +66,18 @@ __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, 
     const int c = Reverse ? w.c1 - 1 - step : w.c0 + step;
     const int64_t t0 = int64_t(c) * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
-    for (int i = threadIdx.x; i < kC; i += kThreads)
-      scale[i] = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
+    // With documents: the start of the last token's document, and whether the entering state crosses the chunk.
+    const int st_last = Docs ? doc_start(a, b, t0 + cl - 1) : 0;
+    const bool crosses = !Docs || enters(st_last, t0);
+    for (int i = threadIdx.x; i < kC; i += kThreads) {
+      float f = Reverse ? decay_pow(log2_lam, i + 1) : (i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f);
+      if (Docs) {
+        const int st = doc_start(a, b, t0 + i);
+        sm.st[i] = st;
+        if (Reverse ? !enters(st, t0) : t0 + i < st_last) f = 0.0f;
+      }
+      scale[i] = f;
+    }
     __syncthreads();  // scale written; the previous chunk's product is done with xs and zs
     {
       Raw<kSlice> xr;
@@ -74,7 +86,7 @@ __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, 
       fetch(a, z, zts, t0, e0, a.E, zr);
       if (Reverse) fetch(a, dout, dts, t0, e0, a.E, dr);
       store_encoded<T, kThreads, 4>(a, xr, x_act, xs[0], xs[1], nullptr, 0, nullptr, nullptr, h, t0, slice,
-                                    sm.rates);
+                                    sm.rates, Docs ? sm.st : nullptr);
       store_rows<T, kEtile, kThreads>(a, zr, Reverse ? &dr : nullptr, z_act, t0, e0, scale, zs);
     }
     if (active) {
@@ -88,7 +100,7 @@ __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, 
             if (e < a.E) store2(dst + size_t(p) * a.E + e, acc.x[0][n][r], acc.x[0][n][r + 1]);
           }
       }
-      const float carry = decay_pow(log2_lam, cl);
+      const float carry = crosses ? decay_pow(log2_lam, cl) : 0.0f;
 #pragma unroll
       for (int n = 0; n < kEtile / 8; ++n)
 #pragma unroll
@@ -110,10 +122,10 @@ __device__ __forceinline__ void state_body(const Args& a, int64_t walk, int e0, 
       }
 }
 
-template <class T, bool Reverse, bool Whole>
+template <class T, bool Reverse, bool Whole, bool Docs>
 __global__ void __launch_bounds__(kThreads, 3) state_kernel(Args a) {
   __shared__ StateSmem<T> sm;
-  state_body<T, Reverse, Whole>(a, a.walks_in_z ? blockIdx.z : blockIdx.x,
+  state_body<T, Reverse, Whole, Docs>(a, a.walks_in_z ? blockIdx.z : blockIdx.x,
                                 int(a.walks_in_z ? blockIdx.x : blockIdx.z) * kEtile, sm);
 }
 
@@ -146,6 +158,7 @@ struct FusedSmem {
   T* vd;      // [kC][ldE] diag(delta) V
   float* delta;  // [kC]
   float* rates;  // [D] the head's LRPE rates
+  int* st;       // [2][kC] documents: the rows' document starts, by the chunk's parity (chunk.cuh)
   __device__ explicit FusedSmem(T* base) {
     raw_q = base;
     raw_k = raw_q + kC * D;
@@ -157,10 +170,11 @@ struct FusedSmem {
     vd = vs + kC * ldE;
     delta = reinterpret_cast<float*>(vd + kC * ldE);
     rates = delta + kC;
+    st = reinterpret_cast<int*>(rates + D);
   }
   static constexpr size_t bytes() {
     return sizeof(T) * size_t(2 * kC * D + kC * EP + 4 * Slices * kTile + 2 * D * ldE + 2 * kC * ldE) +
-           sizeof(float) * (kC + D);
+           sizeof(float) * (kC + D) + sizeof(int) * 2 * kC;
   }
 };
 
@@ -218,8 +232,9 @@ __device__ __forceinline__ void store_values(const Args& a, const Raw<EP, kFused
 
 // Local: the local pass of a cut sequence (a.local): only K, diag(delta) V and the state update, each segment's
 // sum from zero into its boundary slot. Save (not local): every chunk's entering state S_c is saved to a.states in T
-// for the backward, which then skips its forward state pass (a kernel apart: the stores take registers).
-template <class T, int EP, int Slices, bool Local, bool Save>
+// for the backward, which then skips its forward state pass (a kernel apart: the stores take registers). Docs:
+// a.starts is set (a kernel apart too, so that the calls without documents keep their registers).
+template <class T, int EP, int Slices, bool Local, bool Save, bool Docs>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
   using Sm = FusedSmem<T, EP, Slices>;
   constexpr int D = Sm::D, ldE = Sm::ldE, SCT = 8 / kColGroups, YT = EP / 8 / kColGroups;
@@ -275,9 +290,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
   for (int c = w.c0; c < w.c1; ++c) {
     const int64_t t0 = int64_t(c) * kC;
     const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
-    // A. Encode. delta's previous readers passed a barrier since.
-    for (int i = threadIdx.x; i < kC; i += kFusedThreads)
-      sm.delta[i] = i < cl ? decay_pow(log2_lam, cl - 1 - i) : 0.0f;
+    // A. Encode. delta's previous readers passed a barrier since; st's (step B) read the other parity. With
+    // documents, delta keeps the keys of the last token's document only.
+    int* doc = Docs ? sm.st + (c & 1) * kC : nullptr;
+    const int st_last = doc ? doc_start(a, opaque(int(b)), t0 + cl - 1) : 0;
+    for (int i = threadIdx.x; i < kC; i += kFusedThreads) {
+      sm.delta[i] = i < cl && t0 + i >= st_last ? decay_pow(log2_lam, cl - 1 - i) : 0.0f;
+      if (doc) doc[i] = doc_start(a, opaque(int(b)), t0 + i);
+    }
     cp_async_wait_all();
     __syncthreads();  // the raw rows and delta are in; the previous chunk's products are done with every tile
     {
@@ -293,11 +313,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
       T* kh = sm.ks + s * 2 * Sm::kTile;
       if (Local) {
         store_encoded<T, kFusedThreads, 4>(a, kr, a.act_k, kh, kh + Sm::kTile, nullptr, 0, nullptr, nullptr, h, t0, s,
-                                           sm.rates);
+                                           sm.rates, doc);
       } else {
         from_stage<D>(sm.raw_q, s * kSlice, qr);
         store_encoded<T, kFusedThreads, 4>(a, qr, a.act_q, qh, qh + Sm::kTile, &kr, a.act_k, kh, kh + Sm::kTile, h, t0,
-                                           s, sm.rates);
+                                           s, sm.rates, doc);
       }
     }
     if (!Local && owns_state)
@@ -326,7 +346,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
           warp_mma<T, false, false>(sc, sm.qs + (s * 2 + hf) * Sm::kTile, kLdS, m0, sm.ks + (s * 2 + hf) * Sm::kTile,
                                     kLdS, sc_n0, kSlice);
     if (owns_state) {
-      const float carry = decay_pow(log2_lam, cl);
+      const float carry = !doc || enters(doc[cl - 1], t0) ? decay_pow(log2_lam, cl) : 0.0f;
 #pragma unroll
       for (int s = 0; s < Slices; ++s) {
 #pragma unroll
@@ -339,7 +359,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
     if (Local) continue;  // the next chunk's first barrier keeps K and V until every warp is done with them
     __syncthreads();  // every warp is done with K: the masked scores take its place
     T* am = sm.ks;
-    store_masked(sc, am, m0, sc_n0, log2_lam);
+    store_masked(sc, am, m0, sc_n0, log2_lam, doc, t0);
     // The gate's rows load while Y's products run.
     const T* g = at_head<T>(a.g, opaque(int(b)), a.sg_b, opaque(h), a.E);
     uint32_t graw[YT][2];
@@ -360,7 +380,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
                                  ldE, y_n0, kSlice);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float gm = decay_pow(log2_lam, m0 + y.row(0, r) + 1);
+      const int i = m0 + y.row(0, r);
+      const float gm = !doc || enters(doc[i], t0) ? decay_pow(log2_lam, i + 1) : 0.0f;
 #pragma unroll
       for (int n = 0; n < YT; ++n) y.x[0][n][r] *= gm;
     }
@@ -385,6 +406,16 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
   if (last) each_state([&](float& x, size_t i) { last[i] = x; });
 }
 
+// The state kernel for a direction, a whole walk or segments, and with or without documents.
+template <class T>
+auto state_kernel_of(bool reverse, bool whole, bool docs) {
+  if (docs)
+    return reverse ? (whole ? state_kernel<T, true, true, true> : state_kernel<T, true, false, true>)
+                   : (whole ? state_kernel<T, false, true, true> : state_kernel<T, false, false, true>);
+  return reverse ? (whole ? state_kernel<T, true, true, false> : state_kernel<T, true, false, false>)
+                 : (whole ? state_kernel<T, false, true, false> : state_kernel<T, false, false, false>);
+}
+
 template <class T>
 void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   const int64_t walks = BH * (a.local ? a.G - 1 : a.G);
@@ -396,18 +427,19 @@ void launch_state(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   const dim3 grid = b.walks_in_z ? dim3(etiles, slices, unsigned(walks)) : dim3(unsigned(walks), slices, etiles);
   // The whole sequence's walk (no cut) compiles apart: its loop and pointers come from the arguments.
   const bool whole = a.G == 1;
-  auto kernel = reverse ? (whole ? state_kernel<T, true, true> : state_kernel<T, true, false>)
-                        : (whole ? state_kernel<T, false, true> : state_kernel<T, false, false>);
-  kernel<<<grid, kThreads, 0, st>>>(b);
+  state_kernel_of<T>(reverse, whole, a.starts != nullptr)<<<grid, kThreads, 0, st>>>(b);
   LT_CUDA_CHECK_LAUNCH();
 }
 
 template <class T, int EP, int Slices>
 void launch_fused(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = FusedSmem<T, EP, Slices>::bytes();
-  auto kernel = a.local    ? fused_forward_kernel<T, EP, Slices, true, false>
-                : a.states ? fused_forward_kernel<T, EP, Slices, false, true>
-                           : fused_forward_kernel<T, EP, Slices, false, false>;
+  auto kernel = a.starts ? (a.local    ? fused_forward_kernel<T, EP, Slices, true, false, true>
+                           : a.states ? fused_forward_kernel<T, EP, Slices, false, true, true>
+                                      : fused_forward_kernel<T, EP, Slices, false, false, true>)
+                        : (a.local    ? fused_forward_kernel<T, EP, Slices, true, false, false>
+                           : a.states ? fused_forward_kernel<T, EP, Slices, false, true, false>
+                                      : fused_forward_kernel<T, EP, Slices, false, false, false>);
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kFusedThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();

@@ -12,6 +12,16 @@
 // Softmax over the sequence normalises over every token, so in causal mode it would let token t see tokens
 // after t: causal mode rejects it (for any of q, k, v, g) with an error.
 //
+// Documents (options.documents, ops/documents.h; causal only): each row is cut into documents that do not see
+// each other. The state is reset at each document start (S_{start - 1} taken as 0), except the row's first
+// document, which starts from S0; fal_with_state returns as S_final the state after each row's last document;
+// the 1-D LRPE puts token s at position offset + s - starts[b, s]; the decay powers are those of the token gaps
+// inside a document. Noncausal mode and md_cosine refuse documents with an error (noncausal sums every key of
+// a row; md_cosine has one grid per row); fal_step ignores them (decoding continues the last document).
+// Documents for another (B, N) or on another device are an error. Fused runs documents on the causal chunk
+// kernels only (bf16/f16, LRPE none or cosine, D 64 or 128, E <= 128, elementwise acts); for the calls that
+// the chunk sweep would run it throws, saying why, and Auto runs Composed for them.
+//
 // Impl::Fused runs the fused CUDA kernels of fal and fal_with_state for f32/bf16/f16 inputs with LRPE none,
 // cosine or rotate, acts other than softmax over the sequence and D, E <= 256 (D' x E up to 256 x 128); for
 // md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). Causal

@@ -56,6 +56,7 @@ FalStepSpec kernel_spec(const Tensor& q, const FalOptions& o, const char* op) {
   }
   spec.position = o.offset;
   if (o.decay.defined()) spec.decay = o.decay.detach().to(dev).to(DType::F32).contiguous();
+  if (o.documents.defined()) spec.starts = o.documents.starts().contiguous();
   return spec;
 }
 
@@ -104,12 +105,16 @@ const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions
   if (q.dtype() != DType::F32 && q.dtype() != DType::BF16 && q.dtype() != DType::F16)
     return "the fused kernels take f32, bf16 or f16 inputs";
   if (o.lrpe == FalLrpe::MdCosine) return "md_cosine runs composed";
-  if (o.documents.defined()) return "the fused kernels do not take documents yet (Composed runs them)";
   if (is_seq_softmax(o.q) || is_seq_softmax(o.k) || is_seq_softmax(o.v) || is_seq_softmax(o.g))
     return "softmax over the sequence runs composed";
   if (o.lrpe == FalLrpe::Rotate && q.size(3) % 2 != 0) return "rotate needs an even D";
   if (!fal_cuda::sequence_supported(q.size(3), fal_state_rows(o.lrpe, q.size(3)), v.size(3)))
     return "the state does not fit the kernels' shared memory (D, E <= 256, D' x E up to 256 x 128)";
+  // The chunk sweep (f32, rotate, softmax over the feature dim, other head dims) walks its 16-token chunks
+  // without the documents' gates.
+  if (o.documents.defined() && !chunked(q, v, o))
+    return "documents run on the chunk kernels only (bf16/f16, LRPE none or cosine, D 64 or 128, E a multiple "
+           "of 8 up to 128, elementwise acts); Composed runs the others";
   return nullptr;
 }
 

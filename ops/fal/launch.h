@@ -16,6 +16,7 @@ struct FalStepSpec {
   Tensor theta;          // (H or 1, E_t) f32 contiguous on the inputs' device; undefined without LRPE
   int64_t position = 0;  // the token's position (FalOptions::offset)
   Tensor decay;          // (H) f32 on the inputs' device, or undefined (no decay)
+  Tensor starts;         // sequences: (B, N) int32 documents' starts (ops/documents.h), or undefined (none)
 };
 
 #if LINTAPE_WITH_CUDA

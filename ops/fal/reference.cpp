@@ -114,8 +114,9 @@ struct CoreGrads {
 };
 
 // Backward of core_forward from do (empty: zero) and, causal, dS_final (empty: zero). Causal: G_t = dL/dS_t =
-// qb_t^T dy_t + lambda G_{t+1} (+ dS_final at t = N-1; no lambda G_{t+1} where t + 1 begins a document); dkb_t = G_t vb_t, dvb_t = kb_t G_t, dS0 = lambda G_0;
-// dqb_t = dy_t S_t^T and dgb_t = do_t * y_t need the forward states.
+// qb_t^T dy_t + lambda G_{t+1} (+ dS_final at t = N-1; no lambda G_{t+1} where t + 1 begins a document);
+// dkb_t = G_t vb_t, dvb_t = kb_t G_t, dS0 = lambda G_0; dqb_t = dy_t S_t^T and dgb_t = do_t * y_t need the
+// forward states.
 CoreGrads core_backward(const CoreInputs& c, bool causal, const std::vector<double>& lam, const std::vector<double>& s0,
                         const std::vector<double>& dout, const std::vector<double>& dS_final) {
   const int64_t P = c.P, E = c.E;
