@@ -151,12 +151,20 @@ TrainSetup make_train_setup(const TrainBenchOptions& o) {
   s.session.optimizer->keep_compute_copy(s.model->compute_dtype());
   std::mt19937_64 rng(0);
   std::uniform_int_distribution<int64_t> token(0, c.vocab_size - 1);
+  s.documents = bench_documents(o.batch, c.seq_len, o.document_length, o.device);
+  const std::vector<int32_t> starts = s.documents.host_starts();
   for (int i = 0; i < 2; ++i) {
     std::vector<int64_t> ids(size_t(o.batch * (c.seq_len + 1)));
     for (int64_t& t : ids) t = token(rng);
-    const Tensor all = from_vector_i64(ids, {o.batch, c.seq_len + 1});
-    s.batches.emplace_back(all.narrow(1, 0, c.seq_len).contiguous().to(o.device),
-                           all.narrow(1, 1, c.seq_len).contiguous().to(o.device));
+    Tensor all = from_vector_i64(ids, {o.batch, c.seq_len + 1});
+    Tensor targets = all.narrow(1, 1, c.seq_len).contiguous();
+    if (!starts.empty()) {  // no target crosses a document's end
+      int64_t* target = targets.data_ptr<int64_t>();
+      for (int64_t r = 0; r < o.batch; ++r)
+        for (int64_t t = 0; t + 1 < c.seq_len; ++t)
+          if (starts[size_t(r * c.seq_len + t + 1)] == t + 1) target[r * c.seq_len + t] = -1;
+    }
+    s.batches.emplace_back(all.narrow(1, 0, c.seq_len).contiguous().to(o.device), targets.to(o.device));
   }
   return s;
 }
@@ -166,7 +174,7 @@ double train_step(TrainSetup& s, size_t i) {
   AdamW& optimizer = *s.session.optimizer;
   if (!optimizer.can_queue()) {
     s.model->zero_grad();
-    const Tensor loss = s.model->loss(tokens, targets);
+    const Tensor loss = s.model->loss(tokens, targets, s.documents);
     backward(loss);
     s.session.update(3e-4, 1.0);
     return loss.item();
@@ -174,13 +182,18 @@ double train_step(TrainSetup& s, size_t i) {
   if (!s.graph) {
     s.graph = std::make_unique<StepGraph>(s.options.device, s.options.cuda_graph);
     s.inputs = {empty_like(tokens), empty_like(targets)};
+    if (s.documents.defined()) s.input_documents = Documents::from_starts(empty_like(s.documents.starts()));
   }
   s.inputs.first.copy_(tokens);  // on the device: queued, no wait
   s.inputs.second.copy_(targets);
+  if (s.documents.defined()) {  // written every step, as the trainer writes each batch's boundaries
+    Tensor starts = s.input_documents.starts();
+    starts.copy_(s.documents.starts());
+  }
   optimizer.set_learning_rate(3e-4);
   s.graph->run([&s, &optimizer] {
     s.model->zero_grad();
-    const Tensor loss = s.model->loss(s.inputs.first, s.inputs.second);
+    const Tensor loss = s.model->loss(s.inputs.first, s.inputs.second, s.input_documents);
     backward(loss);
     optimizer.queue_step(loss.detach().to(DType::F32), 1.0);
   });

@@ -9,6 +9,7 @@
 #include <vector>
 #include "core/device.h"
 #include "layers/language_model.h"
+#include "ops/documents.h"
 #include "train/session.h"
 #include "train/step_graph.h"
 
@@ -25,6 +26,9 @@ struct TrainBenchOptions {
   Device device = Device::cpu();
   std::optional<DType> compute_dtype;  // unset: default_compute_dtype(device), bf16 on CUDA
   bool cuda_graph = true;              // CUDA: the step replayed as a CUDA graph (train/step_graph.h)
+  // Rows packed from documents of this many tokens (bench_documents; targets masked at each document's
+  // end), their starts copied into the step's buffer every step as the trainer does; 0: none. bench train only.
+  int64_t document_length = 0;
 };
 
 // A model, its optimizer and pre-drawn batches, ready to step.
@@ -32,11 +36,13 @@ struct TrainSetup {
   TrainSession session;
   LanguageModel* model = nullptr;  // session's
   std::vector<std::pair<Tensor, Tensor>> batches;  // (tokens, targets) on the device
+  Documents documents;  // of every batch (document_length), on the device; undefined without
   TrainBenchOptions options;
   int64_t params = 0;
   // CUDA: the queued step's graph and its input buffers (each batch is copied into them), made by the first step.
   std::unique_ptr<StepGraph> graph;
   std::pair<Tensor, Tensor> inputs;
+  Documents input_documents;
   int64_t tokens_per_step() const;
 };
 TrainSetup make_train_setup(const TrainBenchOptions& o);

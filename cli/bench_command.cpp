@@ -69,6 +69,7 @@ void bench_command(const BenchArgs& a) {
   if (a.op == "train") {
     bench::TrainBenchOptions train = a.train;
     if (a.dtype_given) train.compute_dtype = dtype_from_name(a.dtype);
+    train.document_length = a.documents;
     return bench_train(train, a.device, a.json);
   }
   if (!a.train_flags_given.empty())
@@ -124,7 +125,8 @@ Command add_bench_command(CLI::App& app) {
   bench->add_option("--reps", a->reps, "Least number of timed calls per measurement (default 20; quick: 10, CPU 5)")
       ->check(at_least_one());
   bench->add_option("--documents", a->documents,
-                    "Ops that take documents: cut every row into documents of this many tokens (default 0: none)")
+                    "Ops that take documents, and train: cut every row into documents of this many tokens "
+                    "(default 0: none)")
       ->check(CLI::NonNegativeNumber);
   // `bench train`: the model's options (bench/train_steps.h).
   for (auto [flag, what] : {std::pair{"--preset", "train: tiny or small (default small)"},

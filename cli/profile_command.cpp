@@ -25,8 +25,11 @@ std::string describe(const bench::TrainSetup& s) {
   std::string mixers;
   for (const std::string& m : c.mixers) mixers += (mixers.empty() ? "" : ",") + m;
   const bench::DeviceInfo info = bench::device_info(s.options.device);
-  return fmt::format("{} ({:.1f} M parameters, mixers {}), batch {} x {}, vocab {}, {} on {} ({})", s.options.preset,
-                     double(s.params) / 1e6, mixers, s.options.batch, c.seq_len, c.vocab_size,
+  const std::string docs = s.options.document_length > 0
+                               ? fmt::format(", documents of {} tokens", s.options.document_length)
+                               : std::string();
+  return fmt::format("{} ({:.1f} M parameters, mixers {}), batch {} x {}{}, vocab {}, {} on {} ({})", s.options.preset,
+                     double(s.params) / 1e6, mixers, s.options.batch, c.seq_len, docs, c.vocab_size,
                      dtype_name(s.model->compute_dtype()), s.options.device.name(), info.name);
 }
 

@@ -16,6 +16,7 @@
 #include "train/comm.h"
 #include "train/config.h"
 #include "train/data.h"
+#include "train/documents.h"
 #include "train/trainer.h"
 
 namespace lintape::cli {
@@ -27,13 +28,35 @@ constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
 
 struct TrainArgs {
   std::string preset = "auto", config_file, data, val_data, device = "auto", dtype = "auto", mixers, log,
-              checkpoint_dir;
-  int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0;
+              checkpoint_dir, documents;
+  int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0, eot_token = kGpt2EndOfText;
   double lr = 0, bucket_mib = 0;
   bool resume = false, no_cuda_graph = false;
   const CLI::App* app = nullptr;  // which options were given
   bool given(const char* name) const { return app->count(name) > 0; }
 };
+
+// A --documents value as the config keeps it: "off" is none ("").
+std::string documents_setting(const std::string& option) { return option == "off" ? "" : option; }
+std::string documents_name(const std::string& setting) { return setting.empty() ? "off" : setting; }
+
+// --documents and --eot-token against the data they would cut: refused where they do not apply.
+void check_documents(const std::string& data, const std::string& documents, bool eot_given) {
+  if (documents.empty()) {
+    if (eot_given) throw UsageError("--eot-token needs --documents (it cuts an llm.c .bin file into documents)");
+    return;
+  }
+  if (data == "mqar")
+    throw UsageError("--documents does not apply to mqar: its rows are generated, each one sequence");
+  if (is_llmc_bin(data) && documents != "auto")
+    throw UsageError(fmt::format("--documents={}: '{}' is an llm.c token file, cut at its end-of-text tokens "
+                                 "(--eot-token); give --documents alone",
+                                 documents, data));
+  if (!is_llmc_bin(data) && eot_given)
+    throw UsageError(fmt::format("--eot-token applies to llm.c .bin data; '{}' is text, cut at a separator "
+                                 "(--documents=SEP)",
+                                 data));
+}
 
 // On --resume the checkpoint's config is the run's: --steps extends the run (the cosine decay is stretched to
 // the new total from the current step on; a total below the checkpoint's is refused); options that would
@@ -58,6 +81,9 @@ TrainConfig resumed_config(const TrainArgs& a) {
     refuse("--mixers", a.mixers, fmt::format("{}", fmt::join(c.model.mixers, ",")));
   if (a.given("--config") || a.given("--preset"))
     throw UsageError("--config and --preset do not apply with --resume: the checkpoint holds the config");
+  if (a.given("--documents"))
+    refuse("--documents", documents_name(documents_setting(a.documents)), documents_name(c.documents));
+  if (a.given("--eot-token")) refuse("--eot-token", std::to_string(a.eot_token), std::to_string(c.eot_token));
   if (a.given("--checkpoint-every"))
     refuse("--checkpoint-every", std::to_string(a.checkpoint_every), std::to_string(c.checkpoint_every));
   if (a.given("--steps")) {
@@ -103,6 +129,9 @@ void train(const TrainArgs& a) {
     if (a.given("--mixers")) c.model.mixers = ModelConfig::mixers_from_list(a.mixers);
     if (a.given("--checkpoint-every")) c.checkpoint_every = a.checkpoint_every;
     if (a.given("--seed")) c.seed = uint64_t(a.seed);
+    if (a.given("--documents")) c.documents = documents_setting(a.documents);
+    if (a.given("--eot-token")) c.eot_token = a.eot_token;
+    check_documents(c.data, c.documents, a.given("--eot-token"));
   }
   try {
     validate_with_sizes(c);  // every size against overflow and memory, before anything is built
@@ -152,8 +181,10 @@ void train(const TrainArgs& a) {
 }
 
 struct EvalArgs {
-  std::string checkpoint, data, json_path, device = "auto", dtype = "auto";
-  int64_t batches = 16;
+  std::string checkpoint, data, json_path, device = "auto", dtype = "auto", documents;
+  int64_t batches = 16, eot_token = kGpt2EndOfText;
+  const CLI::App* app = nullptr;  // which options were given
+  bool given(const char* name) const { return app->count(name) > 0; }
 };
 
 void eval(const EvalArgs& a) {
@@ -165,24 +196,32 @@ void eval(const EvalArgs& a) {
   model.load_state_dict(ckpt.model, ckpt.path + "/model.safetensors");
   model.to(device);
   model.set_compute_dtype(dtype);
-  std::vector<int32_t> tokens = load_tokens(a.data, ckpt.config.model.vocab_size);
-  TokenData data(tokens, tokens, 1, ckpt.config.model.seq_len, a.batches, a.data);
+  // The checkpoint's documents setting unless --documents (or --eot-token) says otherwise.
+  const DocumentSplit split{a.given("--documents") ? documents_setting(a.documents) : ckpt.config.documents,
+                            a.given("--eot-token") ? a.eot_token : ckpt.config.eot_token};
+  check_documents(a.data, split.separator, a.given("--eot-token"));
+  std::string how;
+  TokenText text = split.on() ? load_documents(a.data, split, ckpt.config.model.vocab_size, &how)
+                              : TokenText{load_tokens(a.data, ckpt.config.model.vocab_size), {}};
+  TokenData data(text, text, 1, ckpt.config.model.seq_len, a.batches, a.data, 0, how);
   NoGradGuard no_grad;
   double sum = 0;
   for (int64_t i = 0; i < data.validation_batches(); ++i) {
     const Batch b = data.validation(i);
-    sum += model.loss(b.tokens.to(device), b.targets.to(device)).item();
+    sum += model.loss(b.tokens.to(device), b.targets.to(device), b.documents.to(device)).item();
   }
   const double loss = sum / double(data.validation_batches());
   if (!std::isfinite(loss))
     fail(fmt::format("[eval] the mean loss of '{}' on {} is {}: the checkpoint's weights overflow on this data",
                      ckpt.path, a.data, loss));
-  fmt::print("{}: mean loss {:.4f}, perplexity {:.2f} over {} sequences of {} tokens\n", a.data, loss, std::exp(loss),
-             data.validation_batches(), ckpt.config.model.seq_len);
+  fmt::print("{}: mean loss {:.4f}, perplexity {:.2f} over {} sequences of {} tokens{}\n", a.data, loss,
+             std::exp(loss), data.validation_batches(), ckpt.config.model.seq_len,
+             split.on() ? ", documents cut at " + how : std::string());
   if (!a.json_path.empty()) {
     std::ofstream out(a.json_path);
     out << nlohmann::json{{"checkpoint", ckpt.path}, {"data", a.data}, {"loss", loss}, {"perplexity", std::exp(loss)},
-                          {"sequences", data.validation_batches()}}
+                          {"sequences", data.validation_batches()},
+                          {"documents", split.on() ? nlohmann::json(how) : nlohmann::json(nullptr)}}
                .dump(2)
         << "\n";
     LT_CHECK(out.good(), "[eval] cannot write '", a.json_path, "'");
@@ -224,7 +263,8 @@ void generate(const GenerateArgs& a) {
   std::mt19937_64 rng(a.seed);
   DecodeState state = model.start_decoding(1);
   // The prompt goes through the whole-sequence ops at once, filling the states and caches; then one
-  // token at a time.
+  // token at a time. It starts a fresh document: position 0, empty states, as each document of a packed
+  // training row does.
   std::vector<int64_t> prompt;
   for (unsigned char c : a.prompt) prompt.push_back(int64_t(c));
   const int64_t n = int64_t(prompt.size());
@@ -265,6 +305,13 @@ CLI::Validator number_at_least(double min, bool strict, const std::string& words
         return (strict ? v > min : v >= min) ? std::string() : words + "; got " + value;
       },
       strict ? "POSITIVE" : "NONNEGATIVE");
+}
+}  // namespace
+
+namespace {
+// --documents takes an optional value: alone it means "auto".
+void add_documents_option(CLI::App* sub, std::string& slot, const std::string& help) {
+  sub->add_option("--documents", slot, help)->expected(0, 1)->default_str("auto")->option_text("[=SEP|off]");
 }
 }  // namespace
 
@@ -312,6 +359,15 @@ Command add_train_command(CLI::App& app) {
                   "0 (default): one, after backward")
       ->capture_default_str()
       ->check(non_negative_number());
+  add_documents_option(sub, args->documents,
+                       "cut the data into documents and pack the rows with their boundaries (no token sees another "
+                       "document, no target crosses one): alone, the fortunes' % lines when the text has them, "
+                       "else blank lines, and an llm.c .bin's end-of-text tokens; --documents=SEP cuts text at "
+                       "each SEP (\\n for a newline); off: none (default)");
+  sub->add_option("--eot-token", args->eot_token,
+                  "with --documents on llm.c .bin data: the end-of-text token that starts each document")
+      ->capture_default_str()
+      ->check(non_negative_number());
   sub->add_flag("--no-cuda-graph", args->no_cuda_graph,
                 "on CUDA with one process: run each step eagerly instead of replaying it as a CUDA graph");
   return {sub, [args] { train(*args); }};
@@ -325,6 +381,13 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--batches", args->batches, "sequences to evaluate")->capture_default_str()
       ->check(positive_number());
   sub->add_option("--json", args->json_path, "write the result as JSON");
+  add_documents_option(sub, args->documents,
+                       "cut the data into documents as train's --documents does (default: as the checkpoint was "
+                       "trained); off: none");
+  sub->add_option("--eot-token", args->eot_token,
+                  "with --documents on llm.c .bin data: the end-of-text token (default: the checkpoint's)")
+      ->check(non_negative_number());
+  args->app = sub;
   sub->add_option("--device", args->device, "cpu, cuda[:N] or auto (the GPU when there is one)")->capture_default_str();
   sub->add_option("--dtype", args->dtype, "bf16, f32 or auto (bf16 on CUDA, f32 on the CPU)")->capture_default_str();
   return {sub, [args] { eval(*args); }};

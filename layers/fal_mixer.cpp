@@ -31,7 +31,7 @@ FalMixer::FalMixer(int64_t width, int64_t heads, int64_t head_dim, double eps, d
 
 namespace {
 // MODEL.md's FAL: silu on q, k and g, LRPE cosine, causal with the per-head decay.
-FalOptions fal_options(const FalMixer& m, int64_t position) {
+FalOptions fal_options(const FalMixer& m, int64_t position, const Documents& docs = {}) {
   FalOptions o;
   o.q = o.k = o.g = ActSpec{Act::Silu, ActDim::None};
   o.lrpe = FalLrpe::Cosine;
@@ -39,6 +39,7 @@ FalOptions fal_options(const FalMixer& m, int64_t position) {
   o.offset = position;
   o.causal = true;
   o.decay = m.decay;
+  o.documents = docs;
   return o;
 }
 }  // namespace
@@ -55,10 +56,10 @@ Tensor FalMixer::finish(const Tensor& mixed) const {
   return out.forward(norm.forward(mixed).reshape({mixed.size(0), mixed.size(1), heads * head_dim}));
 }
 
-Tensor FalMixer::forward(const Tensor& x) const {
+Tensor FalMixer::forward(const Tensor& x, const Documents& docs) const {
   LT_CHECK(x.dim() == 3, "[FalMixer] x must be (B, N, C); got ", shape_str(x.shape()));
   const auto [q, k, v, g] = project(x);
-  return finish(fal(q, k, v, g, fal_options(*this, 0), impl));
+  return finish(fal(q, k, v, g, fal_options(*this, 0, docs), impl));
 }
 
 std::unique_ptr<MixerState> FalMixer::start_decoding(int64_t batch, DType) const {

@@ -20,7 +20,7 @@ class FalMixer : public Mixer {
  public:
   FalMixer(int64_t width, int64_t heads, int64_t head_dim, double eps, double init_std, double out_std,
            uint64_t seed);
-  Tensor forward(const Tensor& x) const override;
+  Tensor forward(const Tensor& x, const Documents& docs = {}) const override;
   // Decoding. The state (FalState) is zeros before the first token and replaced by the state after the
   // tokens given. prefill: x (B, N, C) at positions position.. position + N - 1 through the chunked
   // causal op with state (fal_with_state); step: one token x_t (B, 1, C) at `position` through fal_step.

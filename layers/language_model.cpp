@@ -77,7 +77,7 @@ Block::Block(const ModelConfig& c, int64_t layer, uint64_t seed)
   register_module(kind.name, *mixer);
 }
 
-Tensor Block::mix(const Tensor& h) const { return mixer->forward(h); }
+Tensor Block::mix(const Tensor& h, const Documents& docs) const { return mixer->forward(h, docs); }
 
 Tensor Block::mix_prefill(const Tensor& h, DecodeState& state, size_t layer) const {
   return mixer->prefill(h, *state.layers[layer], state.position);
@@ -92,8 +92,8 @@ std::pair<Tensor, Tensor> Block::finish(const Tensor& x, const Tensor& mixed, co
   return next.forward_sum(y, mlp.forward(h2));
 }
 
-Tensor Block::forward(const Tensor& x) const {
-  const auto [y, h2] = norm2.forward_sum(x, mix(norm1.forward(x)));
+Tensor Block::forward(const Tensor& x, const Documents& docs) const {
+  const auto [y, h2] = norm2.forward_sum(x, mix(norm1.forward(x), docs));
   return add(y, mlp.forward(h2));
 }
 
@@ -133,22 +133,23 @@ Tensor through_blocks(const std::vector<std::unique_ptr<Block>>& blocks, const R
 }
 }  // namespace
 
-Tensor LanguageModel::normed_hidden(const Tensor& tokens, const Tensor& w) const {
+Tensor LanguageModel::normed_hidden(const Tensor& tokens, const Tensor& w, const Documents& docs) const {
   LT_CHECK(tokens.dim() == 2, "[LanguageModel] tokens must be (B, N); got ", shape_str(tokens.shape()));
+  docs.check("LanguageModel", tokens.size(0), tokens.size(1), tokens.device());
   return through_blocks(blocks, norm, embedding(w, tokens),
-                        [](const Block& b, size_t, const Tensor& h) { return b.mix(h); });
+                        [&docs](const Block& b, size_t, const Tensor& h) { return b.mix(h, docs); });
 }
 
-Tensor LanguageModel::forward(const Tensor& tokens) const {
+Tensor LanguageModel::forward(const Tensor& tokens, const Documents& docs) const {
   const Tensor w = wte.to(compute_dtype());
-  return matmul(normed_hidden(tokens, w), w, false, true);
+  return matmul(normed_hidden(tokens, w, docs), w, false, true);
 }
 
-Tensor LanguageModel::loss(const Tensor& tokens, const Tensor& targets) const {
+Tensor LanguageModel::loss(const Tensor& tokens, const Tensor& targets, const Documents& docs) const {
   LT_CHECK(targets.shape() == tokens.shape(), "[LanguageModel] targets must have the tokens' shape ",
            shape_str(tokens.shape()), "; got ", shape_str(targets.shape()));
   const Tensor w = wte.to(compute_dtype());
-  return head_loss(normed_hidden(tokens, w), w, targets);
+  return head_loss(normed_hidden(tokens, w, docs), w, targets);
 }
 
 Tensor LanguageModel::head_loss(const Tensor& h, const Tensor& w, const Tensor& targets) const {

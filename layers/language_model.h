@@ -45,10 +45,10 @@ struct DecodeState {
 class Block : public Module {
  public:
   Block(const ModelConfig& config, int64_t layer, uint64_t seed);
-  Tensor forward(const Tensor& x) const;  // the block alone
-  // The mixer on h = norm1(x): for training, for a prefill (h (B, N, C), from position 0) and for one
-  // decoding step (h (B, 1, C)).
-  Tensor mix(const Tensor& h) const;
+  Tensor forward(const Tensor& x, const Documents& docs = {}) const;  // the block alone
+  // The mixer on h = norm1(x): for training (with the rows' documents), for a prefill (h (B, N, C), from
+  // position 0) and for one decoding step (h (B, 1, C)).
+  Tensor mix(const Tensor& h, const Documents& docs = {}) const;
   Tensor mix_prefill(const Tensor& h, DecodeState& state, size_t layer) const;
   Tensor mix_step(const Tensor& h, DecodeState& state, size_t layer) const;
   // The rest of the block inside the model, given the mixer's output: returns the residual stream after
@@ -64,11 +64,14 @@ class Block : public Module {
 class LanguageModel : public Module {
  public:
   explicit LanguageModel(const ModelConfig& config, uint64_t seed = 0);
-  // tokens (B, N) integer ids -> logits (B, N, V) in the compute dtype.
-  Tensor forward(const Tensor& tokens) const;
+  // tokens (B, N) integer ids -> logits (B, N, V) in the compute dtype. `docs`: the documents packed in the
+  // rows (ops/documents.h, starts on the model's device), passed to every mixer: a token sees only its own
+  // document. Undefined: each row is one sequence.
+  Tensor forward(const Tensor& tokens, const Documents& docs = {}) const;
   // Mean cross-entropy over the targets (B, N) that are not -1; float32 (float64 for f64 parameters),
-  // whatever the compute dtype.
-  Tensor loss(const Tensor& tokens, const Tensor& targets) const;
+  // whatever the compute dtype. With documents, a document's last token should have target -1 (the data
+  // does so): its next token belongs to another document.
+  Tensor loss(const Tensor& tokens, const Tensor& targets, const Documents& docs = {}) const;
   // The tied head and the loss on the final norm's output h (B, N, C), with w = wte in the compute dtype:
   // linear_cross_entropy, so the (B, N, V) logits are never held (loss() is normed_hidden + this).
   Tensor head_loss(const Tensor& h, const Tensor& w, const Tensor& targets) const;
@@ -96,7 +99,7 @@ class LanguageModel : public Module {
 
  private:
   // Embedding, blocks and the final norm: (B, N, C) in the compute dtype; w is wte in that dtype.
-  Tensor normed_hidden(const Tensor& tokens, const Tensor& w) const;
+  Tensor normed_hidden(const Tensor& tokens, const Tensor& w, const Documents& docs) const;
   ModelConfig config_;
   bool has_compute_dtype_ = false;
   DType compute_dtype_ = DType::F32;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 #include "../core/tensor.h"
+#include "../ops/documents.h"
 #include "../ops/impl.h"
 #include "module.h"
 
@@ -22,8 +23,11 @@ struct MixerState {
 
 class Mixer : public Module {
  public:
-  // x (B, N, C) -> (B, N, C), causal over the sequence, recorded for the gradient.
-  virtual Tensor forward(const Tensor& x) const = 0;
+  // x (B, N, C) -> (B, N, C), causal over the sequence, recorded for the gradient. `docs`: the documents
+  // packed in the rows (ops/documents.h); a token mixes only with its own document's earlier tokens, and
+  // positions restart at each document start. Undefined: each row is one sequence. (The overrides repeat
+  // the default.)
+  virtual Tensor forward(const Tensor& x, const Documents& docs = {}) const = 0;
   // The empty state before the first token, for `batch` sequences of activations in `dtype`.
   virtual std::unique_ptr<MixerState> start_decoding(int64_t batch, DType dtype) const = 0;
   // prefill: x (B, N, C), the first tokens (position 0); step: one token x_t (B, 1, C) at `position`.

@@ -31,7 +31,7 @@ TpaMixer::TpaMixer(int64_t width, int64_t heads, int64_t head_dim, int64_t rank_
   register_buffer("theta", theta);
 }
 
-std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position) const {
+std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position, const Documents& docs) const {
   const int64_t B = x.size(0), N = x.size(1), R = rank_q + rank_k + rank_v, D = head_dim, Ra = heads * R;
   // One product for both projections, its rows [b; a; zero padding]: every token's row, and in it each
   // factor's basis rows, start 16-byte aligned, so the fused ops read the factors in place (views).
@@ -46,24 +46,28 @@ std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position) const
   const std::vector<Tensor> as = split(y[3].view({B, N, heads, R}), {rank_q, rank_k, rank_v}, 3);
   LrpeOptions at;
   at.offset = position;
+  at.documents = docs;
   const Impl rotate_impl = impl == Impl::Composed ? Impl::Composed : Impl::Auto;
   const Tensor bq = lrpe_rotate(y[0].view({B, N, rank_q, D}), theta, at, rotate_impl);
   return {as[0], bq, as[1], y[1].view({B, N, rank_k, D}), as[2], y[2].view({B, N, rank_v, D})};
 }
 
 // Causal attention over the tokens of x alone (B, N) and the output projection.
-Tensor TpaMixer::attend(const std::array<Tensor, 6>& f) const {
+Tensor TpaMixer::attend(const std::array<Tensor, 6>& f, const Documents& docs) const {
   const auto& [aq, bq, ak, bk, av, bv] = f;
-  const Tensor bk_rotated = lrpe_rotate(bk, theta, {}, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
+  LrpeOptions at;
+  at.documents = docs;
+  const Tensor bk_rotated = lrpe_rotate(bk, theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
   TpaOptions o;
   o.causal = true;
+  o.documents = docs;
   const Tensor mixed = tpa_attention(aq, bq, ak, bk_rotated, av, bv, o, impl);
   return out.forward(mixed.reshape({aq.size(0), aq.size(1), heads * head_dim}));
 }
 
-Tensor TpaMixer::forward(const Tensor& x) const {
+Tensor TpaMixer::forward(const Tensor& x, const Documents& docs) const {
   LT_CHECK(x.dim() == 3, "[TpaMixer] x must be (B, N, C); got ", shape_str(x.shape()));
-  return attend(factors(x, 0));
+  return attend(factors(x, 0, docs), docs);
 }
 
 Tensor TpaMixer::prefill(const Tensor& x, TpaCache& cache) const {

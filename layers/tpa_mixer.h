@@ -23,7 +23,7 @@ class TpaMixer : public Mixer {
  public:
   TpaMixer(int64_t width, int64_t heads, int64_t head_dim, int64_t rank_q, int64_t rank_k, int64_t rank_v,
            double init_std, double out_std, uint64_t seed);
-  Tensor forward(const Tensor& x) const override;
+  Tensor forward(const Tensor& x, const Documents& docs = {}) const override;
   // Decoding over the state's factor cache (TpaState, made by make_cache). prefill: x (B, N, C), the first
   // tokens (the cache must be empty), through tpa_attention, appending their k, v factors to the cache;
   // step: one token x_t (B, 1, C) at position cache.max_length(), appended and attended over the cache
@@ -42,9 +42,11 @@ class TpaMixer : public Mixer {
   int64_t heads, head_dim, rank_q, rank_k, rank_v;
 
  private:
-  // The factors of x (B, N, C): aq, bq (rotated from `position`), ak, bk (not rotated), av, bv.
-  std::array<Tensor, 6> factors(const Tensor& x, int64_t position) const;
-  Tensor attend(const std::array<Tensor, 6>& factors) const;  // causal over these tokens, then out
+  // The factors of x (B, N, C): aq, bq (rotated from `position`, restarting at each document's start),
+  // ak, bk (not rotated), av, bv.
+  std::array<Tensor, 6> factors(const Tensor& x, int64_t position, const Documents& docs = {}) const;
+  // Causal over these tokens (within each document), then out.
+  Tensor attend(const std::array<Tensor, 6>& factors, const Documents& docs = {}) const;
 };
 
 std::unique_ptr<Mixer> make_tpa_mixer(const ModelConfig& config, double init_std, double out_std, uint64_t seed);

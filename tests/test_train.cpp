@@ -1,6 +1,7 @@
 // Training: sha256, the schedule, one step against the same step by hand, loss falling on text, mqar
 // above chance, resume bit-identical (interrupted, and killed while writing a checkpoint), corrupt and
-// truncated checkpoints refused, and the input errors. All on small CPU configs, fast enough for CI.
+// truncated checkpoints refused, the input errors, and data cut into documents (--documents: the splits,
+// the packed rows' boundaries and loss mask, resume). All on small CPU configs, fast enough for CI.
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <csignal>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -47,6 +49,16 @@ void write_bin(const std::string& path, int32_t magic, int32_t count, int32_t wr
     const uint16_t t = uint16_t(i % 50);
     out.write(reinterpret_cast<const char*>(&t), 2);
   }
+}
+
+void write_bin_tokens(const std::string& path, const std::vector<uint16_t>& tokens) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240520;
+  header[1] = 1;
+  header[2] = int32_t(tokens.size());
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header.data()), 256 * 4);
+  out.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(2 * tokens.size()));
 }
 
 double mean_of(const std::vector<double>& v, size_t from, size_t to) {
@@ -363,4 +375,154 @@ TEST_CASE("bad input: a model too large for memory reports the request and the a
   c.model.width = int64_t(1) << 40;  // the final norm's weight alone takes 2^42 bytes
   check_throws_containing([&] { Trainer t(c, {}); },
                           {"[allocator] out of memory on cpu", "asked for 4398046511104 bytes", "peak", "reserved"});
+}
+
+TEST_CASE("documents: text cut at the fortunes' % lines, blank lines or a given string") {
+  using Docs = std::vector<std::string>;
+  // auto: the % lines when a line is only "%" (a DOS line too); a run of them is one cut.
+  CHECK(split_text("one\n%\ntwo\nlines 50%\n%\r\n%\nthree", "auto") == Docs{"one\n", "two\nlines 50%\n", "three"});
+  // Else blank lines (empty or only blanks), a run of them one cut; a "%" inside a line is text.
+  CHECK(split_text("a 50% cut\n\n\nb\n \t\nc\n\n", "auto") == Docs{"a 50% cut\n", "b\n", "c\n"});
+  CHECK(split_text("no separator", "auto") == Docs{"no separator"});
+  // A given string: each occurrence, removed; \n stands for a newline; empty documents are dropped.
+  CHECK(split_text("x<eos>y<eos><eos>z<eos>", "<eos>") == Docs{"x", "y", "z"});
+  CHECK(split_text("p\n\nq\n\n\n\nr", "\\n\\n") == Docs{"p", "q", "r"});
+  CHECK(split_text("%%%", "%").empty());
+  check_throws_containing([] { split_text("abc", ""); }, {"--documents", "empty"});
+}
+
+TEST_CASE("documents: llm.c tokens cut before each end-of-text token, which stays first") {
+  const TokenText t = split_tokens({50256, 1, 2, 50256, 3, 50256}, kGpt2EndOfText, "x.bin");
+  CHECK(t.tokens == std::vector<int32_t>{50256, 1, 2, 50256, 3, 50256});
+  CHECK(t.first == std::vector<uint8_t>{1, 0, 0, 1, 0, 1});
+  CHECK(t.documents() == 3);
+  // The file's first token starts a document even when it is not the token.
+  CHECK(split_tokens({5, 6, 7, 8}, 7, "x.bin").first == std::vector<uint8_t>{1, 0, 1, 0});
+  check_throws_containing([] { split_tokens({1, 2, 3}, 9, "x.bin"); },
+                          {"x.bin", "no end-of-text token 9", "--eot-token"});
+
+  TempDir dir("docbin");
+  write_bin_tokens(dir.file("d.bin"), {9, 1, 2, 9, 3, 4, 5, 9, 6});
+  std::string how;
+  const TokenText bin = load_documents(dir.file("d.bin"), {"auto", 9}, 0, &how);
+  CHECK(how == "end-of-text token 9");
+  CHECK(bin.first == std::vector<uint8_t>{1, 0, 0, 1, 0, 0, 0, 1, 0});
+  check_throws_containing([&] { load_documents(dir.file("d.bin"), {"<eos>", 9}, 0); },
+                          {"d.bin", "llm.c token file", "--documents alone"});
+  check_throws_containing([&] { load_documents(dir.file("d.bin"), {"auto", 50256}, 0); },
+                          {"d.bin", "no end-of-text token 50256"});
+}
+
+TEST_CASE("documents: a directory's files each end a document, auto decided for them all") {
+  TempDir dir("docdir");
+  std::ofstream(dir.file("a.txt")) << "one\n%\ntwo\n";
+  std::ofstream(dir.file("b.txt")) << "three\n\nfour\n";  // no % line: still cut at % lines, so one document
+  std::string how;
+  const TokenText t = load_documents(dir.path.string(), {"auto"}, 0, &how);
+  CHECK(how == "the fortunes' % lines");
+  CHECK(std::string(t.tokens.begin(), t.tokens.end()) == "one\ntwo\nthree\n\nfour\n");
+  std::vector<uint8_t> first(t.tokens.size(), 0);
+  first[0] = first[4] = first[8] = 1;
+  CHECK(t.first == first);
+  load_documents(dir.path.string(), {"\\n"}, 0, &how);
+  CHECK(how == "\"\\n\"");
+}
+
+TEST_CASE("documents: packed rows carry their documents' starts and no target crosses a boundary") {
+  // Tokens 0..40 (each its own index), documents starting at 0, 5, 6 (one token), 20 and 33.
+  TokenText text;
+  for (int32_t i = 0; i <= 40; ++i) text.tokens.push_back(i);
+  text.first.assign(text.tokens.size(), 0);
+  for (int i : {0, 5, 6, 20, 33}) text.first[size_t(i)] = 1;
+  TokenData data(text, text, 3, 8, 4, "t", 7, "test");
+  const Batch v = data.validation(0);  // rows from tokens 0, 8 and 16
+  REQUIRE(v.documents.defined());
+  CHECK(v.documents.host_starts() == std::vector<int32_t>{0, 0, 0, 0, 0, 5, 6, 6,  //
+                                                          0, 0, 0, 0, 0, 0, 0, 0,  //
+                                                          0, 0, 0, 0, 4, 4, 4, 4});
+  CHECK(v.targets.to_vector<int64_t>() == std::vector<int64_t>{1, 2, 3, 4, -1, -1, 7, 8,         //
+                                                               9, 10, 11, 12, 13, 14, 15, 16,    //
+                                                               17, 18, 19, -1, 21, 22, 23, 24});
+  CHECK(documents_cu_seqlens(v.documents, 3, 8) == std::vector<int64_t>{0, 5, 6, 8, 16, 20, 24});
+  // Every training row over two epochs (shuffled windows): a token's start is the last document start at
+  // or before it within the row, and a target is -1 exactly where the next token starts a document.
+  for (int64_t drawn = 0; drawn < 4; ++drawn) {
+    const Batch b = data.next_train();
+    const std::vector<int64_t> tokens = b.tokens.to_vector<int64_t>(), targets = b.targets.to_vector<int64_t>();
+    const std::vector<int32_t> starts = b.documents.host_starts();
+    for (size_t r = 0; r < 3; ++r) {
+      const int64_t c = tokens[r * 8];
+      int64_t start = c;
+      for (size_t j = 0; j < 8; ++j) {
+        const int64_t t = tokens[r * 8 + j];
+        CHECK(t == c + int64_t(j));
+        if (text.first[size_t(t)]) start = t;
+        CHECK(starts[r * 8 + j] == start - c);
+        CHECK(targets[r * 8 + j] == (text.first[size_t(t + 1)] ? -1 : t + 1));
+      }
+    }
+  }
+  // Without documents the same rows have no boundaries and every target.
+  TokenData plain(text.tokens, text.tokens, 3, 8, 4, "t", 7);
+  CHECK_FALSE(plain.validation(0).documents.defined());
+  CHECK(plain.documents().empty());
+  CHECK(data.documents() == "test: 5 documents of 8 tokens on average");
+}
+
+TEST_CASE("documents: the held-out tail starts a document, and mqar refuses them") {
+  TempDir dir("docopen");
+  const std::string corpus = write_document_corpus(dir);
+  const auto data = open_data(corpus, "", 2, 32, 0, 4, 256, 0.05, {"auto"});
+  CHECK(data->documents().find("the fortunes' % lines: ") == 0);
+  const Batch v = data->validation(0);
+  REQUIRE(v.documents.defined());
+  CHECK(v.documents.host_starts()[0] == 0);
+  // No "%" line is left in the text: the separators are removed.
+  const std::vector<int64_t> tokens = data->next_train().tokens.to_vector<int64_t>();
+  for (size_t i = 0; i + 2 < tokens.size(); ++i) CHECK_FALSE((tokens[i] == '\n' && tokens[i + 1] == '%'));
+  check_throws_containing([] { open_data("mqar", "", 2, 32, 0, 4, 256, 0.05, {"auto"}); },
+                          {"--documents", "mqar"});
+  TrainConfig c = micro_train_config("mqar");
+  c.documents = "auto";
+  check_throws_containing([&] { c.validate(); }, {"documents", "mqar"});
+  c.data = corpus;
+  c.eot_token = -1;
+  check_throws_containing([&] { c.validate(); }, {"eot_token", "-1"});
+}
+
+TEST_CASE("documents: a training step's loss is the model's on the batch with its documents") {
+  TempDir dir("docstep");
+  TrainConfig c = micro_train_config(write_document_corpus(dir));
+  c.documents = "auto";
+  c.steps = 1;
+  const auto data = open_data(c.data, "", c.batch, c.model.seq_len, c.seed, c.val_batches, c.model.vocab_size, 0.05,
+                              {c.documents, c.eot_token});
+  const Batch b = data->next_train();
+  LanguageModel model(c.model, c.seed);
+  const double expected = model.loss(b.tokens, b.targets, b.documents).item();
+  const TrainResult r = Trainer(c, {Device::cpu(), dir.file("run.jsonl")}).run();
+  REQUIRE(r.losses.size() == 1);
+  CHECK(r.losses[0] == doctest::Approx(expected).epsilon(1e-6));
+  // The summary says how the data was cut; the config keeps the setting.
+  std::ifstream summary(dir.file("run.summary.json"));
+  const std::string text((std::istreambuf_iterator<char>(summary)), std::istreambuf_iterator<char>());
+  CHECK(text.find("\"documents\": \"the fortunes' % lines: ") != std::string::npos);
+  CHECK(text.find("\"documents\": \"auto\"") != std::string::npos);
+}
+
+TEST_CASE("documents: resume is bit-identical to an uninterrupted run") {
+  TempDir dir("docresume");
+  TrainConfig c = micro_train_config(write_document_corpus(dir));
+  c.documents = "auto";
+  c.steps = 6;
+  c.checkpoint_every = 2;
+  const TrainResult whole = Trainer(c, {Device::cpu(), "", dir.file("whole")}).run();
+  const TrainResult first = Trainer(c, {Device::cpu(), "", dir.file("split"), false, nullptr, 3}).run();
+  CHECK(load_checkpoint_state(dir.file("split")).config.documents == "auto");
+  TrainConfig resumed = c;
+  resumed.documents = "";  // the checkpoint's setting wins (the command line refuses a different one)
+  const TrainResult second = Trainer(resumed, {Device::cpu(), "", dir.file("split"), true}).run();
+  REQUIRE(second.losses.size() == 3);
+  for (size_t i = 0; i < 3; ++i) CHECK(first.losses[i] == whole.losses[i]);
+  for (size_t i = 0; i < 3; ++i) CHECK(second.losses[i] == whole.losses[3 + i]);
 }

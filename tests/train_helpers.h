@@ -1,4 +1,4 @@
-// Helpers of the training tests (CPU and CUDA): scratch directories, a micro config, a small text corpus.
+// Helpers of the training tests (CPU and CUDA): scratch directories, a micro config, small text corpora.
 #pragma once
 #include <unistd.h>
 
@@ -48,6 +48,16 @@ inline std::string write_text_corpus(const TempDir& dir) {
   const char* lines[] = {"the quick brown fox jumps over the lazy dog. ", "a stitch in time saves nine. ",
                          "all that glitters is not gold. ", "where there is smoke there is fire. "};
   for (int i = 0; i < 300; ++i) out << lines[(i * 7 + i / 3) % 4];
+  return path;
+}
+
+// A fortunes-like corpus of documents of several lengths, between `%` lines.
+inline std::string write_document_corpus(const TempDir& dir) {
+  const std::string path = dir.file("fortunes");
+  std::ofstream out(path);
+  const char* sayings[] = {"the quick brown fox jumps over the lazy dog.\n", "a stitch in time saves nine.\n",
+                           "all that glitters\nis not gold.\n", "where there is smoke there is fire.\n", "!\n"};
+  for (int i = 0; i < 200; ++i) out << sayings[(i * 7 + i / 3) % 5] << "%\n";
   return path;
 }
 

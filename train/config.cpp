@@ -148,6 +148,10 @@ void TrainConfig::validate() const {
   LT_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "[config] min_lr_ratio must be in [0, 1]; got ", min_lr_ratio);
   LT_CHECK(grad_clip > 0, "[config] grad_clip must be positive; got ", grad_clip);
   LT_CHECK(!data.empty(), "[config] data must be mqar or a file; got an empty string");
+  LT_CHECK(documents.empty() || data != "mqar",
+           "[config] documents do not apply to mqar (its rows are generated, each one sequence); got documents \"",
+           documents, "\"");
+  LT_CHECK(eot_token >= 0, "[config] eot_token must not be negative; got ", eot_token);
 }
 
 void validate_with_sizes(const TrainConfig& c) {
@@ -161,6 +165,8 @@ std::string to_json(const TrainConfig& c) {
   const json j{{"model", model_json(c.model)},
                {"data", c.data},
                {"val_data", c.val_data},
+               {"documents", c.documents},
+               {"eot_token", c.eot_token},
                {"steps", c.steps},
                {"batch", c.batch},
                {"grad_accum", c.grad_accum},
@@ -199,6 +205,8 @@ TrainConfig train_config_from_json(const std::string& text, const std::string& s
   if (j.contains("model")) c.model = model_from(j.at("model"), source, base.model);
   read_key(j, "data", c.data, source);
   read_key(j, "val_data", c.val_data, source);
+  read_key(j, "documents", c.documents, source);
+  read_key(j, "eot_token", c.eot_token, source);
   read_key(j, "steps", c.steps, source);
   read_key(j, "batch", c.batch, source);
   read_key(j, "grad_accum", c.grad_accum, source);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 #include "../layers/language_model.h"
+#include "documents.h"
 
 namespace lintape {
 
@@ -11,6 +12,9 @@ struct TrainConfig {
   ModelConfig model;
   std::string data = "mqar";  // "mqar" or a file (text as bytes, or an llm.c .bin)
   std::string val_data;       // empty: the held-out tail of the data file
+  // --documents (train/documents.h): "" none, "auto", or a separator; .bin data is cut at eot_token.
+  std::string documents;
+  int64_t eot_token = kGpt2EndOfText;
   int64_t steps = 60;          // tiny: about 1.2 s a step on a 2-core CPU
   int64_t batch = 8;
   int64_t grad_accum = 1;     // micro-batches per step

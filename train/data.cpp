@@ -43,21 +43,26 @@ void check_vocab(const std::vector<int32_t>& tokens, int64_t vocab, const std::s
 
 }  // namespace
 
+std::vector<std::string> data_files(const std::string& path) {
+  if (!std::filesystem::is_directory(path)) return {path};
+  // A corpus directory (the fortunes package): its plain files in name order, skipping strfile's
+  // .dat indexes and the links it installs.
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(path)) {
+    const std::string name = entry.path().string();
+    if (entry.is_regular_file() && !entry.is_symlink() && entry.path().extension() != ".dat" &&
+        entry.path().extension() != ".u8")
+      files.push_back(name);
+  }
+  std::sort(files.begin(), files.end());
+  LT_CHECK(!files.empty(), "[data] the data directory '", path, "' holds no text files");
+  return files;
+}
+
 std::vector<int32_t> load_tokens(const std::string& path, int64_t vocab) {
   if (std::filesystem::is_directory(path)) {
-    // A corpus directory (the fortunes package): its plain files in name order, skipping strfile's
-    // .dat indexes and the links it installs.
-    std::vector<std::string> files;
-    for (const auto& entry : std::filesystem::directory_iterator(path)) {
-      const std::string name = entry.path().string();
-      if (entry.is_regular_file() && !entry.is_symlink() && entry.path().extension() != ".dat" &&
-          entry.path().extension() != ".u8")
-        files.push_back(name);
-    }
-    std::sort(files.begin(), files.end());
-    LT_CHECK(!files.empty(), "[data] the data directory '", path, "' holds no text files");
     std::vector<int32_t> tokens;
-    for (const std::string& f : files) {
+    for (const std::string& f : data_files(path)) {
       const std::vector<int32_t> part = load_tokens(f, vocab);
       tokens.insert(tokens.end(), part.begin(), part.end());
     }
@@ -94,29 +99,48 @@ std::vector<int32_t> load_tokens(const std::string& path, int64_t vocab) {
 
 TokenData::TokenData(std::vector<int32_t> train, std::vector<int32_t> val, int64_t batch, int64_t seq_len,
                      int64_t max_val_batches, const std::string& source, uint64_t seed)
+    : TokenData(TokenText{std::move(train), {}}, TokenText{std::move(val), {}}, batch, seq_len, max_val_batches,
+                source, seed, "") {}
+
+TokenData::TokenData(TokenText train, TokenText val, int64_t batch, int64_t seq_len, int64_t max_val_batches,
+                     const std::string& source, uint64_t seed, const std::string& documents)
     : train_(std::move(train)), val_(std::move(val)), batch_(batch), seq_len_(seq_len), seed_(seed) {
   LT_CHECK(batch > 0 && seq_len > 0, "[data] batch and seq must be positive; got batch ", batch, ", seq ", seq_len);
-  LT_CHECK(int64_t(train_.size()) >= seq_len + 1, "[data] --seq ", seq_len, " is longer than the data: '", source,
-           "' has ", train_.size(), " training tokens, and a sequence needs seq + 1");
-  for (int32_t t : train_) vocab_ = std::max<int64_t>(vocab_, int64_t(t) + 1);
-  windows_ = (int64_t(train_.size()) - 1) / seq_len;
-  const int64_t windows = int64_t(val_.size()) / (seq_len + 1);
+  LT_CHECK(int64_t(train_.tokens.size()) >= seq_len + 1, "[data] --seq ", seq_len, " is longer than the data: '",
+           source, "' has ", train_.tokens.size(), " training tokens, and a sequence needs seq + 1");
+  for (int32_t t : train_.tokens) vocab_ = std::max<int64_t>(vocab_, int64_t(t) + 1);
+  windows_ = (int64_t(train_.tokens.size()) - 1) / seq_len;
+  const int64_t windows = int64_t(val_.tokens.size()) / (seq_len + 1);
   val_batches_ = std::min(max_val_batches, windows / batch);
   if (val_batches_ == 0 && windows > 0) val_batches_ = 1;
+  if (!documents.empty()) {
+    const int64_t count = train_.documents();
+    documents_ = str(documents, ": ", count, " documents of ", train_.tokens.size() / size_t(count),
+                     " tokens on average");
+  }
 }
 
-Batch TokenData::window_batch(const std::vector<int32_t>& tokens, int64_t& cursor) const {
-  const int64_t N = seq_len_, total = int64_t(tokens.size());
-  std::vector<int64_t> in(size_t(batch_ * N)), out(size_t(batch_ * N));
-  for (int64_t b = 0; b < batch_; ++b) {
-    if (cursor + N + 1 > total) cursor = 0;
+Batch TokenData::rows(const TokenText& text, const std::vector<int64_t>& starts) const {
+  const int64_t N = seq_len_, B = int64_t(starts.size());
+  const bool docs = !text.first.empty();
+  std::vector<int64_t> in(size_t(B * N)), out(size_t(B * N));
+  Tensor doc_starts = docs ? empty({B, N}, DType::I32) : Tensor();
+  int32_t* row_starts = docs ? doc_starts.data_ptr<int32_t>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) {
+    const size_t c = size_t(starts[size_t(b)]);
+    int32_t start = 0;
     for (int64_t j = 0; j < N; ++j) {
-      in[size_t(b * N + j)] = tokens[size_t(cursor + j)];
-      out[size_t(b * N + j)] = tokens[size_t(cursor + j + 1)];
+      const size_t t = c + size_t(j);
+      in[size_t(b * N + j)] = text.tokens[t];
+      out[size_t(b * N + j)] = text.tokens[t + 1];
+      if (!docs) continue;
+      if (j > 0 && text.first[t]) start = int32_t(j);
+      row_starts[b * N + j] = start;
+      if (text.first[t + 1]) out[size_t(b * N + j)] = -1;  // the document ends at t: nothing of it to predict
     }
-    cursor += N;
   }
-  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
+  return {from_vector_i64(in, {B, N}), from_vector_i64(out, {B, N}),
+          docs ? Documents::from_starts(doc_starts) : Documents()};
 }
 
 int64_t TokenData::window(int64_t drawn) const {
@@ -132,23 +156,24 @@ int64_t TokenData::window(int64_t drawn) const {
 }
 
 Batch TokenData::next_train() {
-  const int64_t N = seq_len_;
-  std::vector<int64_t> in(size_t(batch_ * N)), out(size_t(batch_ * N));
-  for (int64_t b = 0; b < batch_; ++b) {
-    const size_t start = size_t(window(position_++) * N);
-    for (int64_t j = 0; j < N; ++j) {
-      in[size_t(b * N + j)] = train_[start + size_t(j)];
-      out[size_t(b * N + j)] = train_[start + size_t(j) + 1];
-    }
-  }
-  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
+  std::vector<int64_t> starts(static_cast<size_t>(batch_));
+  for (int64_t b = 0; b < batch_; ++b) starts[size_t(b)] = window(position_++) * seq_len_;
+  return rows(train_, starts);
 }
 
 Batch TokenData::validation(int64_t index) const {
   LT_CHECK(index >= 0 && index < val_batches_, "[data] validation batch ", index, " out of range [0, ", val_batches_,
            ")");
-  int64_t cursor = index * batch_ * seq_len_;
-  return window_batch(val_, cursor);
+  // Consecutive windows from index x B x N on, back to the start where one would pass the end.
+  const int64_t N = seq_len_, total = int64_t(val_.tokens.size());
+  int64_t cursor = index * batch_ * N;
+  std::vector<int64_t> starts(static_cast<size_t>(batch_));
+  for (int64_t b = 0; b < batch_; ++b) {
+    if (cursor + N + 1 > total) cursor = 0;
+    starts[size_t(b)] = cursor;
+    cursor += N;
+  }
+  return rows(val_, starts);
 }
 
 void TokenData::seek(int64_t position) {
@@ -189,24 +214,33 @@ Batch MqarData::make(int64_t index, bool validation) const {
     }
     if (N % 2 == 1) row[N - 1] = 0;
   }
-  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N})};
+  return {from_vector_i64(in, {batch_, N}), from_vector_i64(out, {batch_, N}), Documents()};
 }
 
 std::unique_ptr<DataSource> open_data(const std::string& data, const std::string& val_path, int64_t batch,
                                       int64_t seq_len, uint64_t seed, int64_t val_batches, int64_t vocab,
-                                      double val_fraction) {
-  if (data == "mqar") return std::make_unique<MqarData>(batch, seq_len, seed, val_batches);
-  std::vector<int32_t> train = load_tokens(data, vocab), val;
-  if (!val_path.empty()) {
-    val = load_tokens(val_path, vocab);
-    LT_CHECK(int64_t(val.size()) >= seq_len + 1, "[data] the validation file '", val_path, "' has ", val.size(),
-             " tokens; a sequence of --seq ", seq_len, " needs ", seq_len + 1);
-  } else {
-    const size_t held_out = size_t(double(train.size()) * val_fraction);
-    val.assign(train.end() - std::ptrdiff_t(held_out), train.end());
-    train.resize(train.size() - held_out);
+                                      double val_fraction, const DocumentSplit& split) {
+  if (data == "mqar") {
+    LT_CHECK(!split.on(), "[data] --documents does not apply to mqar: its rows are generated, each one sequence");
+    return std::make_unique<MqarData>(batch, seq_len, seed, val_batches);
   }
-  return std::make_unique<TokenData>(std::move(train), std::move(val), batch, seq_len, val_batches, data, seed);
+  auto load = [&](const std::string& path, std::string* how) {
+    return split.on() ? load_documents(path, split, vocab, how) : TokenText{load_tokens(path, vocab), {}};
+  };
+  std::string documents;
+  TokenText train = load(data, &documents), val;
+  if (!val_path.empty()) {
+    val = load(val_path, nullptr);
+    LT_CHECK(int64_t(val.tokens.size()) >= seq_len + 1, "[data] the validation file '", val_path, "' has ",
+             val.tokens.size(), " tokens; a sequence of --seq ", seq_len, " needs ", seq_len + 1);
+  } else {
+    const size_t held_out = size_t(double(train.tokens.size()) * val_fraction), keep = train.tokens.size() - held_out;
+    val = tail(train, keep);
+    train.tokens.resize(keep);
+    if (!train.first.empty()) train.first.resize(keep);
+  }
+  return std::make_unique<TokenData>(std::move(train), std::move(val), batch, seq_len, val_batches, data, seed,
+                                     documents);
 }
 
 }  // namespace lintape

@@ -46,13 +46,22 @@ struct StopSignalScope {
   void (*previous_term)(int);
 };
 
+// The held-out tail of a data file without --val-data (open_data's default).
+constexpr double kValFraction = 0.05;
+
+DocumentSplit document_split(const TrainConfig& c) { return DocumentSplit{c.documents, c.eot_token}; }
+
 const char* signal_name(int signal) { return signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "a signal"; }
 
 // This rank's rows of a global batch: rank r of R takes rows [r B / R, (r + 1) B / R).
 Batch rank_slice(const Batch& global, Communicator& comm) {
   if (!comm.distributed()) return global;
   const int64_t rows = global.tokens.size(0) / comm.size(), first = rows * comm.rank();
-  return {global.tokens.narrow(0, first, rows).contiguous(), global.targets.narrow(0, first, rows).contiguous()};
+  // Each rank's rows carry their own documents: nothing of them is reduced.
+  const Documents docs = global.documents.defined()
+                             ? Documents::from_starts(global.documents.starts().narrow(0, first, rows).contiguous())
+                             : Documents();
+  return {global.tokens.narrow(0, first, rows).contiguous(), global.targets.narrow(0, first, rows).contiguous(), docs};
 }
 
 // `value` of every rank, in rank order (one value each: a small sum over the ranks).
@@ -108,13 +117,13 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
                                    c.path + "/model.safetensors");
     session_.optimizer->load_state_dict(c.optim, c.state.step, c.path + "/optim.safetensors");
     data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
-                      config_.val_batches, config_.model.vocab_size);
+                      config_.val_batches, config_.model.vocab_size, kValFraction, document_split(config_));
     data_->seek(c.state.data_position);
     step_ = c.state.step;
   } else {
     config_.validate();
     data_ = open_data(config_.data, config_.val_data, config_.batch, config_.model.seq_len, config_.seed,
-                      config_.val_batches, config_.model.vocab_size);
+                      config_.val_batches, config_.model.vocab_size, kValFraction, document_split(config_));
     LT_CHECK(data_->vocab_size() <= config_.model.vocab_size, "[train] the data has tokens up to ",
              data_->vocab_size() - 1, "; the model's vocab_size is ", config_.model.vocab_size);
     session_ = TrainSession::build(config_.model, config_.seed, session_options(comm.size()));
@@ -158,11 +167,11 @@ std::pair<double, double> Trainer::validate() {
   const int64_t n = data_->validation_batches();
   for (int64_t i = 0; i < n; ++i) {
     const Batch b = data_->validation(i);
-    const Tensor logits = session_.model->forward(b.tokens.to(options_.device));
-    const int64_t rows = b.tokens.numel(), V = config_.model.vocab_size;
-    const Tensor flat_logits = logits.reshape({rows, V});
-    loss_sum += session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device)).item();
+    const Documents docs = b.documents.to(options_.device);
+    loss_sum += session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device), docs).item();
     if (data_->reports_accuracy()) {
+      const int64_t rows = b.tokens.numel(), V = config_.model.vocab_size;
+      const Tensor flat_logits = session_.model->forward(b.tokens.to(options_.device), docs).reshape({rows, V});
       const std::vector<int64_t> predicted = max(flat_logits, 1).indices.to_vector<int64_t>();
       const std::vector<int64_t> targets = b.targets.to_vector<int64_t>();
       for (size_t r = 0; r < targets.size(); ++r)
@@ -183,7 +192,9 @@ bool Trainer::checkpoint(TrainResult& result) {
   double check_loss = 0;
   {
     NoGradGuard no_grad;
-    check_loss = session_.model->loss(last_batch_.tokens.to(options_.device), last_batch_.targets.to(options_.device))
+    check_loss = session_.model
+                     ->loss(last_batch_.tokens.to(options_.device), last_batch_.targets.to(options_.device),
+                            last_batch_.documents.to(options_.device))
                      .item();
   }
   bool sound = std::isfinite(check_loss);
@@ -220,6 +231,8 @@ TrainResult Trainer::run() {
   if (data_->validation_batches() == 0)
     log.message("no validation data (the held-out part is shorter than a batch of sequences): the run is not "
                 "validated");
+  if (!data_->documents().empty())
+    log.message("rows packed from documents cut at " + data_->documents() + " (each token sees only its own)");
   while (step_ < config_.steps) {
     const Clock::time_point step_start = Clock::now();
     double loss = 0;
@@ -267,7 +280,8 @@ double Trainer::forward_backward() {
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
     last_batch_ = rank_slice(data_->next_train(), comm);
     const Batch& b = last_batch_;
-    Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device));
+    Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device),
+                                    b.documents.to(options_.device));
     if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
     // The last micro-batch's backward completes the gradients: it starts the buckets' all-reduces.
     if (session_.reducer && micro + 1 == config_.grad_accum)
@@ -278,7 +292,8 @@ double Trainer::forward_backward() {
   }
   // Before any other collective: every rank issues them in the same order.
   if (session_.reducer) session_.reducer->finish();
-  // The mean over the global batch: every rank's slice has the same number of targets.
+  // The mean of the ranks' means: the global batch's mean where every slice has as many targets (with
+  // documents the slices' -1 targets differ a little, and each slice's mean weighs the same).
   if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
   return loss;
 }
@@ -288,14 +303,24 @@ std::pair<double, std::optional<Trainer::StepNumbers>> Trainer::queued_step() {
   // loss's checks, which a captured step skips, would not fire.
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
     last_batch_ = data_->next_train();
-    if (inputs_.size() <= size_t(micro))
-      inputs_.emplace_back(empty(last_batch_.tokens.shape(), last_batch_.tokens.dtype(), options_.device),
-                           empty(last_batch_.targets.shape(), last_batch_.targets.dtype(), options_.device));
-    LT_CHECK(inputs_[size_t(micro)].first.shape() == last_batch_.tokens.shape(),
-             "[train] a queued step needs batches of one shape; got ", shape_str(last_batch_.tokens.shape()),
-             " after ", shape_str(inputs_[size_t(micro)].first.shape()));
-    inputs_[size_t(micro)].first.copy_(last_batch_.tokens);
-    inputs_[size_t(micro)].second.copy_(last_batch_.targets);
+    const Batch& b = last_batch_;
+    if (inputs_.size() <= size_t(micro)) {
+      StepInputs in{empty(b.tokens.shape(), b.tokens.dtype(), options_.device),
+                    empty(b.targets.shape(), b.targets.dtype(), options_.device), Documents()};
+      if (b.documents.defined())
+        in.documents = Documents::from_starts(empty(b.documents.starts().shape(), DType::I32, options_.device));
+      inputs_.push_back(std::move(in));
+    }
+    StepInputs& in = inputs_[size_t(micro)];
+    LT_CHECK(in.tokens.shape() == b.tokens.shape(), "[train] a queued step needs batches of one shape; got ",
+             shape_str(b.tokens.shape()), " after ", shape_str(in.tokens.shape()));
+    in.tokens.copy_(b.tokens);
+    in.targets.copy_(b.targets);
+    // The boundaries change every step: written in place, like the tokens, so a replayed graph reads them.
+    if (in.documents.defined()) {
+      Tensor starts = in.documents.starts();
+      starts.copy_(b.documents.starts());
+    }
   }
   const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
   AdamW& optimizer = *session_.optimizer;
@@ -313,8 +338,8 @@ void Trainer::queue_step_work() {
   session_.model->zero_grad();
   Tensor total;
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    const auto& [tokens, targets] = inputs_[size_t(micro)];
-    Tensor l = session_.model->loss(tokens, targets);
+    const StepInputs& in = inputs_[size_t(micro)];
+    Tensor l = session_.model->loss(in.tokens, in.targets, in.documents);
     if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
     backward(l);
     NoGradGuard no_grad;
@@ -409,6 +434,7 @@ std::string Trainer::summary_json(const TrainResult& result) const {
               {"zero", options_.zero},
               {"compute_dtype", dtype_name(session_.model->compute_dtype())},
               {"cuda_graph", result.cuda_graph},
+              {"documents", data_->documents().empty() ? json(nullptr) : json(data_->documents())},
               {"mfu_peak", peak_name_.empty() ? json(nullptr) : json(peak_name_)},
               {"stopped", result.message}}
       .dump(2);

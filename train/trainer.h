@@ -6,6 +6,7 @@
 // finishes the current step, writes a checkpoint and returns with the signal in the result (cli/ makes it the
 // exit status 128 + signal). On CUDA the parameters, their
 // gradients and the AdamW moments are float32 on the device and the forward runs in the compute dtype.
+// Data cut into documents (TrainConfig::documents) hands each batch's boundaries to the model with its tokens.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -118,7 +119,12 @@ class Trainer {
   double last_grad_norm_ = 0;    // of the last update (tried)
   std::unique_ptr<StepGraph> graph_;               // queued steps only
   bool graph_said_ = false;                        // the log told whether the step is a CUDA graph
-  std::vector<std::pair<Tensor, Tensor>> inputs_;  // queued steps: each micro-batch's (tokens, targets)
+  // Queued steps: each micro-batch's fixed device buffers, which every step's batch is copied into.
+  struct StepInputs {
+    Tensor tokens, targets;
+    Documents documents;  // defined when the data has documents
+  };
+  std::vector<StepInputs> inputs_;
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;
 };

@@ -41,6 +41,7 @@
 #include "train/comm.h"
 #include "train/config.h"
 #include "train/data.h"
+#include "train/documents.h"
 #include "train/grad_reducer.h"
 #include "train/optimizer.h"
 #include "train/run_log.h"

@@ -119,6 +119,24 @@ file(WRITE "${WORK}/ck/step_00000003/state.json" "${edited}")
 expect(1 "state.json' was edited or corrupted" eval --checkpoint "${WORK}/ck" --data "${WORK}/text.txt")
 file(WRITE "${WORK}/ck/step_00000003/state.json" "${state}")
 
+# --documents: refused where it does not apply, recorded in the checkpoint, followed by eval.
+expect(2 "--documents does not apply to mqar" train --device cpu --data mqar --steps 1 --documents)
+expect(2 "--eot-token needs --documents" train --device cpu --data "${WORK}/text.txt" --steps 1 --eot-token 3)
+expect(2 "--eot-token applies to llm.c .bin data" train --device cpu --data "${WORK}/text.txt" --steps 1
+       --documents --eot-token 3)
+expect(2 "--documents=<eos>: .*x.bin' is an llm.c token file.*--documents alone" train --device cpu
+       --data "${WORK}/x.bin" --steps 1 --documents=<eos>)
+string(REPEAT "a stitch in time saves nine.\n%\nthe quick brown fox jumps over the lazy dog.\n%\n" 20 sayings)
+file(WRITE "${WORK}/sayings" "${sayings}")
+expect(0 "rows packed from documents cut at the fortunes' % lines: 38 documents.*step 2/2" train --device cpu
+       --data "${WORK}/sayings" --documents --steps 2 --batch 2 --seq 32 --checkpoint-dir "${WORK}/ck_docs")
+expect(2 "--documents off differs from the checkpoint's auto" train --device cpu --resume
+       --checkpoint-dir "${WORK}/ck_docs" --documents=off)
+expect(0 "mean loss [0-9.]+, .*, documents cut at the fortunes' % lines" eval --checkpoint "${WORK}/ck_docs"
+       --data "${WORK}/sayings" --batches 1)
+expect(0 "mean loss [0-9.]+, perplexity [0-9.]+ over 1 sequences of 32 tokens\n" eval
+       --checkpoint "${WORK}/ck_docs" --data "${WORK}/sayings" --batches 1 --documents=off)
+
 # A long prompt on the CPU says it will take a while.
 string(REPEAT "a" 2000 long_prompt)
 expect(0 "a 2000-byte prompt on the CPU takes a while" generate --device cpu --checkpoint "${WORK}/ck"

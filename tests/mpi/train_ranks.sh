@@ -9,7 +9,9 @@
 #    with gradient accumulation (2 micro-batches) too, and then equals one rank within 1e-5.
 # 2. Resume: a 2-rank checkpoint continues on 1 rank and a 1-rank checkpoint on 2 ranks; both give the
 #    uninterrupted run's next losses.
-# 3. A rank killed (SIGKILL) mid-run, and a rank stopped (SIGSTOP, so the other waits in a collective
+# 3. Documents (--documents): each rank trains its rows with their own boundaries; within 1e-4 of one
+#    rank (4e-6 seen: each rank's mean over its targets weighs the same, though their counts differ).
+# 4. A rank killed (SIGKILL) mid-run, and a rank stopped (SIGSTOP, so the other waits in a collective
 #    until its timeout), make the job exit nonzero within 60 s.
 set -uo pipefail
 lintape=$1
@@ -117,6 +119,20 @@ cp -r "$work/one/ck" "$work/one-on-two/ck" && printf 'step_00000003' >"$work/one
   --log "$work/one-on-two/log.jsonl" >"$work/one-on-two.out" 2>&1 || fail "resume on two ranks: $(tail -n3 "$work/one-on-two.out")"
 same "$work/one/log.jsonl" "$work/two-on-one/log.jsonl" 4 6 || fail "a 2-rank checkpoint resumed on 1 rank differs"
 same "$work/one/log.jsonl" "$work/one-on-two/log.jsonl" 4 6 || fail "a 1-rank checkpoint resumed on 2 ranks differs"
+
+echo "== documents: each rank's rows with their own boundaries"
+"$lintape" "${train[@]}" --steps 3 --documents --log "$work/docs1/log.jsonl" >"$work/docs1.out" 2>&1 ||
+  fail "documents, one rank: $(tail -n3 "$work/docs1.out")"
+"${mpirun[@]}" -np 2 "$lintape" "${train[@]}" --steps 3 --documents --log "$work/docs2/log.jsonl" \
+  >"$work/docs2.out" 2>&1 || fail "documents, two ranks: $(tail -n3 "$work/docs2.out")"
+grep -q "rows packed from documents cut at blank lines" "$work/docs2.out" ||
+  fail "the two-rank run does not say it packs documents"
+awk -v tol=1e-4 '
+  NR == FNR { a[$1] = $2; next }
+  { d = a[$1] - $2; if (d < 0) d = -d; if (!($1 in a) || d > tol * a[$1]) bad = 1 }
+  { printf "  step %d: %s %s\n", $1, a[$1], $2 }
+  END { exit bad }' <(step_losses "$work/docs1/log.jsonl") <(step_losses "$work/docs2/log.jsonl") ||
+  fail "documents: two ranks differ from one rank by more than 1e-4"
 
 echo "== a rank that dies or stops ends the job"
 for signal in KILL STOP; do
