@@ -36,13 +36,13 @@ __device__ __forceinline__ void move_to_document(const Geo& g, int64_t at, int64
     if (ok[i]) unit_sincos<VEC>(g, at, h, int64_t(lane + i * lpr) * VEC, c[i], s[i]);
 }
 
-// The row kernels: one (t, h) row per lane group, the batch rows b0 .. b1 - 1 of blockIdx.y. The rows
-// are grid-strided; the loops over rows and batch rows are uniform across a block, so that the softmax
-// shuffles always see the whole warp. Each is compiled with documents (DOCS) and without (the code as it
-// was before documents, so rows without them keep their speed). The forward with one unit per lane loads batch rows in tiles of
-// two 16-byte vectors per lane, in flight together; it fits in 64 registers (32 warps per SM), rotate
-// with a softmax in 80. With documents (the starts, the position held and its recompute) 80 (24 warps),
-// where 64 spilled.
+// The row kernels: one (t, h) row per lane group, the batch rows b0 .. b1 - 1 of blockIdx.y. The rows are
+// grid-strided; the loops over rows and batch rows are uniform across a block, so that the softmax shuffles
+// always see the whole warp. Each is compiled with documents (DOCS) and without (the code as it was before
+// documents, so rows without them keep their speed). The forward with one unit per lane loads batch rows in
+// tiles of two 16-byte vectors per lane, in flight together; it fits in 64 registers (32 warps per SM),
+// rotate with a softmax in 80. With documents (the starts, the position held and its recompute) 80 (24
+// warps), where 64 spilled.
 template <class T, int VEC, int NV, bool ROT, int CLS, bool DOCS>
 __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS || (ROT && (CLS == kFeature || CLS == kSequence)) ? 6 : 8)
     forward_kernel(const T* __restrict__ x, T* __restrict__ out, Geo g) {

@@ -69,11 +69,12 @@ struct FactorGrads {
   Tensor aq, bq, ak, bk, av, bv;
 };
 
-// Fills g (every element written) from dout (B, N, H, E) contiguous, the forward's out and lse. q, k, v
-// and dk, dv never reach global memory: the kernel contracts its f32 dk and dv tiles to the factors (the
-// basis gradients summed over heads in f32); dq is summed over key tiles in f32 and contracted by a
-// second kernel. The sums run in a fixed order: the same inputs give the same bits. Their workspace, (N H + M R_k + M R_v) D floats a batch entry, covers the batch
-// entries of one launch. The forward's workspace is K and V (2 M H D values a batch entry) of a launch.
+// Fills g (every element written) from dout (B, N, H, E) contiguous, the forward's out and lse. q, k, v and
+// dk, dv never reach global memory: the kernel contracts its f32 dk and dv tiles to the factors (the basis
+// gradients summed over heads in f32); dq is summed over key tiles in f32 and contracted by a second kernel.
+// The sums run in a fixed order: the same inputs give the same bits. Their workspace, (N H + M R_k + M R_v) D
+// floats a batch entry, covers the batch entries of one launch. The forward's workspace is K and V (2 M H D
+// values a batch entry) of a launch.
 void attention_backward(const AttentionArgs& args, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         FactorGrads& g);
 
