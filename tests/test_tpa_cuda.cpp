@@ -5,6 +5,7 @@
 #include <vector>
 #include "core/allocator.h"
 #include "helpers.h"
+#include "tpa_helpers.h"
 #include "ops/shape.h"
 #include "ops/tpa/tpa.h"
 #include "ops/tpa/launch.h"
@@ -172,17 +173,6 @@ Inputs attention_inputs(const AttnShape& s, DType dt, uint64_t seed) {
   return in;
 }
 
-// Output and the six factor gradients against a random upstream gradient (the same values on both sides).
-std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factors, const TpaOptions& o, Impl impl,
-                                        const Tensor& w) {
-  std::vector<Tensor> leaves;
-  for (const Tensor& t : factors) leaves.push_back(t.detach().requires_grad_());
-  Tensor out = tpa_attention(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], o, impl);
-  backward(out, w.to(out.device()).to(out.dtype()));
-  std::vector<Tensor> r{out.detach().to(Device::cpu())};
-  for (const Tensor& t : leaves) r.push_back(t.grad().to(Device::cpu()));
-  return r;
-}
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 #include "helpers.h"
+#include "tpa_helpers.h"
 #include "ops/tpa/launch.h"
 #include "ops/tpa/tpa.h"
 
@@ -32,17 +33,6 @@ std::vector<Tensor> to_cpu_f64(const std::vector<Tensor>& f) {
   return r;
 }
 
-// The output and the six factor gradients for the upstream gradient w, all on the CPU.
-std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& f, const TpaOptions& o, Impl impl,
-                                        const Tensor& w) {
-  std::vector<Tensor> leaves;
-  for (const Tensor& t : f) leaves.push_back(t.detach().requires_grad_());
-  Tensor out = tpa_attention(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], o, impl);
-  backward(out, w.to(out.device()).to(out.dtype()));
-  std::vector<Tensor> r{out.detach().to(Device::cpu())};
-  for (const Tensor& t : leaves) r.push_back(t.grad().to(Device::cpu()));
-  return r;
-}
 
 const char* kNames[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
 
