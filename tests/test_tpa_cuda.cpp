@@ -173,7 +173,6 @@ Inputs attention_inputs(const AttnShape& s, DType dt, uint64_t seed) {
   return in;
 }
 
-
 }  // namespace
 
 TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU reference" * LT_CUDA_CASE) {

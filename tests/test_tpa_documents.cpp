@@ -33,7 +33,6 @@ std::vector<Tensor> to_cpu_f64(const std::vector<Tensor>& f) {
   return r;
 }
 
-
 const char* kNames[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
 
 // impl on the packed factors cut by cu_seqlens, against `alone` (an impl, on f64 CPU copies when
