@@ -81,11 +81,20 @@ std::vector<Named> ops_under_test() {
           {"rotate softmax feature", rotate(Act::Softmax, ActDim::Feature, 2), true}};
 }
 
+// The CPU paths also take softmax over the sequence with documents (each document normalised on its own);
+// the fused kernels leave it to Composed.
+std::vector<Named> cpu_ops_under_test() {
+  std::vector<Named> ops = ops_under_test();
+  ops.push_back({"cosine softmax sequence", cosine(Act::Softmax, ActDim::Sequence), false});
+  ops.push_back({"rotate softmax sequence offset 1", rotate(Act::Softmax, ActDim::Sequence, 1), true});
+  return ops;
+}
+
 }  // namespace
 
 TEST_CASE("lrpe documents: packed equals each document alone, reference and composed") {
   uint64_t seed = 10;
-  for (const Named& o : ops_under_test())
+  for (const Named& o : cpu_ops_under_test())
     for (Impl impl : {Impl::Reference, Impl::Composed}) {
       CAPTURE(o.name);
       CAPTURE(impl == Impl::Reference);
@@ -112,7 +121,7 @@ TEST_CASE("lrpe documents: one document a row is the op without documents") {
 TEST_CASE("gradcheck lrpe with documents") {
   const Documents docs = Documents::from_cu_seqlens(kShortCuts, 2, 9);
   uint64_t seed = 30;
-  for (const Named& o : ops_under_test())
+  for (const Named& o : cpu_ops_under_test())
     for (Impl impl : {Impl::Reference, Impl::Composed}) {
       CAPTURE(o.name);
       CAPTURE(impl == Impl::Reference);
@@ -127,9 +136,6 @@ TEST_CASE("bad input lrpe documents") {
   const Documents other = Documents::from_cu_seqlens({0, 4, 8}, 2, 4);
   check_throws_containing([&] { cosine()(x, theta, other, Impl::Auto); },
                           {"[lrpe_cosine]", "documents are for (2, 4) tokens", "(2, 9)"});
-  const Documents docs = Documents::from_cu_seqlens(kShortCuts, 2, 9);
-  check_throws_containing([&] { rotate(Act::Softmax, ActDim::Sequence)(x, rates({2, 2}), docs, Impl::Auto); },
-                          {"[lrpe_rotate]", "softmax over the sequence"});
 }
 
 TEST_CASE("bad input lrpe documents on another device" * LT_CUDA_CASE) {
@@ -138,6 +144,22 @@ TEST_CASE("bad input lrpe documents on another device" * LT_CUDA_CASE) {
   const Documents docs = Documents::from_cu_seqlens(kShortCuts, 2, 9);  // on the CPU
   check_throws_containing([&] { cosine()(x, rates({2, 4}, gpu()), docs, Impl::Fused); },
                           {"[lrpe_cosine]", "documents are on cpu", "cuda:0"});
+}
+
+TEST_CASE("cuda lrpe documents: softmax over the sequence runs composed, each document on its own" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const Documents docs = Documents::from_cu_seqlens(kLongCuts, 2, 150, gpu());
+  const DocOp op = rotate(Act::Softmax, ActDim::Sequence, 1);
+  Tensor x = randn({2, 150, 3, 64}, DType::F32, gpu(), 40), theta = rates({3, 32}, gpu());
+  check_throws_containing([&] { op(x, theta, docs, Impl::Fused); },
+                          {"[lrpe_rotate]", "softmax over the sequence per document", "Impl::Composed"});
+  check_packed(op, x, theta, kLongCuts, Impl::Auto, 41);
+  Tensor dout = randn({2, 150, 3, 64}, DType::F32, gpu(), 42);
+  const Result got = run(op, x, theta, docs, Impl::Auto, dout);
+  const Result ref = run(op, x.to(Device::cpu()).to(DType::F64), theta.to(Device::cpu()), docs.to(Device::cpu()),
+                         Impl::Reference, dout.to(Device::cpu()).to(DType::F64));
+  CHECK_CLOSE_TENSOR(got.out, ref.out, DType::F32);
+  CHECK_CLOSE_TENSOR(got.dx, ref.dx, DType::F32);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,27 @@
 
 namespace lintape::lrpe_paths {
 
+namespace {
+
+// act(x); softmax over the sequence with documents normalises each document of a row on its own.
+Tensor act_per_document(const Tensor& x, const LrpeSpec& spec) {
+  if (!(spec.seq_softmax() && spec.starts.defined())) return apply_act(x, spec.act, spec.dim);
+  const int64_t B = x.size(0), N = x.size(1);
+  const std::vector<int32_t> starts = spec.starts.to_vector<int32_t>();
+  std::vector<Tensor> rows;
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<Tensor> docs;
+    for (int64_t s0 = 0, s1; s0 < N; s0 = s1) {
+      for (s1 = s0 + 1; s1 < N && starts[size_t(b * N + s1)] != s1;) ++s1;
+      docs.push_back(apply_act(x.narrow(0, b, 1).narrow(1, s0, s1 - s0), spec.act, spec.dim));
+    }
+    rows.push_back(cat(docs, 1));
+  }
+  return cat(rows, 0);
+}
+
+}  // namespace
+
 Tensor run_composed(const Tensor& x, const LrpeSpec& spec) {
   const int64_t N = x.size(1), D = x.size(3), A = spec.rotate() ? D / 2 : D;
   const DType ct = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
@@ -45,7 +66,7 @@ Tensor run_composed(const Tensor& x, const LrpeSpec& spec) {
     c = cos(angle).to(x.dtype());
     s = sin(angle).to(x.dtype());
   }
-  Tensor xb = apply_act(x, spec.act, spec.dim);
+  Tensor xb = act_per_document(x, spec);
   if (spec.rotate()) {
     Tensor x1 = xb.narrow(3, 0, A), x2 = xb.narrow(3, A, A);
     return cat({x1 * c - x2 * s, x1 * s + x2 * c}, 3);

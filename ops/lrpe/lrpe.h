@@ -25,8 +25,8 @@ struct LrpeOptions {
   Act act = Act::None;
   ActDim dim = ActDim::None;
   // Packed rows (ops/documents.h), for x's (B, N) on x's device: positions restart at each document start,
-  // token s of row b sits at offset + s - starts[b, s]. Not with softmax over the sequence (it would mix
-  // the documents of a row).
+  // token s of row b sits at offset + s - starts[b, s]; softmax over the sequence normalises each document
+  // on its own (the reference and Composed, which Auto picks for it on CUDA; Fused refuses it).
   Documents documents;
 };
 

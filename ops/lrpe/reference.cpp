@@ -1,6 +1,8 @@
 // The LRPE family's reference: plain loops in double with a hand-written backward; the acts are
 // ops/activation.h's act_reference. Any float dtype (f64 for gradient checks), on the CPU.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 #include "autograd/tape.h"
 #include "ops/lrpe/paths.h"
 #include "ops/shape.h"
@@ -70,10 +72,49 @@ void for_each_unit(const Shape& xs, const LrpeSpec& spec, Fn&& fn) {
     }
 }
 
+// Calls fn(first element, tokens) for every document of x's rows (B, N, H, D) contiguous: for softmax over the
+// sequence with documents, which normalises each document on its own; else once for the whole tensor.
+template <class Fn>
+void for_each_act_span(const Shape& xs, const LrpeSpec& spec, Fn&& fn) {
+  const int64_t B = xs[0], N = xs[1], row = xs[2] * xs[3];
+  if (!(spec.seq_softmax() && spec.starts.defined())) return fn(size_t(0), Shape(xs));
+  const std::vector<int32_t> starts = spec.starts.to_vector<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s0 = 0, s1; s0 < N; s0 = s1) {
+      for (s1 = s0 + 1; s1 < N && starts[size_t(b * N + s1)] != s1;) ++s1;
+      fn(size_t((b * N + s0) * row), Shape{1, s1 - s0, xs[2], xs[3]});
+    }
+}
+
+// act(x) over the whole of x, or over each document (for_each_act_span).
+std::vector<double> act_spans(const std::vector<double>& x, const Shape& xs, const LrpeSpec& spec) {
+  std::vector<double> y(x.size());
+  for_each_act_span(xs, spec, [&](size_t first, const Shape& part) {
+    const size_t n = size_t(shape_numel(part));
+    const std::vector<double> in(x.begin() + long(first), x.begin() + long(first + n));
+    const std::vector<double> out = act_reference(in, part, spec.act, spec.dim);
+    std::copy(out.begin(), out.end(), y.begin() + long(first));
+  });
+  return y;
+}
+
+std::vector<double> act_spans_backward(const std::vector<double>& x, const std::vector<double>& g, const Shape& xs,
+                                       const LrpeSpec& spec) {
+  std::vector<double> dx(x.size());
+  for_each_act_span(xs, spec, [&](size_t first, const Shape& part) {
+    const size_t n = size_t(shape_numel(part));
+    const std::vector<double> in(x.begin() + long(first), x.begin() + long(first + n));
+    const std::vector<double> gin(g.begin() + long(first), g.begin() + long(first + n));
+    const std::vector<double> out = act_reference_backward(in, gin, part, spec.act, spec.dim);
+    std::copy(out.begin(), out.end(), dx.begin() + long(first));
+  });
+  return dx;
+}
+
 Tensor reference_forward(const Tensor& x, const LrpeSpec& spec) {
   const Shape& xs = x.shape();
   const int64_t D = xs[3], A = spec.rotate() ? D / 2 : D;
-  const std::vector<double> y = act_reference(x.to_vector<double>(), xs, spec.act, spec.dim);
+  const std::vector<double> y = act_spans(x.to_vector<double>(), xs, spec);
   const AngleTable tab = reference_angles(spec, xs[1], xs[2], A);
   const Shape os = spec.out_shape(x.shape());
   std::vector<double> out(size_t(shape_numel(os)));
@@ -104,7 +145,7 @@ Tensor reference_backward(const Tensor& x, const Tensor& dout, const LrpeSpec& s
     if (spec.rotate()) g[i + size_t(A)] = -go[o0] * s + go[o1] * c;
   });
   if (spec.act == Act::None) return from_vector(g, xs, x.dtype());
-  return from_vector(act_reference_backward(x.to_vector<double>(), g, xs, spec.act, spec.dim), xs, x.dtype());
+  return from_vector(act_spans_backward(x.to_vector<double>(), g, xs, spec), xs, x.dtype());
 }
 
 }  // namespace
