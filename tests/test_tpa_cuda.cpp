@@ -184,7 +184,6 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
                               {1, 201, 201, 2, 16, 16, 16, 64, true}, {1, 300, 300, 2, 6, 2, 2, 128, true},
                               {1, 130, 300, 3, 6, 2, 2, 64, false},  {1, 150, 150, 2, 16, 4, 2, 128, false},
                               {2, 257, 257, 2, 2, 8, 8, 128, true}};
-  const char* names[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
   for (const AttnShape& s : shapes)
     for (DType dt : {DType::BF16, DType::F16}) {
       CAPTURE(s.N);
@@ -199,36 +198,14 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
       const std::vector<Tensor> ref = attention_and_grads(in.cpu, o, Impl::Reference, w);
       const std::vector<Tensor> got = attention_and_grads(in.gpu, o, Impl::Fused, w);
       for (size_t i = 0; i < ref.size(); ++i) {
-        CAPTURE(names[i]);
+        CAPTURE(kAttentionNames[i]);
         CHECK_CLOSE_TENSOR(got[i], ref[i], dt);
       }
 #if LINTAPE_WITH_CUDA
       // The launchers on poisoned outputs: every element written.
-      tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
-                                1.0 / std::sqrt(double(s.D))};
-      Tensor out = empty({s.B, s.N, s.H, s.D}, dt, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
-      // Both forward kernels where the warpgroup one is picked (LINTAPE_TPA_FWD=wgmma on Hopper, sm_90a),
-      // else the mma.sync kernel twice; the backward below reads the last one's output and lse.
-      for (bool wgmma : {true, false}) {
-        CAPTURE(wgmma);
-        a.allow_wgmma = wgmma;
-        poison_(out);
-        poison_(lse);
-        tpa_cuda::attention_forward(a, out, lse);
-        CHECK(all_finite(lse));
-        CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
-      }
-      // The backward launcher on six poisoned gradients: each matches the reference.
-      tpa_cuda::FactorGrads fg{empty(in.gpu[0].shape(), dt, gpu()), empty(in.gpu[1].shape(), dt, gpu()),
-                               empty(in.gpu[2].shape(), dt, gpu()), empty(in.gpu[3].shape(), dt, gpu()),
-                               empty(in.gpu[4].shape(), dt, gpu()), empty(in.gpu[5].shape(), dt, gpu())};
-      Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
-      for (Tensor* t : grads) poison_(*t);
-      tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(gpu()), fg);
-      for (size_t i = 0; i < 6; ++i) {
-        CAPTURE(names[i + 1]);
-        CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
-      }
+      check_attention_launchers({in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
+                                 1.0 / std::sqrt(double(s.D))},
+                                dt, w, ref);
 #endif
     }
 }
@@ -264,7 +241,6 @@ TEST_CASE("cuda tpa attention fused backward gives the same bits run to run" * L
   // dq rows summed over up to 5 key tiles and basis rows over up to 8 heads, causal (the diagonal tiles,
   // N a multiple of no tile) and not (N != M, ranks 16 and 1), D = 128 and 64.
   const AttnShape shapes[] = {{2, 600, 600, 8, 6, 2, 2, 128, true}, {1, 200, 523, 5, 16, 16, 1, 64, false}};
-  const char* names[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
   for (const AttnShape& s : shapes) {
     CAPTURE(s.N);
     const Inputs in = attention_inputs(s, DType::BF16, uint64_t(s.N));
@@ -276,12 +252,12 @@ TEST_CASE("cuda tpa attention fused backward gives the same bits run to run" * L
     for (int run = 0; run < 3; ++run) {
       const std::vector<Tensor> again = attention_and_grads(in.gpu, o, Impl::Fused, w);
       for (size_t i = 0; i < ref.size(); ++i) {
-        CAPTURE(names[i]);
+        CAPTURE(kAttentionNames[i]);
         CHECK(again[i].to_vector<double>() == first[i].to_vector<double>());
       }
     }
     for (size_t i = 0; i < ref.size(); ++i) {
-      CAPTURE(names[i]);
+      CAPTURE(kAttentionNames[i]);
       CHECK_CLOSE_TENSOR(first[i], ref[i], DType::BF16);
     }
   }

@@ -33,8 +33,6 @@ std::vector<Tensor> to_cpu_f64(const std::vector<Tensor>& f) {
   return r;
 }
 
-const char* kNames[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
-
 // impl on the packed factors cut by cu_seqlens, against `alone` (an impl, on f64 CPU copies when
 // `alone_on_f64`) on each document by itself: every document's slice of the output and of each gradient.
 void check_packed(const std::vector<Tensor>& f, const std::vector<int64_t>& cu, bool causal, Impl impl,
@@ -59,7 +57,7 @@ void check_packed(const std::vector<Tensor>& f, const std::vector<int64_t>& cu, 
     for (const Tensor& t : base) doc.push_back(part(t));
     const std::vector<Tensor> single = attention_and_grads(doc, plain, alone, part(w));
     for (size_t k = 0; k < 7; ++k) {
-      CAPTURE(kNames[k]);
+      CAPTURE(kAttentionNames[k]);
       CHECK_CLOSE_TENSOR(part(packed[k]), single[k], dt);
     }
   }
@@ -202,29 +200,7 @@ TEST_CASE("cuda tpa documents: fused launchers write every element" * LT_CUDA_CA
       }(), Impl::Reference, w);
       tpa_cuda::AttentionArgs a{f[0], f[1], f[2], f[3], f[4], f[5], causal, 1.0 / std::sqrt(double(s.D))};
       a.starts = o.documents.starts();
-      Tensor out = empty({s.B, s.N, s.H, s.D}, dt, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
-      // The warpgroup kernel takes no documents: asking for it runs the mma.sync kernel.
-      for (bool wgmma : {true, false}) {
-        CAPTURE(wgmma);
-        a.allow_wgmma = wgmma;
-        poison_(out);
-        poison_(lse);
-        tpa_cuda::attention_forward(a, out, lse);
-        CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
-      }
-      bool lse_finite = true;
-      for (double v : lse.to(Device::cpu()).to_vector<double>()) lse_finite = lse_finite && std::isfinite(v);
-      CHECK(lse_finite);
-      tpa_cuda::FactorGrads fg{empty(f[0].shape(), dt, gpu()), empty(f[1].shape(), dt, gpu()),
-                               empty(f[2].shape(), dt, gpu()), empty(f[3].shape(), dt, gpu()),
-                               empty(f[4].shape(), dt, gpu()), empty(f[5].shape(), dt, gpu())};
-      Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
-      for (Tensor* t : grads) poison_(*t);
-      tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(gpu()), fg);
-      for (size_t i = 0; i < 6; ++i) {
-        CAPTURE(kNames[i + 1]);
-        CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
-      }
+      check_attention_launchers(a, dt, w, ref);  // the warpgroup kernel takes no documents: mma.sync runs
     }
 #endif
 }
@@ -248,7 +224,7 @@ TEST_CASE("cuda tpa documents: fused backward gives the same bits run to run" * 
     for (int run = 0; run < 3; ++run) {
       const std::vector<Tensor> again = attention_and_grads(f, o, Impl::Fused, w);
       for (size_t k = 0; k < 7; ++k) {
-        CAPTURE(kNames[k]);
+        CAPTURE(kAttentionNames[k]);
         CHECK(again[k].to_vector<double>() == first[k].to_vector<double>());
       }
     }

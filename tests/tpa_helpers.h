@@ -1,12 +1,17 @@
 // TPA attention in the tests: the output and the six factor gradients of one call, shared by the CPU and
 // CUDA cases.
 #pragma once
+#include <cmath>
 #include <vector>
 #include "autograd/tape.h"
 #include "helpers.h"
+#include "ops/tpa/launch.h"
 #include "ops/tpa/tpa.h"
 
 namespace lintape::test {
+
+// The names of attention_and_grads' outputs, in order.
+inline const char* const kAttentionNames[] = {"out", "aq", "bq", "ak", "bk", "av", "bv"};
 
 // The output and the six factor gradients for the upstream gradient w (the same values on every side), all
 // on the CPU.
@@ -20,5 +25,39 @@ inline std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factor
   for (const Tensor& t : leaves) r.push_back(t.grad().to(Device::cpu()));
   return r;
 }
+
+#if LINTAPE_WITH_CUDA
+// The attention launchers on poisoned outputs, against ref (attention_and_grads' output and six gradients for
+// the upstream gradient w): both forward kernels where the warpgroup one is picked (LINTAPE_TPA_FWD=wgmma on
+// Hopper, sm_90a; a call with documents always runs the mma.sync kernel), each writing every element and a
+// finite lse; then the backward, reading the last forward's output and lse, on six poisoned gradients.
+inline void check_attention_launchers(tpa_cuda::AttentionArgs a, DType dt, const Tensor& w,
+                                      const std::vector<Tensor>& ref) {
+  const int64_t B = a.aq.size(0), N = a.aq.size(1), H = a.aq.size(2), E = a.bv.size(-1);
+  Tensor out = empty({B, N, H, E}, dt, a.aq.device()), lse = empty({B, N, H}, DType::F32, a.aq.device());
+  for (bool wgmma : {true, false}) {
+    CAPTURE(wgmma);
+    a.allow_wgmma = wgmma;
+    poison_(out);
+    poison_(lse);
+    tpa_cuda::attention_forward(a, out, lse);
+    bool lse_finite = true;
+    for (double v : lse.to(Device::cpu()).to_vector<double>()) lse_finite = lse_finite && std::isfinite(v);
+    CHECK(lse_finite);
+    CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
+  }
+  const std::vector<Tensor> f = {a.aq, a.bq, a.ak, a.bk, a.av, a.bv};
+  tpa_cuda::FactorGrads fg{empty(f[0].shape(), dt, f[0].device()), empty(f[1].shape(), dt, f[0].device()),
+                           empty(f[2].shape(), dt, f[0].device()), empty(f[3].shape(), dt, f[0].device()),
+                           empty(f[4].shape(), dt, f[0].device()), empty(f[5].shape(), dt, f[0].device())};
+  Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
+  for (Tensor* t : grads) poison_(*t);
+  tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(a.aq.device()), fg);
+  for (size_t i = 0; i < 6; ++i) {
+    CAPTURE(kAttentionNames[i + 1]);
+    CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
+  }
+}
+#endif
 
 }  // namespace lintape::test
