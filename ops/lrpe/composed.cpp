@@ -1,6 +1,7 @@
 // The LRPE family's composed path: the angles' cos and sin as constants, the act and the rotation through
 // primitive ops, differentiated by the tape. Any float dtype, either device.
 #include "autograd/tape.h"
+#include "ops/documents.h"
 #include "ops/elementwise.h"
 #include "ops/lrpe/paths.h"
 #include "ops/shape.h"
@@ -12,16 +13,16 @@ namespace {
 // act(x); softmax over the sequence with documents normalises each document of a row on its own.
 Tensor act_per_document(const Tensor& x, const LrpeSpec& spec) {
   if (!(spec.seq_softmax() && spec.starts.defined())) return apply_act(x, spec.act, spec.dim);
-  const int64_t B = x.size(0), N = x.size(1);
-  const std::vector<int32_t> starts = spec.starts.to_vector<int32_t>();
-  std::vector<Tensor> rows;
-  for (int64_t b = 0; b < B; ++b) {
-    std::vector<Tensor> docs;
-    for (int64_t s0 = 0, s1; s0 < N; s0 = s1) {
-      for (s1 = s0 + 1; s1 < N && starts[size_t(b * N + s1)] != s1;) ++s1;
-      docs.push_back(apply_act(x.narrow(0, b, 1).narrow(1, s0, s1 - s0), spec.act, spec.dim));
+  const int64_t N = x.size(1);
+  const std::vector<int64_t> cu = documents_cu_seqlens(Documents::from_starts(spec.starts), x.size(0), N);
+  std::vector<Tensor> rows, docs;  // each row's documents, cat along the sequence when the row is complete
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const int64_t b = cu[i] / N, s0 = cu[i] % N;
+    docs.push_back(apply_act(x.narrow(0, b, 1).narrow(1, s0, cu[i + 1] - cu[i]), spec.act, spec.dim));
+    if (cu[i + 1] % N == 0) {
+      rows.push_back(cat(docs, 1));
+      docs.clear();
     }
-    rows.push_back(cat(docs, 1));
   }
   return cat(rows, 0);
 }

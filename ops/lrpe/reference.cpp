@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 #include "autograd/tape.h"
+#include "ops/documents.h"
 #include "ops/lrpe/paths.h"
 #include "ops/shape.h"
 
@@ -76,14 +77,11 @@ void for_each_unit(const Shape& xs, const LrpeSpec& spec, Fn&& fn) {
 // sequence with documents, which normalises each document on its own; else once for the whole tensor.
 template <class Fn>
 void for_each_act_span(const Shape& xs, const LrpeSpec& spec, Fn&& fn) {
-  const int64_t B = xs[0], N = xs[1], row = xs[2] * xs[3];
   if (!(spec.seq_softmax() && spec.starts.defined())) return fn(size_t(0), Shape(xs));
-  const std::vector<int32_t> starts = spec.starts.to_vector<int32_t>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t s0 = 0, s1; s0 < N; s0 = s1) {
-      for (s1 = s0 + 1; s1 < N && starts[size_t(b * N + s1)] != s1;) ++s1;
-      fn(size_t((b * N + s0) * row), Shape{1, s1 - s0, xs[2], xs[3]});
-    }
+  // The documents over the flattened rows: each one's first token and length.
+  const std::vector<int64_t> cu = documents_cu_seqlens(Documents::from_starts(spec.starts), xs[0], xs[1]);
+  for (size_t i = 0; i + 1 < cu.size(); ++i)
+    fn(size_t(cu[i] * xs[2] * xs[3]), Shape{1, cu[i + 1] - cu[i], xs[2], xs[3]});
 }
 
 // act(x) over the whole of x, or over each document (for_each_act_span).
