@@ -40,6 +40,8 @@ bench() { echo "=== $1 (start $(el) s)"; shift; timeout 75 "$@"; echo "=== rc $?
 echo "bench done after $(el) s" | tee -a "$S"
 san racecheck $(( 400 - $(el) )) '*cuda*fal*documents*sweep equals*'
 left=$(( 405 - $(el) ))
-[ $left -gt 20 ] && { echo "=== main bf16 (start $(el) s)"; timeout $left base/build-gpu/lintape $B; } >> "$O/bench.txt" 2>&1
+if [ $left -gt 20 ]; then
+  { echo "=== main bf16 (start $(el) s)"; timeout $left base/build-gpu/lintape $B; } >> "$O/bench.txt" 2>&1
+fi
 echo "all done after $(el) s" | tee -a "$S"
 true
