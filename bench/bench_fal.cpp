@@ -1,10 +1,10 @@
 // Benchmarks of the FAL family. `fal`: the seeds' noncausal configuration (B = H = 12, D = E = 128, cosine
 // LRPE; q, k, g silu, and q softmax over the feature dim with k, g silu), floor and % copy. `fal-causal`:
 // causal with cosine LRPE, silu acts and a per-head decay (B = H = 12, D = E = 128, the language model's
-// B = 16, H = 6, N = 2048, and B = 1, H = 8 at N = 8192 and 32768), TFLOP/s of the chunked algorithm and %
-// copy, with packed documents under --documents L (the title says docs<L>); and the decoding step (B = 8,
-// H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is
-// Impl::Composed.
+// B = 16, H = 6, N = 2048, and B = 1, H = 8 at N = 8192 and 32768; the model's shape again with rotate LRPE,
+// which runs the chunk sweep), TFLOP/s of the chunked algorithm and % copy, with packed documents under
+// --documents L (the title says docs<L>); and the decoding step (B = 8, H = 12, D = E = 128). "fused" is
+// Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is Impl::Composed.
 #include <cmath>
 #include "bench/harness.h"
 #include "ops/fal/fal.h"
@@ -84,25 +84,29 @@ std::vector<Config> noncausal_configs(const RunOptions& o) {
   return out;
 }
 
-Config causal_config(const RunOptions& o, const Dims& d, std::vector<int64_t> ns) {
+Config causal_config(const RunOptions& o, const Dims& d, std::vector<int64_t> ns, bool rotate = false) {
   Config c;
-  c.stem = str("fal_causal-{metric}-{mode}-", dims_tag(d), "-cosine-act_silu-decay", documents_tag(o.document_length),
-               "-", dtype_name(o.dtype));
+  c.stem = str("fal_causal-{metric}-{mode}-", dims_tag(d), rotate ? "-rotate" : "-cosine", "-act_silu-decay",
+               documents_tag(o.document_length), "-", dtype_name(o.dtype));
   c.ns = std::move(ns);
   const int64_t doc_len = o.document_length;
-  c.make = [d, doc_len](const Case& k) {
+  c.make = [d, doc_len, rotate](const Case& k) {
     FalOptions opts = cosine_options(d, k.device, {Act::Silu, ActDim::None});
+    if (rotate) {
+      opts.lrpe = FalLrpe::Rotate;
+      opts.theta = make_theta(d.H, d.D / 2, k.device);
+    }
     opts.causal = true;
     opts.decay = make_decay(d.H, k.device);
     opts.documents = bench_documents(d.B, k.n, doc_len, k.device);
     return fal_call(k, d, opts);
   };
   c.floor_bytes = floor_of(d, o.dtype);
-  // The chunked algorithm with chunks of C = 64 and D' = 2D: per token and head, scores and their product with
-  // v inside the chunk (2 C D' + 2 C E) and the state's read and update (4 D' E); backward counted as twice the
-  // forward.
-  c.flops = [d](int64_t n, Mode m) {
-    const double C = 64, P = 2.0 * double(d.D), E = double(d.D);
+  // The chunked algorithm with chunks of C = 64 and D' = 2D (rotate: D): per token and head, scores and their
+  // product with v inside the chunk (2 C D' + 2 C E) and the state's read and update (4 D' E); backward counted
+  // as twice the forward.
+  c.flops = [d, rotate](int64_t n, Mode m) {
+    const double C = 64, P = (rotate ? 1.0 : 2.0) * double(d.D), E = double(d.D);
     const double fwd = double(d.B * d.H * n) * (2 * C * P + 2 * C * E + 4 * P * E);
     return m == Mode::Fwd ? fwd : 2 * fwd;
   };
@@ -118,6 +122,7 @@ std::vector<Config> causal_configs(const RunOptions& o) {
   if (o.device.is_cuda()) {
     out.push_back(causal_config(o, Dims{16, 6, 128}, {2048}));
     out.push_back(causal_config(o, Dims{1, 8, 128}, pick_sizes(o, {8192, 32768}, {8192}, {8192})));
+    out.push_back(causal_config(o, Dims{16, 6, 128}, {2048}, true));
   }
 
   // One decoding step (B = 8 on CUDA), x = batch.

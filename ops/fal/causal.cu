@@ -11,8 +11,8 @@
 // before each of their two state passes, which then write every chunk's state from the segments' entering states;
 // the forward pass is skipped when the forward saved every chunk's state. The segment states, (B, H, G, D', E) or
 // (B, H, G - 1, D', E) in f32, are the only extra memory beside the chunk kernels' per-chunk states. Documents
-// (spec.starts) run on the chunk kernels only; the scan passes no state across a segment that a document start
-// cuts off.
+// (spec.starts) gate both kernels' chunks (chunk.cuh, sweep.cuh) and the scan, which passes no state across a
+// segment that a document start cuts off.
 #include "ops/fal/chunk.cuh"
 #include "ops/fal/sweep.cuh"
 
@@ -80,7 +80,7 @@ void causal_sweep(SweepArgs a, int pass, int reduce, bool reverse, const float* 
   launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
   const int64_t total = BH * n;
   scan_segments<<<unsigned((total + 255) / 256), 256, 0, st>>>(states.data_ptr<float>(), start, last, a.decay,
-                                                               nullptr, a.H, G, 0, false, n, total, a.N, per,
+                                                               a.starts, a.H, G, 0, false, n, total, a.N, per,
                                                                reverse);
   LT_CUDA_CHECK_LAUNCH();
   a.pass = pass;
@@ -88,6 +88,14 @@ void causal_sweep(SweepArgs a, int pass, int reduce, bool reverse, const float* 
   a.state_in = states.data_ptr<float>();
   a.state_out = nullptr;
   launch_sweep(a, dtype, dim3(unsigned(BH), unsigned(G)), st, "fal");
+}
+
+// The sweeps' arguments of a causal call, with the documents' starts.
+SweepArgs causal_sweep_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                            const FalStepSpec& spec) {
+  SweepArgs a = sweep_args(q, k, v, g, spec);
+  a.starts = spec.starts.defined() ? spec.starts.data_ptr<int32_t>() : nullptr;
+  return a;
 }
 
 bool use_chunks(const Tensor& q, const Tensor& v, const FalStepSpec& spec) {
@@ -209,9 +217,8 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     chunk::forward(a, q.dtype(), BH, st);
     return;
   }
-  LT_CHECK(!spec.starts.defined(), "[fal] internal: the causal sweep takes no documents");
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-  SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
+  SweepArgs a = causal_sweep_args(qc, kc, vc, gc, spec);
   a.out = out.data();
   const int64_t G = sweep_segments(BH, q.size(1), segments, dev);
   causal_sweep(a, kForward, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr,
@@ -249,9 +256,8 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     chunk::gradients(a, q.dtype(), BH, st);
     return;
   }
-  LT_CHECK(!spec.starts.defined(), "[fal] internal: the causal sweep takes no documents");
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-  SweepArgs a = sweep_args(qc, kc, vc, gc, spec);
+  SweepArgs a = causal_sweep_args(qc, kc, vc, gc, spec);
   set_gradient_pointers(a, dout, dq, dk, dv, dg);
   const int64_t G = sweep_segments(BH, q.size(1), segments, dev);
   causal_sweep(a, kQueryGrad, kReduceKV, false, S0.defined() ? S0.data_ptr<float>() : nullptr, nullptr, BH, G,

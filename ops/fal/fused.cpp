@@ -110,11 +110,6 @@ const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions
   if (o.lrpe == FalLrpe::Rotate && q.size(3) % 2 != 0) return "rotate needs an even D";
   if (!fal_cuda::sequence_supported(q.size(3), fal_state_rows(o.lrpe, q.size(3)), v.size(3)))
     return "the state does not fit the kernels' shared memory (D, E <= 256, D' x E up to 256 x 128)";
-  // The chunk sweep (f32, rotate, softmax over the feature dim, other head dims) walks its 16-token chunks
-  // without the documents' gates.
-  if (o.documents.defined() && !chunked(q, v, o))
-    return "documents run on the chunk kernels only (bf16/f16, LRPE none or cosine, D 64 or 128, E a multiple "
-           "of 8 up to 128, elementwise acts); Composed runs the others";
   return nullptr;
 }
 

@@ -12,6 +12,14 @@
 // carry S from chunk to chunk: S <- lambda^C S + sum_j c_j y_j^T v_j. Noncausal row passes read a fixed S
 // (kv or dkv) and have a_i = 1, no intra-chunk terms.
 //
+// Causal passes with documents (starts set; the kernel's Docs instance, so that the calls without keep their
+// code), st_t the start of token t's document and [cs, c1) the chunk: the state at a chunk edge holds the
+// document of the token before it (the forward's S_cs that of token cs - 1, S0 standing for the row's first
+// document; the reverse state at c1 that of token c1 - 1, dS_final standing for the row's last), so
+//   forward  a_i != 0 iff st_i < max(cs, 1); w_ij = 0 for cs + j < st_i; c_j != 0 iff st_(c1-1) <= cs + j
+//   reverse  a_i != 0 iff st_(c1-1) <= cs + i; w_ij = 0 for cs + i < st_j; c_j != 0 iff st_j < max(cs, 1)
+// and the carry lambda^cl is 0 unless st_(c1-1) < max(cs, 1), both ways. LRPE positions are offset + t - st_t.
+//
 // The products (the chunk's scores, x S, S u, and the state update) run on the tensor cores: WMMA 16 x 16 x 8
 // tf32 tiles read from the f32 rows in shared memory, accumulated in f32. For bf16 and f16 inputs one tf32
 // product (10-bit mantissa, finer than the inputs); for f32 inputs three (the operands split into tf32 head
@@ -43,6 +51,7 @@ struct SweepArgs {
   void *dq, *dk, *dv, *dg, *out;
   const float* state_in;  // (B H [, segments], P, E): S0, kv, dkv or dS_final, or each segment's; null: zeros
   float* state_out;       // (B H [, splits], P, E): S_final, dS0 or a reduction's partial; null: not written
+  const int32_t* starts;  // causal: (B, N) the documents' starts (ops/documents.h), or null (none)
   const float* theta;
   int theta_rows, theta_cols;
   const float* decay;
@@ -71,12 +80,12 @@ __host__ __device__ inline SweepDims sweep_dims(int64_t D, int64_t P, int64_t E)
   return z;
 }
 
-// Shared memory floats of one block.
-inline size_t sweep_smem_floats(int64_t D, int64_t P, int64_t E) {
+// Shared memory floats of one block (docs: with the chunk's document starts after them).
+inline size_t sweep_smem_floats(int64_t D, int64_t P, int64_t E, bool docs = false) {
   const SweepDims z = sweep_dims(D, P, E);
   const int64_t C = kSweepChunk;
   return size_t(int64_t(z.Pp) * z.ldE + 3 * C * z.ldP + 3 * C * z.ldE + (2 + kScoreWarps) * C * (C + 4) + 4 * C +
-                kSweepWarps * int64_t(z.wide));
+                kSweepWarps * int64_t(z.wide) + (docs ? C : 0));
 }
 
 using cuda_device::warp_max;
@@ -265,7 +274,7 @@ __device__ __forceinline__ void scale_tile_rows(SweepAcc& acc, float* tile, int 
   w::load_matrix_sync(acc, tile, unsigned(ld), w::mem_row_major);
 }
 
-template <class T>
+template <class T, bool Docs>
 __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
   namespace w = nvcuda::wmma;
   using RowM = w::row_major;
@@ -290,6 +299,7 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
   float* powers = update_decay + C;     // C + 1 (of 2 C): lambda^k, k = 0 ... C
   float* partial = powers + 2 * C;      // kScoreWarps x 16 x ldC: partial scores
   float* scratch = partial + kScoreWarps * 16 * ldC;  // warps x z.wide
+  int* doc = reinterpret_cast<int*>(scratch + kSweepWarps * z.wide);  // Docs: C, st_(cs + i) - cs
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t bh = blockIdx.x, b = bh / a.H;
@@ -335,6 +345,8 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
   auto krow = [&](int64_t t) { return ((b * a.M + t) * a.H + h) * int64_t(D); };
   auto vrow = [&](int64_t t) { return ((b * a.M + t) * a.H + h) * int64_t(E); };
   auto grow = [&](int64_t t) { return ((b * a.N + t) * a.H + h) * int64_t(E); };
+  // Docs: the start of token t's document.
+  auto doc_start = [&](int64_t t) { return int64_t(a.starts[b * a.N + t]); };
   auto zero = [&](float* row, int from, int to) {
     for (int i = from + lane; i < to; i += 32) row[i] = 0.0f;
   };
@@ -350,8 +362,9 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
     // Rows past the chunk's end and columns past P or E are zeros, so the tiles can be whole. A row's inputs
     // are fetched together, then stored, put through the acts and the LRPE (angles shared by q and k).
     for (int r = warp; r < C; r += kSweepWarps) {
-      const int64_t t = cs + r, pos = a.position + t;
+      const int64_t t = cs + r;
       const bool live = r < cl;
+      const int64_t pos = a.position + t - (Docs && live ? doc_start(t) : 0);
       float* qd = Qs + r * ldP;
       float* kd = Ks + r * ldP;
       if (live) {
@@ -396,6 +409,14 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
       const bool decays = causal && lam != 1.0f;
       row_decay[i] = decays ? powers[max(0, reverse ? cl - 1 - i : i + 1)] : 1.0f;
       update_decay[i] = i >= cl ? 0.0f : decays ? powers[reverse ? i + 1 : cl - 1 - i] : 1.0f;
+      if (Docs && i < cl) {
+        // The gates of the header's table; doc[cl - 1] < first is the carry's.
+        const int st_i = int(doc_start(cs + i) - cs), st_last = int(doc_start(cs + cl - 1) - cs);
+        const int first = cs == 0 ? 1 : 0;
+        doc[i] = st_i;
+        if (reverse ? st_last > i : st_i >= first) row_decay[i] = 0.0f;
+        if (reverse ? st_i >= first : st_last > i) update_decay[i] = 0.0f;
+      }
     }
     __syncthreads();
 
@@ -422,7 +443,9 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
         __syncthreads();
         for (int idx = tid; idx < C * C; idx += kSweepThreads) {
           const int i = idx / C, j = idx % C;
-          const bool live = i < cl && j < cl && (reverse ? j >= i : j <= i);
+          // Documents: the later token's document starts at or before the earlier one.
+          const bool live = i < cl && j < cl && (reverse ? j >= i : j <= i) &&
+                            (!Docs || (reverse ? i >= doc[j] : j >= doc[i]));
           const float wt = !live ? 0.0f : powers[reverse ? j - i : i - j];
           float sa = 0.0f, sb = 0.0f;
           for (int p = 0; p < kScoreWarps; ++p) (p < a_warps ? sa : sb) += partial[p * 16 * ldC + i * ldC + j];
@@ -458,7 +481,7 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
         }
       __syncthreads();
       for (int r = warp; r < cl; r += kSweepWarps) {
-        const int64_t t = cs + r, pos = a.position + t;
+        const int64_t t = cs + r, pos = a.position + t - (Docs ? cs + doc[r] : 0);
         float* oe = OE + r * ldE;
         if (a.pass == kForward) {
           warp_store(warp_fetch(g + grow(t), E), scr, E);
@@ -490,7 +513,8 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
         for (int idx = tid; idx < C * Ep; idx += kSweepThreads) Vup[(idx / Ep) * ldE + idx % Ep] *= update_decay[idx / Ep];
         __syncthreads();
       }
-      const float carry = causal ? powers[cl] : 1.0f;
+      float carry = causal ? powers[cl] : 1.0f;
+      if (Docs && causal && doc[cl - 1] >= (cs == 0 ? 1 : 0)) carry = 0.0f;  // the last token's document began here
       const int tiles_e = Ep / 16;
 #pragma unroll 2
       for (int tile = warp; tile < (Pp / 16) * tiles_e; tile += kSweepWarps) {
@@ -512,15 +536,18 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(SweepArgs a) {
   }
 }
 
-// Launches sweep_kernel<T> for a's dtype.
+// Launches sweep_kernel<T, Docs> for a's dtype, Docs when a.starts is set (causal passes only).
 inline void launch_sweep(SweepArgs a, DType dtype, dim3 grid, cudaStream_t st, const char* op) {
-  const size_t smem = sweep_smem_floats(a.D, a.P, a.E) * sizeof(float);
+  const bool docs = a.starts != nullptr;
+  LT_CHECK(!docs || a.causal, "[", op, "] internal: documents in a noncausal sweep");
+  const size_t smem = sweep_smem_floats(a.D, a.P, a.E, docs) * sizeof(float);
   LT_CHECK(smem <= size_t(kMaxSharedBytes), "[", op, "] the fused kernel's state of D' = ", a.P, ", E = ", a.E,
            " does not fit in shared memory");
   auto go = [&](auto tag) {
     using T = decltype(tag);
-    LT_CUDA_CHECK(cudaFuncSetAttribute(sweep_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    sweep_kernel<T><<<grid, kSweepThreads, smem, st>>>(a);
+    auto kernel = docs ? sweep_kernel<T, true> : sweep_kernel<T, false>;
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<grid, kSweepThreads, smem, st>>>(a);
     LT_CUDA_CHECK_LAUNCH();
   };
   switch (dtype) {
