@@ -94,9 +94,9 @@ std::pair<double, std::string> peak_bf16_flops(Device device) {
   return {0.0, ""};
 }
 
-double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
+double train_flops_per_token(const ModelConfig& c, int64_t parameters, double context) {
   double flops = 6.0 * double(parameters);
-  for (int64_t i = 0; i < c.layers; ++i) flops += mixer_kind(c.mixer(i)).train_flops_per_token(c);
+  for (int64_t i = 0; i < c.layers; ++i) flops += mixer_kind(c.mixer(i)).train_flops_per_token(c, context);
   return flops;
 }
 
@@ -273,13 +273,19 @@ TrainResult Trainer::run() {
   return result;
 }
 
+const Batch& Trainer::draw_train_batch() {
+  last_batch_ = rank_slice(data_->next_train(), Communicator::world());
+  context_sum_ += mean_causal_context(last_batch_.documents, config_.model.seq_len);
+  ++context_batches_;
+  return last_batch_;
+}
+
 double Trainer::forward_backward() {
   Communicator& comm = Communicator::world();
   session_.model->zero_grad();
   double loss = 0;
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    last_batch_ = rank_slice(data_->next_train(), comm);
-    const Batch& b = last_batch_;
+    const Batch& b = draw_train_batch();
     Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device),
                                     b.documents.to(options_.device));
     if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
@@ -301,51 +307,21 @@ double Trainer::forward_backward() {
 std::pair<double, std::optional<Trainer::StepNumbers>> Trainer::queued_step() {
   // The data's tokens are below the model's vocabulary (checked when it opens), so the embedding's and the
   // loss's checks, which a captured step skips, would not fire.
-  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    last_batch_ = data_->next_train();
-    const Batch& b = last_batch_;
-    if (inputs_.size() <= size_t(micro)) {
-      StepInputs in{empty(b.tokens.shape(), b.tokens.dtype(), options_.device),
-                    empty(b.targets.shape(), b.targets.dtype(), options_.device), Documents()};
-      if (b.documents.defined())
-        in.documents = Documents::from_starts(empty(b.documents.starts().shape(), DType::I32, options_.device));
-      inputs_.push_back(std::move(in));
-    }
-    StepInputs& in = inputs_[size_t(micro)];
-    LT_CHECK(in.tokens.shape() == b.tokens.shape(), "[train] a queued step needs batches of one shape; got ",
-             shape_str(b.tokens.shape()), " after ", shape_str(in.tokens.shape()));
-    in.tokens.copy_(b.tokens);
-    in.targets.copy_(b.targets);
-    // The boundaries change every step: written in place, like the tokens, so a replayed graph reads them.
-    if (in.documents.defined()) {
-      Tensor starts = in.documents.starts();
-      starts.copy_(b.documents.starts());
-    }
+  inputs_.resize(size_t(config_.grad_accum));
+  for (StepInputs& in : inputs_) {
+    const Batch& b = draw_train_batch();
+    in.write(b.tokens, b.targets, b.documents, options_.device);
   }
   const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
   AdamW& optimizer = *session_.optimizer;
   optimizer.set_learning_rate(lr);
-  graph_->run([this] { queue_step_work(); });
+  graph_->run([this] { session_.queue_step(inputs_, config_.grad_clip); });
   const auto [loss, grad_norm] = optimizer.read_step();
   last_grad_norm_ = grad_norm;
   if (!std::isfinite(loss) || !std::isfinite(grad_norm)) return {loss, std::nullopt};
   optimizer.commit_step();
   ++step_;
   return {loss, StepNumbers{loss, grad_norm, lr}};
-}
-
-void Trainer::queue_step_work() {
-  session_.model->zero_grad();
-  Tensor total;
-  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    const StepInputs& in = inputs_[size_t(micro)];
-    Tensor l = session_.model->loss(in.tokens, in.targets, in.documents);
-    if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
-    backward(l);
-    NoGradGuard no_grad;
-    total = total.defined() ? add(total, l.detach()) : l.detach();
-  }
-  session_.optimizer->queue_step(total.to(DType::F32), config_.grad_clip);
 }
 
 std::optional<Trainer::StepNumbers> Trainer::update(double loss) {
@@ -387,7 +363,11 @@ void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock
   const std::vector<double> rank_peaks = every_rank(row.peak_mem_mib, comm);  // a collective: every rank
   if (comm.distributed()) row.rank_peak_mibs = rank_peaks;
   if (peak_flops_ > 0)
-    row.mfu = row.tokens_per_s * train_flops_per_token(config_.model, parameters) / peak_flops_;
+    row.mfu = row.tokens_per_s *
+              train_flops_per_token(config_.model, parameters,
+                                    context_batches_ > 0 ? context_sum_ / double(context_batches_)
+                                                         : 0.5 * double(config_.model.seq_len)) /
+              peak_flops_;
   row.total_steps = config_.steps;
   row.eta_s = elapsed / double(steps_this_run) * double(config_.steps - step_);
   result.losses.push_back(n.loss);
