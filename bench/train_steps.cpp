@@ -182,7 +182,7 @@ double train_step(TrainSetup& s, size_t i) {
   }
   if (!s.graph) s.graph = std::make_unique<StepGraph>(s.options.device, s.options.cuda_graph);
   // Written every step, as the trainer writes each batch (the boundaries too).
-  s.inputs[0].write(tokens, targets, s.documents, s.options.device);
+  s.inputs[0].write(tokens, targets, s.documents, 1.0, s.options.device);
   optimizer.set_learning_rate(3e-4);
   s.graph->run([&s] { s.session.queue_step(s.inputs, 1.0); });
   const double loss = optimizer.read_step().first;

@@ -2,6 +2,7 @@
 #include <cmath>
 #include "autograd/tape.h"
 #include "ops/elementwise.h"
+#include "train/comm.h"
 
 namespace lintape {
 
@@ -28,10 +29,11 @@ double TrainSession::update(double lr, double clip) {
   return grad_norm;
 }
 
-void StepInputs::write(const Tensor& t, const Tensor& y, const Documents& docs, Device device) {
+void StepInputs::write(const Tensor& t, const Tensor& y, const Documents& docs, double w, Device device) {
   if (!tokens.defined()) {
     tokens = empty(t.shape(), t.dtype(), device);
     targets = empty(y.shape(), y.dtype(), device);
+    weight = empty({}, DType::F32, device);
     if (docs.defined()) documents = Documents::from_starts(empty(docs.starts().shape(), DType::I32, device));
   }
   LT_CHECK(tokens.shape() == t.shape() && documents.defined() == docs.defined(),
@@ -39,6 +41,7 @@ void StepInputs::write(const Tensor& t, const Tensor& y, const Documents& docs, 
            shape_str(tokens.shape()), docs.defined() == documents.defined() ? "" : " (documents on and off)");
   tokens.copy_(t);  // on the device: queued, no wait
   targets.copy_(y);
+  weight.copy_(full({}, w, DType::F32));
   if (documents.defined()) {
     Tensor starts = documents.starts();
     starts.copy_(docs.starts());
@@ -49,13 +52,19 @@ void TrainSession::queue_step(const std::vector<StepInputs>& micro, double clip)
   model->zero_grad();
   Tensor total;
   for (const StepInputs& in : micro) {
-    Tensor l = model->loss(in.tokens, in.targets, in.documents);
-    if (micro.size() > 1) l = mul(l, 1.0 / double(micro.size()));
+    const Tensor l = mul(model->loss(in.tokens, in.targets, in.documents), in.weight);
     backward(l);
     NoGradGuard no_grad;
     total = total.defined() ? add(total, l.detach()) : l.detach();
   }
-  optimizer->queue_step(total.to(DType::F32), clip);
+  Tensor loss = total.to(DType::F32);
+  if (reducer) {  // every rank then has the same loss and gradients: the same skip, the same update
+    reducer->mean_queued();
+    Communicator& comm = Communicator::world();
+    comm.all_reduce_sum_queued(loss);
+    comm.divide_by_size(loss);
+  }
+  optimizer->queue_step(loss, clip);
 }
 
 }  // namespace lintape

@@ -27,8 +27,10 @@ struct SessionOptions {
 struct StepInputs {
   Tensor tokens, targets;
   Documents documents;  // defined when the batches have documents
+  Tensor weight;        // float32 scalar: the loss's weight in the step (the trainer's share of the targets)
   // Allocates the buffers on `device` at the first call; later batches must have the first one's shapes.
-  void write(const Tensor& tokens, const Tensor& targets, const Documents& documents, Device device);
+  void write(const Tensor& tokens, const Tensor& targets, const Documents& documents, double weight,
+             Device device);
 };
 
 struct TrainSession {
@@ -45,7 +47,8 @@ struct TrainSession {
   // as they are (no update).
   double update(double lr, double clip);
   // The whole step queued on the device without a wait (AdamW::queue_step): zero the gradients, each
-  // micro-batch's loss (scaled by 1 / micro.size()) and backward, then the clip at `clip` and the update.
+  // micro-batch's loss (times its weight) and backward, with a reducer the gradients' and the
+  // loss's mean over the ranks (one sum each after backward), then the clip at `clip` and the update.
   // What a CUDA graph captures; the caller sets the learning rate before and reads the step after.
   void queue_step(const std::vector<StepInputs>& micro, double clip);
 };

@@ -98,6 +98,8 @@ class Trainer {
   // the step's work run or replayed by graph_, then one wait for its loss and gradient norm. Returns the
   // loss, and the numbers unless the loss or the norm is NaN or Inf (then no update was applied).
   std::pair<double, std::optional<StepNumbers>> queued_step();
+  // Several ranks reduce inside the queued step: without ZeRO-1 and with one all-reduce after backward.
+  bool queued_reduce() const { return options_.zero == 0 && options_.bucket_mib == 0; }
   // The step's row (and with `line`, its progress line), the validation's, the stop on a NaN or Inf.
   void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start, bool line,
                 TrainResult& result, RunLog& log) const;
@@ -121,7 +123,9 @@ class Trainer {
   // MFU's count of the mixers' attention.
   double context_sum_ = 0;
   int64_t context_batches_ = 0;
-  const Batch& draw_train_batch();  // the next micro-batch into last_batch_ (this rank's rows), counted
+  // The step's micro-batches (this rank's rows), each with its loss's weight: its count of targets over
+  // the global batch's, times the ranks; the last into last_batch_.
+  std::vector<std::pair<Batch, double>> draw_step_batches();
   std::unique_ptr<StepGraph> graph_;               // queued steps only
   bool graph_said_ = false;                        // the log told whether the step is a CUDA graph
   std::vector<StepInputs> inputs_;  // queued steps: each micro-batch's buffers
