@@ -84,7 +84,8 @@ struct Part {
 
 // The parts in the order LanguageModel runs them (language_model.cpp): each residual add inside the norm
 // after it.
-std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, size_t* loss_value) {
+std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, const Documents& docs,
+                              size_t* loss_value) {
   std::vector<Part> parts;
   size_t next = 1;  // the next value's index
   using Fn = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
@@ -114,7 +115,7 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, siz
     const std::string next_name = last ? "norm" : "blocks." + std::to_string(i + 1) + ".norm1";
     const std::string kind = m.config().mixer(int64_t(i));
     size_t mixed = add_part(p + kind, kind, {h}, 1,
-                            one([&b](const std::vector<Tensor>& v) { return b.mix(v[0]); }));
+                            one([&b, docs](const std::vector<Tensor>& v) { return b.mix(v[0], docs); }));
     size_t y = add_part(p + "residual1 + norm2", "residual + norm", {x, mixed}, 2,
                         [&b, pair](const std::vector<Tensor>& v) { return pair(b.norm2.forward_sum(v[0], v[1])); });
     size_t mlp = add_part(p + "mlp", "mlp", {y + 1}, 1,
@@ -179,24 +180,11 @@ double train_step(TrainSetup& s, size_t i) {
     s.session.update(3e-4, 1.0);
     return loss.item();
   }
-  if (!s.graph) {
-    s.graph = std::make_unique<StepGraph>(s.options.device, s.options.cuda_graph);
-    s.inputs = {empty_like(tokens), empty_like(targets)};
-    if (s.documents.defined()) s.input_documents = Documents::from_starts(empty_like(s.documents.starts()));
-  }
-  s.inputs.first.copy_(tokens);  // on the device: queued, no wait
-  s.inputs.second.copy_(targets);
-  if (s.documents.defined()) {  // written every step, as the trainer writes each batch's boundaries
-    Tensor starts = s.input_documents.starts();
-    starts.copy_(s.documents.starts());
-  }
+  if (!s.graph) s.graph = std::make_unique<StepGraph>(s.options.device, s.options.cuda_graph);
+  // Written every step, as the trainer writes each batch (the boundaries too).
+  s.inputs[0].write(tokens, targets, s.documents, 1.0, s.options.device);
   optimizer.set_learning_rate(3e-4);
-  s.graph->run([&s, &optimizer] {
-    s.model->zero_grad();
-    const Tensor loss = s.model->loss(s.inputs.first, s.inputs.second, s.input_documents);
-    backward(loss);
-    optimizer.queue_step(loss.detach().to(DType::F32), 1.0);
-  });
+  s.graph->run([&s] { s.session.queue_step(s.inputs, 1.0); });
   const double loss = optimizer.read_step().first;
   optimizer.commit_step();
   return loss;
@@ -223,7 +211,9 @@ TrainBenchResult bench_train(TrainSetup& s) {
   if (s.graph) r.cuda_graph = s.graph->why();
   const auto [peak, source] = peak_bf16_flops(d);
   r.peak_source = source;
-  if (peak > 0) r.mfu = r.tokens_per_s * train_flops_per_token(s.model->config(), s.params) / peak;
+  if (peak > 0) r.mfu = r.tokens_per_s * train_flops_per_token(s.model->config(), s.params,
+                                                                     mean_causal_context(s.documents, s.model->config().seq_len)) /
+                        peak;
   return r;
 }
 
@@ -234,7 +224,7 @@ ProfileResult profile_train_step(TrainSetup& s) {
 
   const auto& [tokens, targets] = s.batches[0];
   size_t loss_value = 0;
-  const std::vector<Part> parts = model_parts(*s.model, targets, &loss_value);
+  const std::vector<Part> parts = model_parts(*s.model, targets, s.documents, &loss_value);
   std::vector<std::vector<double>> fwd(parts.size() + 1), bwd(parts.size() + 1), act(parts.size());
   std::map<std::pair<std::string, std::string>, ProfileOpRow> ops;  // by (kind, op)
   reset_peak_memory(d);

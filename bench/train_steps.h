@@ -27,7 +27,8 @@ struct TrainBenchOptions {
   std::optional<DType> compute_dtype;  // unset: default_compute_dtype(device), bf16 on CUDA
   bool cuda_graph = true;              // CUDA: the step replayed as a CUDA graph (train/step_graph.h)
   // Rows packed from documents of this many tokens (bench_documents; targets masked at each document's
-  // end), their starts copied into the step's buffer every step as the trainer does; 0: none. bench train only.
+  // end), their starts copied into the step's buffer every step as the trainer does; 0: none. bench train
+  // and profile.
   int64_t document_length = 0;
 };
 
@@ -41,8 +42,7 @@ struct TrainSetup {
   int64_t params = 0;
   // CUDA: the queued step's graph and its input buffers (each batch is copied into them), made by the first step.
   std::unique_ptr<StepGraph> graph;
-  std::pair<Tensor, Tensor> inputs;
-  Documents input_documents;
+  std::vector<StepInputs> inputs{1};
   int64_t tokens_per_step() const;
 };
 TrainSetup make_train_setup(const TrainBenchOptions& o);

@@ -144,6 +144,9 @@ Command add_profile_command(CLI::App& app) {
   add_model_options(sub, a->train, a->device);
   sub->add_option("--json", a->json, "write the tables as JSON");
   sub->add_flag("--per-layer", a->per_layer, "also print every layer's row");
+  sub->add_option("--documents", a->train.document_length,
+                  "cut every row into documents of this many tokens, passed to every mixer (default 0: none)")
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--dtype", a->dtype, "the compute dtype: bf16 or f32 (default bf16 on CUDA, f32 on the CPU)")
       ->check(CLI::IsMember({"bf16", "f32"}));
   return {sub, [a] { profile(*a); }};

@@ -90,7 +90,7 @@ std::unique_ptr<Mixer> make_fal_mixer(const ModelConfig& c, double init_std, dou
   return std::make_unique<FalMixer>(c.width, c.heads, c.head_dim, c.norm_eps, init_std, out_std, seed);
 }
 
-double fal_train_flops_per_token(const ModelConfig& c) {
+double fal_train_flops_per_token(const ModelConfig& c, double /*context*/) {
   return 24.0 * double(c.heads) * double(c.head_dim) * double(c.head_dim);
 }
 

@@ -40,6 +40,7 @@ class FalMixer : public Mixer {
 };
 
 std::unique_ptr<Mixer> make_fal_mixer(const ModelConfig& config, double init_std, double out_std, uint64_t seed);
-double fal_train_flops_per_token(const ModelConfig& config);  // 24 H D^2: the state's products
+// 24 H D^2: the state's products, whatever the context.
+double fal_train_flops_per_token(const ModelConfig& config, double context);
 
 }  // namespace lintape

@@ -44,8 +44,9 @@ using MixerFactory = std::unique_ptr<Mixer> (*)(const ModelConfig& config, doubl
 struct MixerKind {
   const char* name;  // the config's mixer name, and the block's module name ("blocks.0.fal")
   MixerFactory make;
-  // The mixing's training FLOPs per token (forward and backward) beyond 6 x its parameters.
-  double (*train_flops_per_token)(const ModelConfig& config);
+  // The mixing's training FLOPs per token (forward and backward) beyond 6 x its parameters; `context`: the
+  // tokens' mean causal context (mean_causal_context, ops/documents.h: seq_len / 2 without documents).
+  double (*train_flops_per_token)(const ModelConfig& config, double context);
 };
 
 // The registered kinds; mixer_kind throws for an unknown name.

@@ -112,8 +112,8 @@ std::unique_ptr<Mixer> make_tpa_mixer(const ModelConfig& c, double init_std, dou
                                     init_std, out_std, seed);
 }
 
-double tpa_train_flops_per_token(const ModelConfig& c) {
-  return 6.0 * double(c.heads) * double(c.head_dim) * double(c.seq_len);
+double tpa_train_flops_per_token(const ModelConfig& c, double context) {
+  return 12.0 * double(c.heads) * double(c.head_dim) * context;
 }
 
 }  // namespace lintape

@@ -50,6 +50,7 @@ class TpaMixer : public Mixer {
 };
 
 std::unique_ptr<Mixer> make_tpa_mixer(const ModelConfig& config, double init_std, double out_std, uint64_t seed);
-double tpa_train_flops_per_token(const ModelConfig& config);  // 6 H D N: attention over the sequence
+// 12 H D context: causal attention over each token's document (6 H D N for rows of one document).
+double tpa_train_flops_per_token(const ModelConfig& config, double context);
 
 }  // namespace lintape

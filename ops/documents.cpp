@@ -81,4 +81,13 @@ std::vector<int64_t> documents_cu_seqlens(const Documents& docs, int64_t batch, 
   return cu;
 }
 
+double mean_causal_context(const Documents& docs, int64_t seq_len) {
+  if (!docs.defined()) return 0.5 * double(seq_len);
+  const std::vector<int32_t> starts = docs.host_starts();
+  if (starts.empty()) return 0.0;
+  double sum = 0;
+  for (size_t i = 0; i < starts.size(); ++i) sum += double(int64_t(i) % seq_len - starts[i]) + 0.5;
+  return sum / double(starts.size());
+}
+
 }  // namespace lintape

@@ -49,4 +49,9 @@ class Documents {
 // [0, N, 2N, ..., B x N] for an undefined Documents of B rows.
 std::vector<int64_t> documents_cu_seqlens(const Documents& docs, int64_t batch, int64_t seq_len);
 
+// The mean causal context of a token: s - start(s) + 1/2 averaged over the rows' tokens, that is seq_len / 2
+// for rows of one document (an undefined Documents) and about L / 2 for documents of L tokens. Causal
+// attention's work per token is proportional to it (the MFU count).
+double mean_causal_context(const Documents& docs, int64_t seq_len);
+
 }  // namespace lintape

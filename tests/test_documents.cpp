@@ -20,6 +20,15 @@ TEST_CASE("documents: cu_seqlens gives each token its document's start in the ro
   CHECK(Documents::from_cu_seqlens({0, 1, 2, 3}, 1, 3).host_starts() == std::vector<int32_t>{0, 1, 2});
 }
 
+TEST_CASE("documents: the mean causal context counts each token's place in its document") {
+  // Places 0 1 2 0 1 | 0 0 1 2 3: their sum 10, plus a half each, over 10 tokens.
+  CHECK(mean_causal_context(Documents::from_cu_seqlens({0, 3, 5, 6, 10}, 2, 5), 5) == 1.5);
+  // Rows of one document: N / 2, with or without the boundaries given.
+  CHECK(mean_causal_context(Documents(), 5) == 2.5);
+  CHECK(mean_causal_context(Documents::from_cu_seqlens({0, 5, 10}, 2, 5), 5) == 2.5);
+  CHECK(mean_causal_context(Documents::from_cu_seqlens({0, 1, 2, 3}, 1, 3), 3) == 0.5);
+}
+
 TEST_CASE("documents: malformed boundaries are refused, naming what is wrong") {
   check_throws_containing([] { Documents::from_cu_seqlens({1, 4}, 1, 4); }, {"start at 0"});
   check_throws_containing([] { Documents::from_cu_seqlens({0, 3}, 1, 4); }, {"end at batch x seq_len = 4"});

@@ -211,8 +211,10 @@ TEST_CASE("mixer registry: the config's names, each kind's module and FLOPs") {
   CHECK(dynamic_cast<FalMixer*>(mixer_kind("fal").make(c, 0.02, 0.01, 3).get()) != nullptr);
   CHECK(dynamic_cast<TpaMixer*>(mixer_kind("tpa").make(c, 0.02, 0.01, 3).get()) != nullptr);
   const double H = double(c.heads), D = double(c.head_dim), N = double(c.seq_len);
-  CHECK(mixer_kind("fal").train_flops_per_token(c) == 24.0 * H * D * D);
-  CHECK(mixer_kind("tpa").train_flops_per_token(c) == 6.0 * H * D * N);
+  CHECK(mixer_kind("fal").train_flops_per_token(c, N / 2) == 24.0 * H * D * D);
+  CHECK(mixer_kind("fal").train_flops_per_token(c, 3.5) == 24.0 * H * D * D);
+  CHECK(mixer_kind("tpa").train_flops_per_token(c, N / 2) == 6.0 * H * D * N);
+  CHECK(mixer_kind("tpa").train_flops_per_token(c, 3.5) == 12.0 * H * D * 3.5);
 }
 
 TEST_CASE("bad input: model config") {

@@ -15,10 +15,12 @@
 #if LINTAPE_WITH_MPI
 #include <mpi.h>
 #endif
+#if LINTAPE_WITH_CUDA
+#include "core/cuda.h"
+#endif
 #if LINTAPE_WITH_NCCL
 #include <cuda_runtime_api.h>
 #include <nccl.h>
-#include "core/cuda.h"
 #endif
 
 namespace lintape {
@@ -272,6 +274,30 @@ void Communicator::all_reduce_sum(Tensor& t) {
     LT_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.data(), int(t.numel()), mpi_type(t, "all_reduce"), MPI_SUM,
                                MPI_COMM_WORLD));
   });
+#endif
+}
+
+void Communicator::all_reduce_sum_queued(Tensor& t) {
+#if LINTAPE_WITH_NCCL
+  check_tensor(t, "all_reduce");
+  if (distributed() && t.numel() > 0 && t.is_cuda()) {
+    t.storage().version++;
+    LT_NCCL_CHECK(ncclAllReduce(t.data(), t.data(), size_t(t.numel()), nccl_type(t), ncclSum, nccl_for(t)->comm,
+                                cuda::stream(t.device().index)));
+    return;
+  }
+#endif
+  all_reduce_sum(t);
+}
+
+void Communicator::wait_device(Device device) {
+#if LINTAPE_WITH_NCCL
+  if (distributed() && device.is_cuda() && nccl_) return nccl_wait(nccl_->comm, cuda::stream(device.index), "step", rank_);
+#endif
+#if LINTAPE_WITH_CUDA
+  if (device.is_cuda()) cuda::synchronize(device.index);
+#else
+  (void)device;
 #endif
 }
 

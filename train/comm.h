@@ -40,6 +40,12 @@ class Communicator {
   // collective may be issued (every rank must issue its collectives in the same order).
   void all_reduce_sum_start(Tensor& t);
   void wait_started();
+  // The same sum queued on a CUDA tensor's device stream with no wait on the host, so that a captured CUDA
+  // graph can hold it (a CPU tensor: all_reduce_sum). A failure or a rank that stops shows in the next
+  // wait_device, which waits for everything queued on `device`'s stream so far under the timeout, polling
+  // NCCL's errors (a plain wait on one rank).
+  void all_reduce_sum_queued(Tensor& t);
+  void wait_device(Device device);
   // In place over a buffer of size x n elements, this rank's slice being [rank n, (rank + 1) n):
   // reduce_scatter leaves the sum of every rank's slice in this rank's slice (the rest is scratch);
   // all_gather fills every slice from its rank.

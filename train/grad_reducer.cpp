@@ -55,6 +55,11 @@ void GradReducer::start_ready() {
   }
 }
 
+void GradReducer::mean_queued() {
+  comm_.all_reduce_sum_queued(flat_);
+  comm_.divide_by_size(flat_);
+}
+
 void GradReducer::finish() {
   LT_CHECK(module_.flat_gradients().data() == flat_.data(),
            "[GradReducer] the module was flattened again after the reducer was made; make a new one");

@@ -34,6 +34,10 @@ class GradReducer {
   // Starts the buckets not started yet, waits for every one, and divides by the number of ranks: the
   // flat gradients are then the mean over the ranks. Ready for the next step.
   void finish();
+  // The whole buffer's mean over the ranks queued on the device with no wait on the host
+  // (Communicator::all_reduce_sum_queued): one sum after backward, what a captured step holds. Not mixed
+  // with on_leaf_ready in one step.
+  void mean_queued();
 
   // The buckets as (offset, length) in the flat buffer, in the order they start.
   const std::vector<std::pair<int64_t, int64_t>>& buckets() const { return buckets_; }

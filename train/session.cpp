@@ -1,5 +1,8 @@
 #include "train/session.h"
 #include <cmath>
+#include "autograd/tape.h"
+#include "ops/elementwise.h"
+#include "train/comm.h"
 
 namespace lintape {
 
@@ -24,6 +27,44 @@ double TrainSession::update(double lr, double clip) {
                                                 : clip_grad_norm(*model, clip);
   if (std::isfinite(grad_norm)) optimizer->step(lr);
   return grad_norm;
+}
+
+void StepInputs::write(const Tensor& t, const Tensor& y, const Documents& docs, double w, Device device) {
+  if (!tokens.defined()) {
+    tokens = empty(t.shape(), t.dtype(), device);
+    targets = empty(y.shape(), y.dtype(), device);
+    weight = empty({}, DType::F32, device);
+    if (docs.defined()) documents = Documents::from_starts(empty(docs.starts().shape(), DType::I32, device));
+  }
+  LT_CHECK(tokens.shape() == t.shape() && documents.defined() == docs.defined(),
+           "[train] a queued step needs batches of one shape; got ", shape_str(t.shape()), " after ",
+           shape_str(tokens.shape()), docs.defined() == documents.defined() ? "" : " (documents on and off)");
+  tokens.copy_(t);  // on the device: queued, no wait
+  targets.copy_(y);
+  weight.copy_(full({}, w, DType::F32));
+  if (documents.defined()) {
+    Tensor starts = documents.starts();
+    starts.copy_(docs.starts());
+  }
+}
+
+void TrainSession::queue_step(const std::vector<StepInputs>& micro, double clip) {
+  model->zero_grad();
+  Tensor total;
+  for (const StepInputs& in : micro) {
+    const Tensor l = mul(model->loss(in.tokens, in.targets, in.documents), in.weight);
+    backward(l);
+    NoGradGuard no_grad;
+    total = total.defined() ? add(total, l.detach()) : l.detach();
+  }
+  Tensor loss = total.to(DType::F32);
+  if (reducer) {  // every rank then has the same loss and gradients: the same skip, the same update
+    reducer->mean_queued();
+    Communicator& comm = Communicator::world();
+    comm.all_reduce_sum_queued(loss);
+    comm.divide_by_size(loss);
+  }
+  optimizer->queue_step(loss, clip);
 }
 
 }  // namespace lintape

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 #include "../core/device.h"
 #include "../layers/language_model.h"
 #include "grad_reducer.h"
@@ -19,6 +20,17 @@ struct SessionOptions {
   std::optional<DType> compute_dtype;  // unset: default_compute_dtype(device)
   int64_t shards = 1;                  // the ranks: the flat parameters split into this many equal shards
   AdamWOptions adamw;
+};
+
+// A queued step's inputs for one micro-batch: fixed device buffers that every step's batch is copied into
+// (write), so that a replayed CUDA graph reads the new tokens, targets and document boundaries.
+struct StepInputs {
+  Tensor tokens, targets;
+  Documents documents;  // defined when the batches have documents
+  Tensor weight;        // float32 scalar: the loss's weight in the step (the trainer's share of the targets)
+  // Allocates the buffers on `device` at the first call; later batches must have the first one's shapes.
+  void write(const Tensor& tokens, const Tensor& targets, const Documents& documents, double weight,
+             Device device);
 };
 
 struct TrainSession {
@@ -34,6 +46,11 @@ struct TrainSession {
   // AdamW update at `lr`; returns the gradient norm before the clip. A non-finite norm leaves the weights
   // as they are (no update).
   double update(double lr, double clip);
+  // The whole step queued on the device without a wait (AdamW::queue_step): zero the gradients, each
+  // micro-batch's loss (times its weight) and backward, with a reducer the gradients' and the
+  // loss's mean over the ranks (one sum each after backward), then the clip at `clip` and the update.
+  // What a CUDA graph captures; the caller sets the learning rate before and reads the step after.
+  void queue_step(const std::vector<StepInputs>& micro, double clip);
 };
 
 // bfloat16 on CUDA (docs/MODEL.md's mixed precision), float32 on the CPU.

@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -94,9 +95,9 @@ std::pair<double, std::string> peak_bf16_flops(Device device) {
   return {0.0, ""};
 }
 
-double train_flops_per_token(const ModelConfig& c, int64_t parameters) {
+double train_flops_per_token(const ModelConfig& c, int64_t parameters, double context) {
   double flops = 6.0 * double(parameters);
-  for (int64_t i = 0; i < c.layers; ++i) flops += mixer_kind(c.mixer(i)).train_flops_per_token(c);
+  for (int64_t i = 0; i < c.layers; ++i) flops += mixer_kind(c.mixer(i)).train_flops_per_token(c, context);
   return flops;
 }
 
@@ -148,7 +149,9 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
   // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
   if (comm.distributed() && options_.zero == 0)
     session_.reducer = std::make_unique<GradReducer>(*session_.model, comm, options_.bucket_mib);
-  if (!comm.distributed() && session_.optimizer->can_queue())
+  // The queued step (and its CUDA graph) holds one all-reduce after backward: not the buckets started
+  // during backward, nor ZeRO-1's reduce-scatter, whose steps stay eager.
+  if (session_.optimizer->can_queue() && (!comm.distributed() || queued_reduce()))
     graph_ = std::make_unique<StepGraph>(options_.device, options_.cuda_graph);
 }
 
@@ -267,24 +270,46 @@ TrainResult Trainer::run() {
   result.last_step = step_;
   result.cuda_graph = graph_ ? graph_->why()
                      : !options_.device.is_cuda()          ? "off (not a CUDA device)"
-                     : Communicator::world().distributed() ? "off (several ranks)"
+                     : Communicator::world().distributed() ? "off (several ranks with ZeRO-1 or --bucket-mib > 0)"
                                                            : "off";
   log.finish(summary_json(result));
   return result;
+}
+
+std::vector<std::pair<Batch, double>> Trainer::draw_step_batches() {
+  Communicator& comm = Communicator::world();
+  std::vector<std::pair<Batch, double>> micro;
+  double targets = 0;  // this rank's, then every rank's
+  for (int64_t m = 0; m < config_.grad_accum; ++m) {
+    Batch b = rank_slice(data_->next_train(), comm);
+    context_sum_ += mean_causal_context(b.documents, config_.model.seq_len);
+    ++context_batches_;
+    const std::vector<int64_t> t = b.targets.to_vector<int64_t>();
+    const double count = double(std::count_if(t.begin(), t.end(), [](int64_t v) { return v >= 0; }));
+    targets += count;
+    micro.emplace_back(std::move(b), count);
+  }
+  if (comm.distributed()) targets = comm.all_reduce_sum(targets);
+  // Each loss is its micro-batch's mean: weighed by its share of the targets (times the ranks, over which
+  // the gradients' reduction takes the mean), the step's loss is the mean over all of them, exactly.
+  for (auto& [b, w] : micro)
+    w = targets > 0 ? w * double(comm.size()) / targets : 1.0 / double(config_.grad_accum);
+  last_batch_ = micro.back().first;
+  return micro;
 }
 
 double Trainer::forward_backward() {
   Communicator& comm = Communicator::world();
   session_.model->zero_grad();
   double loss = 0;
-  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    last_batch_ = rank_slice(data_->next_train(), comm);
-    const Batch& b = last_batch_;
+  const std::vector<std::pair<Batch, double>> batches = draw_step_batches();
+  for (size_t micro = 0; micro < batches.size(); ++micro) {
+    const auto& [b, weight] = batches[micro];
     Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device),
                                     b.documents.to(options_.device));
-    if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
+    if (weight != 1.0) l = mul(l, weight);
     // The last micro-batch's backward completes the gradients: it starts the buckets' all-reduces.
-    if (session_.reducer && micro + 1 == config_.grad_accum)
+    if (session_.reducer && micro + 1 == batches.size())
       backward(l, {}, false, session_.reducer->on_leaf_ready());
     else
       backward(l);
@@ -292,8 +317,7 @@ double Trainer::forward_backward() {
   }
   // Before any other collective: every rank issues them in the same order.
   if (session_.reducer) session_.reducer->finish();
-  // The mean of the ranks' means: the global batch's mean where every slice has as many targets (with
-  // documents the slices' -1 targets differ a little, and each slice's mean weighs the same).
+  // The weights make the ranks' mean the global batch's mean over its targets.
   if (comm.distributed()) loss = comm.all_reduce_sum(loss) / double(comm.size());
   return loss;
 }
@@ -301,51 +325,25 @@ double Trainer::forward_backward() {
 std::pair<double, std::optional<Trainer::StepNumbers>> Trainer::queued_step() {
   // The data's tokens are below the model's vocabulary (checked when it opens), so the embedding's and the
   // loss's checks, which a captured step skips, would not fire.
-  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    last_batch_ = data_->next_train();
-    const Batch& b = last_batch_;
-    if (inputs_.size() <= size_t(micro)) {
-      StepInputs in{empty(b.tokens.shape(), b.tokens.dtype(), options_.device),
-                    empty(b.targets.shape(), b.targets.dtype(), options_.device), Documents()};
-      if (b.documents.defined())
-        in.documents = Documents::from_starts(empty(b.documents.starts().shape(), DType::I32, options_.device));
-      inputs_.push_back(std::move(in));
-    }
-    StepInputs& in = inputs_[size_t(micro)];
-    LT_CHECK(in.tokens.shape() == b.tokens.shape(), "[train] a queued step needs batches of one shape; got ",
-             shape_str(b.tokens.shape()), " after ", shape_str(in.tokens.shape()));
-    in.tokens.copy_(b.tokens);
-    in.targets.copy_(b.targets);
-    // The boundaries change every step: written in place, like the tokens, so a replayed graph reads them.
-    if (in.documents.defined()) {
-      Tensor starts = in.documents.starts();
-      starts.copy_(b.documents.starts());
-    }
+  const std::vector<std::pair<Batch, double>> batches = draw_step_batches();
+  inputs_.resize(batches.size());
+  for (size_t m = 0; m < batches.size(); ++m) {
+    const auto& [b, weight] = batches[m];
+    inputs_[m].write(b.tokens, b.targets, b.documents, weight, options_.device);
   }
   const double lr = learning_rate(step_, config_.steps, config_.warmup, config_.lr, config_.min_lr_ratio);
   AdamW& optimizer = *session_.optimizer;
   optimizer.set_learning_rate(lr);
-  graph_->run([this] { queue_step_work(); });
+  graph_->run([this] { session_.queue_step(inputs_, config_.grad_clip); });
+  // Several ranks: the wait for the step (the queued all-reduces) under the timeout, so that a rank that
+  // fails or stops ends the job instead of hanging it.
+  Communicator::world().wait_device(options_.device);
   const auto [loss, grad_norm] = optimizer.read_step();
   last_grad_norm_ = grad_norm;
   if (!std::isfinite(loss) || !std::isfinite(grad_norm)) return {loss, std::nullopt};
   optimizer.commit_step();
   ++step_;
   return {loss, StepNumbers{loss, grad_norm, lr}};
-}
-
-void Trainer::queue_step_work() {
-  session_.model->zero_grad();
-  Tensor total;
-  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
-    const StepInputs& in = inputs_[size_t(micro)];
-    Tensor l = session_.model->loss(in.tokens, in.targets, in.documents);
-    if (config_.grad_accum > 1) l = mul(l, 1.0 / double(config_.grad_accum));
-    backward(l);
-    NoGradGuard no_grad;
-    total = total.defined() ? add(total, l.detach()) : l.detach();
-  }
-  session_.optimizer->queue_step(total.to(DType::F32), config_.grad_clip);
 }
 
 std::optional<Trainer::StepNumbers> Trainer::update(double loss) {
@@ -387,7 +385,11 @@ void Trainer::log_step(const StepNumbers& n, Clock::time_point step_start, Clock
   const std::vector<double> rank_peaks = every_rank(row.peak_mem_mib, comm);  // a collective: every rank
   if (comm.distributed()) row.rank_peak_mibs = rank_peaks;
   if (peak_flops_ > 0)
-    row.mfu = row.tokens_per_s * train_flops_per_token(config_.model, parameters) / peak_flops_;
+    row.mfu = row.tokens_per_s *
+              train_flops_per_token(config_.model, parameters,
+                                    context_batches_ > 0 ? context_sum_ / double(context_batches_)
+                                                         : 0.5 * double(config_.model.seq_len)) /
+              peak_flops_;
   row.total_steps = config_.steps;
   row.eta_s = elapsed / double(steps_this_run) * double(config_.steps - step_);
   result.losses.push_back(n.loss);

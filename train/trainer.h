@@ -49,8 +49,9 @@ struct TrainerOptions {
 };
 
 // Training FLOPs per token of a config: 6 x parameters plus the mixers' attention (FAL: the state
-// update and read, 24 H D^2 per layer; TPA: causal scores and values, 6 H D N per layer).
-double train_flops_per_token(const ModelConfig& config, int64_t parameters);
+// update and read, 24 H D^2 per layer; TPA: causal scores and values, 12 H D context per layer, 6 H D N
+// without documents). context: the tokens' mean causal context (mean_causal_context, ops/documents.h).
+double train_flops_per_token(const ModelConfig& config, int64_t parameters, double context);
 // The card's dense bf16 tensor-core peak in FLOP/s for MFU, and how it was chosen ("989 TFLOP/s dense
 // bf16 (NVIDIA H100 80GB HBM3)"); 0 and "" for a device not known (the CPU).
 std::pair<double, std::string> peak_bf16_flops(Device device);
@@ -97,7 +98,8 @@ class Trainer {
   // the step's work run or replayed by graph_, then one wait for its loss and gradient norm. Returns the
   // loss, and the numbers unless the loss or the norm is NaN or Inf (then no update was applied).
   std::pair<double, std::optional<StepNumbers>> queued_step();
-  void queue_step_work();
+  // Several ranks reduce inside the queued step: without ZeRO-1 and with one all-reduce after backward.
+  bool queued_reduce() const { return options_.zero == 0 && options_.bucket_mib == 0; }
   // The step's row (and with `line`, its progress line), the validation's, the stop on a NaN or Inf.
   void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start, bool line,
                 TrainResult& result, RunLog& log) const;
@@ -117,14 +119,16 @@ class Trainer {
   int64_t step_ = 0;
   Batch last_batch_;             // this rank's last micro-batch: the weights' check before a checkpoint
   double last_grad_norm_ = 0;    // of the last update (tried)
+  // The training batches' mean causal context (ops/documents.h) summed over this run's micro-batches: the
+  // MFU's count of the mixers' attention.
+  double context_sum_ = 0;
+  int64_t context_batches_ = 0;
+  // The step's micro-batches (this rank's rows), each with its loss's weight: its count of targets over
+  // the global batch's, times the ranks; the last into last_batch_.
+  std::vector<std::pair<Batch, double>> draw_step_batches();
   std::unique_ptr<StepGraph> graph_;               // queued steps only
   bool graph_said_ = false;                        // the log told whether the step is a CUDA graph
-  // Queued steps: each micro-batch's fixed device buffers, which every step's batch is copied into.
-  struct StepInputs {
-    Tensor tokens, targets;
-    Documents documents;  // defined when the data has documents
-  };
-  std::vector<StepInputs> inputs_;
+  std::vector<StepInputs> inputs_;  // queued steps: each micro-batch's buffers
   double peak_flops_ = 0;  // the card's dense bf16 peak (0: unknown, no MFU)
   std::string peak_name_;
 };

@@ -74,6 +74,8 @@ expect(0 "tokens/s +ms/step +MFU.*\n +[0-9]+ +[0-9.]+ +n/a" bench train --device
 expect(0 "fal +3 .*tpa +1 .*optimizer .*sum of the parts [0-9.]+ ms; a whole step timed alone.*by op .*fwd ms +bwd ms .*fal +fal +3 +[0-9.]+ +[0-9.]+ +[0-9.]+%" profile --device cpu
        --preset tiny --batch 1 --seq 32 --vocab 256 --steps 1 --warmup 0)
 expect(2 "--preset: huge not in" profile --device cpu --preset huge)
+expect(0 "batch 2 x 32, documents of 8 tokens.*fal +3 .*tpa +1 .*sum of the parts" profile --device cpu --preset tiny
+       --batch 2 --seq 32 --vocab 256 --steps 1 --warmup 0 --documents 8)
 
 # Zero, negative and absurd values: a usage error naming the option and the value (no 300-digit range).
 expect(2 "--steps: must be positive; got 0" train --device cpu --steps 0)
