@@ -65,8 +65,6 @@ Tensor fused_path(const Tensor& x, const LrpeSpec& spec, bool cache_angles) {
   const char* op = spec.name();
   LT_CHECK(x.is_cuda(), "[", op, "] Impl::Fused needs x on a CUDA device; got x on ", x.device().name());
   LT_CHECK(x.dtype() != DType::F64, "[", op, "] Impl::Fused supports f32, bf16 and f16; got f64");
-  LT_CHECK(!(spec.seq_softmax() && spec.starts.defined()), "[", op, "] Impl::Fused has no softmax over the "
-           "sequence per document; Impl::Composed (which Impl::Auto picks) runs it");
 #if LINTAPE_WITH_CUDA
   return lrpe_paths::run_fused(x, spec, spec.theta, cache_angles);
 #else
@@ -79,12 +77,9 @@ Tensor run(const Tensor& x_in, LrpeSpec spec, Impl impl, const Documents& docs =
   check_inputs(x_in, spec);
   check_documents(x_in, docs, spec);
   const char* op = spec.name();
-  // ops/impl.h's rule: the fused kernels take every f32/bf16/f16 CUDA call but softmax over the sequence
-  // with documents.
-  if (impl == Impl::Auto) {
-    const bool composed = x_in.dtype() == DType::F64 || (spec.seq_softmax() && spec.starts.defined());
-    impl = !x_in.is_cuda() ? Impl::Reference : composed ? Impl::Composed : Impl::Fused;
-  }
+  // ops/impl.h's rule: the fused kernels take every f32/bf16/f16 CUDA call.
+  if (impl == Impl::Auto)
+    impl = !x_in.is_cuda() ? Impl::Reference : x_in.dtype() == DType::F64 ? Impl::Composed : Impl::Fused;
   if (impl == Impl::Composed) return lrpe_paths::run_composed(x_in, spec);
   if (impl == Impl::Fused) return fused_path(x_in, spec, cache_angles);
   const Tensor x = x_in.contiguous();
