@@ -133,9 +133,17 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS || (ROT && (CLS ==
 
 // Backward: per batch row, dout's two halves and (behind an act) x, all in flight together. Behind an
 // act the cosine kind needs up to 72 registers and rotate 80 (28 and 24 warps per SM); no act fits in 64.
-// With documents: 80 and 96 (24 and 20 warps), where the bounds without spilled.
+// With documents: 80, and 96 for rotate behind an act (24 and 20 warps), where the bounds without spilled
+// (rotate behind a softmax still spills 4 to 8 bytes; at 80, 32 to 100). backward_blocks: the bound.
+template <int NV, bool ROT, int CLS, bool DOCS>
+constexpr int backward_blocks() {
+  if (NV > 1) return 1;
+  if (DOCS) return ROT && CLS != kNoAct ? 5 : 6;
+  return CLS == kNoAct ? 8 : ROT ? 6 : 7;
+}
+
 template <class T, int VEC, int NV, bool ROT, int CLS, bool DOCS>
-__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS ? (ROT ? 5 : 6) : CLS == kNoAct ? 8 : ROT ? 6 : 7)
+__global__ void __launch_bounds__(kThreads, backward_blocks<NV, ROT, CLS, DOCS>())
     backward_kernel(const T* __restrict__ x, const T* __restrict__ dout, T* __restrict__ dx, Geo g) {
   constexpr int P = ROT ? 2 : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
