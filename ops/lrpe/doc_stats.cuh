@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(32 * kStatRows, 2)
       }
     float v[kStep][VEC];
 #pragma unroll
-    for (int i = 0; i < kStep; ++i) to_float(raw[i], v[i]);
+    for (int i = 0; i < kStep; ++i)
+      if (t + i < pc.e) to_float(raw[i], v[i]);
     if (t + kStep <= pc.e && sv[kStep - 1] == cur) {
       // The usual case: all kStep tokens in the current document (starts are nondecreasing), one rescale.
 #pragma unroll
