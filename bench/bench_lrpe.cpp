@@ -2,7 +2,7 @@
 // silu, softmax over the feature dim and over the sequence) and md-lrpe-cosine (1d, 2d and 3d grids
 // with 0 or 10 extra tokens). "fused" is Impl::Fused on CUDA and the op's CPU reference on the CPU;
 // "fused cache" adds MdLrpeOptions::cache_angles; "composed" is Impl::Composed. With --documents L the 1d
-// tables cut every row into documents of L tokens (softmax over the sequence, which takes none, is left out).
+// tables cut every row into documents of L tokens.
 #include <cmath>
 #include "bench/harness.h"
 #include "ops/lrpe/lrpe.h"
@@ -48,7 +48,6 @@ std::vector<Config> lrpe_configs(const RunOptions& o, bool rotate) {
   std::vector<Config> out;
   const int64_t doc_len = o.document_length;
   for (const ActCase& a : kActs) {
-    if (doc_len > 0 && a.dim == ActDim::Sequence) continue;
     Config c;
     c.stem = str(rotate ? "lrpe_rotate" : "lrpe_cosine", "-{metric}-{mode}-", dims_tag(d), "-", a.tag, "-",
                  dtype_name(o.dtype), documents_tag(doc_len));

@@ -72,29 +72,23 @@ struct Named {
   DocOp op;
   bool rotate;
 };
+// Softmax over the sequence normalises each document on its own.
 std::vector<Named> ops_under_test() {
   return {{"cosine", cosine(), false},
           {"cosine silu offset 3", cosine(Act::Silu, ActDim::None, 3), false},
           {"cosine softmax feature", cosine(Act::Softmax, ActDim::Feature), false},
+          {"cosine softmax sequence", cosine(Act::Softmax, ActDim::Sequence), false},
           {"rotate", rotate(), true},
           {"rotate sigmoid offset 5", rotate(Act::Sigmoid, ActDim::None, 5), true},
-          {"rotate softmax feature", rotate(Act::Softmax, ActDim::Feature, 2), true}};
-}
-
-// The CPU paths also take softmax over the sequence with documents (each document normalised on its own);
-// the fused kernels leave it to Composed.
-std::vector<Named> cpu_ops_under_test() {
-  std::vector<Named> ops = ops_under_test();
-  ops.push_back({"cosine softmax sequence", cosine(Act::Softmax, ActDim::Sequence), false});
-  ops.push_back({"rotate softmax sequence offset 1", rotate(Act::Softmax, ActDim::Sequence, 1), true});
-  return ops;
+          {"rotate softmax feature", rotate(Act::Softmax, ActDim::Feature, 2), true},
+          {"rotate softmax sequence offset 1", rotate(Act::Softmax, ActDim::Sequence, 1), true}};
 }
 
 }  // namespace
 
 TEST_CASE("lrpe documents: packed equals each document alone, reference and composed") {
   uint64_t seed = 10;
-  for (const Named& o : cpu_ops_under_test())
+  for (const Named& o : ops_under_test())
     for (Impl impl : {Impl::Reference, Impl::Composed}) {
       CAPTURE(o.name);
       CAPTURE(impl == Impl::Reference);
@@ -121,7 +115,7 @@ TEST_CASE("lrpe documents: one document a row is the op without documents") {
 TEST_CASE("gradcheck lrpe with documents") {
   const Documents docs = Documents::from_cu_seqlens(kShortCuts, 2, 9);
   uint64_t seed = 30;
-  for (const Named& o : cpu_ops_under_test())
+  for (const Named& o : ops_under_test())
     for (Impl impl : {Impl::Reference, Impl::Composed}) {
       CAPTURE(o.name);
       CAPTURE(impl == Impl::Reference);
@@ -146,20 +140,25 @@ TEST_CASE("bad input lrpe documents on another device" * LT_CUDA_CASE) {
                           {"[lrpe_cosine]", "documents are on cpu", "cuda:0"});
 }
 
-TEST_CASE("cuda lrpe documents: softmax over the sequence runs composed, each document on its own" * LT_CUDA_CASE) {
+TEST_CASE("cuda lrpe documents: softmax over the sequence, fused and composed, each document on its own" *
+          LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const Documents docs = Documents::from_cu_seqlens(kLongCuts, 2, 150, gpu());
   const DocOp op = rotate(Act::Softmax, ActDim::Sequence, 1);
   Tensor x = randn({2, 150, 3, 64}, DType::F32, gpu(), 40), theta = rates({3, 32}, gpu());
-  check_throws_containing([&] { op(x, theta, docs, Impl::Fused); },
-                          {"[lrpe_rotate]", "softmax over the sequence per document", "Impl::Composed"});
-  check_packed(op, x, theta, kLongCuts, Impl::Auto, 41);
   Tensor dout = randn({2, 150, 3, 64}, DType::F32, gpu(), 42);
-  const Result got = run(op, x, theta, docs, Impl::Auto, dout);
+  const Result got = run(op, x, theta, docs, Impl::Fused, dout);
   const Result ref = run(op, x.to(Device::cpu()).to(DType::F64), theta.to(Device::cpu()), docs.to(Device::cpu()),
                          Impl::Reference, dout.to(Device::cpu()).to(DType::F64));
   CHECK_CLOSE_TENSOR(got.out, ref.out, DType::F32);
   CHECK_CLOSE_TENSOR(got.dx, ref.dx, DType::F32);
+  // Auto picks Composed for it: the same bits.
+  const Result automatic = run(op, x, theta, docs, Impl::Auto, dout);
+  const Result composed = run(op, x, theta, docs, Impl::Composed, dout);
+  CHECK(rel_error(automatic.out, composed.out) == 0);
+  CHECK(rel_error(automatic.dx, composed.dx) == 0);
+  CHECK_CLOSE_TENSOR(composed.out, ref.out, DType::F32);
+  CHECK_CLOSE_TENSOR(composed.dx, ref.dx, DType::F32);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -194,7 +193,9 @@ TEST_CASE("cuda lrpe documents: launchers write every element, rows cut differen
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   // 7 rows of 37, each cut differently (a row of one-token documents, a whole row), in batch groups of 1, 3
-  // and the launcher's choice: the lanes recompute their angles where a row's positions differ.
+  // and the launcher's choice: the lanes recompute their angles where a row's positions differ. Softmax over
+  // the sequence with statistics pieces of 1, 5 and the launcher's choice of tokens (documents across
+  // pieces), its statistics poisoned too: only each document's first row may be read.
   const int64_t B = 7, N = 37, H = 3;
   std::vector<int64_t> cu{0};
   for (int64_t b = 0; b < B; ++b) {
@@ -214,7 +215,12 @@ TEST_CASE("cuda lrpe documents: launchers write every element, rows cut differen
                                    {LrpeSpec::Cosine, Act::Silu, ActDim::None, DType::F32, 64},
                                    {LrpeSpec::Rotate, Act::Softmax, ActDim::Feature, DType::F16, 64},
                                    {LrpeSpec::Rotate, Act::Relu, ActDim::None, DType::BF16, 640},
-                                   {LrpeSpec::Cosine, Act::Sigmoid, ActDim::None, DType::F32, 33}};
+                                   {LrpeSpec::Cosine, Act::Sigmoid, ActDim::None, DType::F32, 33},
+                                   {LrpeSpec::Cosine, Act::Softmax, ActDim::Sequence, DType::BF16, 128},
+                                   {LrpeSpec::Cosine, Act::Softmax, ActDim::Sequence, DType::F32, 33},
+                                   {LrpeSpec::Rotate, Act::Softmax, ActDim::Sequence, DType::F32, 64},
+                                   {LrpeSpec::Rotate, Act::Softmax, ActDim::Sequence, DType::BF16, 128},
+                                   {LrpeSpec::Rotate, Act::Softmax, ActDim::Sequence, DType::F16, 640}};
   uint64_t seed = 200;
   for (const Case& c : cases)
     for (int64_t rows : {int64_t(1), int64_t(3), int64_t(0)}) {
@@ -227,15 +233,20 @@ TEST_CASE("cuda lrpe documents: launchers write every element, rows cut differen
       spec.dim = c.dim;
       spec.offset = 6;
       spec.batch_rows = rows;
+      spec.stat_chunk = rows == 1 ? 1 : rows == 3 ? 5 : 0;
       spec.starts = docs.starts();
       Tensor x = randn({B, N, H, c.D}, c.dtype, gpu(), seed++);
       spec.theta = rates({H, c.kind == LrpeSpec::Rotate ? c.D / 2 : c.D}, gpu());
-      Tensor out = empty(spec.out_shape(x.shape()), c.dtype, gpu()), dx = empty_like(x);
+      Tensor out = empty(spec.out_shape(x.shape()), c.dtype, gpu()), dx = empty_like(x), stats;
       poison_(out);
       poison_(dx);
-      lrpe_cuda::forward(x, spec, out, Tensor());
+      if (spec.seq_softmax()) {
+        stats = empty({B, N, H, c.D}, DType::F32, gpu());
+        poison_(stats);
+      }
+      lrpe_cuda::forward(x, spec, out, stats);
       Tensor dout = randn(out.shape(), c.dtype, gpu(), seed++);
-      lrpe_cuda::backward(x, dout, spec, Tensor(), dx);
+      lrpe_cuda::backward(x, dout, spec, stats, dx);
       const DocOp op = c.kind == LrpeSpec::Rotate ? rotate(c.act, c.dim, 6) : cosine(c.act, c.dim, 6);
       const Result ref = run(op, x.to(Device::cpu()).to(DType::F64), spec.theta.to(Device::cpu()),
                              docs.to(Device::cpu()), Impl::Reference, dout.to(Device::cpu()).to(DType::F64));

@@ -57,8 +57,9 @@ struct Geo {
   int act;
   int lpr;               // lanes per row
   int64_t bchunk;        // batch rows per blockIdx.y of the row kernels
-  const float* lse;      // (B, H, D) log-sum-exp over N (softmax over the sequence)
-  const float* q;        // (B, H, D) sum over N of y * dy (its backward)
+  const float* lse;      // (B, H, D) log-sum-exp over N (softmax over the sequence); with documents
+                         // (B, N, H, D), over each document, in the row of its first token (stat_row)
+  const float* q;        // (B, H, D) sum over N of y * dy (its backward); with documents as lse
 };
 
 // Where row (b, t, h) of x starts.
@@ -241,14 +242,22 @@ __device__ __forceinline__ void softmax_feature(float (&v)[NV][P][VEC], const bo
       for (int e = 0; e < VEC; ++e) v[i][p][e] *= inv;
 }
 
-// v <- exp(v - lse) for softmax over the sequence; lse of (b, h) at angle index j0 of part p.
+// The row of the sequence statistics (g.lse, g.q) that token t of batch row b reads: b, or with documents
+// b x N + the token's document start (one row per document, at its first token).
+template <bool DOCS>
+__device__ __forceinline__ int64_t stat_row(const Geo& g, int64_t b, int64_t start) {
+  return DOCS ? b * g.N + start : b;
+}
+
+// v <- exp(v - lse) for softmax over the sequence; lse of statistics row srow (stat_row), head h, at angle
+// index j0 of part p.
 template <int P, int VEC>
-__device__ __forceinline__ void softmax_sequence(const Geo& g, int64_t b, int64_t h, int64_t j0,
+__device__ __forceinline__ void softmax_sequence(const Geo& g, int64_t srow, int64_t h, int64_t j0,
                                                  float (&v)[P][VEC]) {
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     float l[VEC];
-    load_f32<VEC>(g.lse + (b * g.H + h) * g.D + p * g.half + j0, l);
+    load_f32<VEC>(g.lse + (srow * g.H + h) * g.D + p * g.half + j0, l);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) v[p][e] = __expf(v[p][e] - l[e]);
   }

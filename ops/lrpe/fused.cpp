@@ -52,7 +52,9 @@ Tensor run_fused(const Tensor& x_in, LrpeSpec spec, const Tensor& theta, bool ca
   spec.theta = theta.detach().to(DType::F32).contiguous();
   if (cache_angles) spec.table = cached_table(spec, theta, x.size(2), x.size(3));
   Tensor out = empty(spec.out_shape(x.shape()), x.dtype(), x.device());
-  Tensor stats = spec.seq_softmax() ? empty({x.size(0), x.size(2), x.size(3)}, DType::F32, x.device()) : Tensor();
+  // Softmax over the sequence: its statistics per row, or per document in the row of its first token.
+  const Shape stats_shape = spec.starts.defined() ? x.shape() : Shape{x.size(0), x.size(2), x.size(3)};
+  Tensor stats = spec.seq_softmax() ? empty(stats_shape, DType::F32, x.device()) : Tensor();
   lrpe_cuda::forward(x, spec, out, stats);
   Tensor xs = x.detach();  // a view stays one: backward reads it in place too
   record(op, {x, nondiff(theta, "theta")}, {out}, [xs, spec, stats](const Grads& g) -> Grads {

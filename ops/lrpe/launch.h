@@ -23,8 +23,8 @@ struct LrpeSpec {
   Tensor table;               // md with cached angles: (2, P, H, D) f32, cos then sin; else undefined
   int64_t batch_rows = 0;     // kernels: batch rows per block of the row kernels; 0 lets the launcher
                               // choose (tests set it to reach every batch-tile path)
-  int64_t stat_chunk = 0;     // kernels: tokens per chunk of the sequence statistics; 0 lets the
-                              // launcher choose (tests set it to reach long chunks)
+  int64_t stat_chunk = 0;     // kernels: tokens per chunk of the sequence statistics (per piece with
+                              // documents); 0 lets the launcher choose (tests set it to reach long chunks)
 
   bool rotate() const { return kind == Rotate; }
   // A theta of one column in 1d gives each head one rate for all features.
@@ -43,7 +43,8 @@ namespace lrpe_cuda {
 // x (B, N, H, D) f32/bf16/f16 -> out (B, N, H, 2D) for the cosine kinds, (B, N, H, D) for rotate, same
 // dtype, contiguous. x may be a view with packed features (stride 1) and any other strides. For softmax
 // over the sequence it also writes stats (B, H, D) f32: the log-sum-exp of x over N per (b, h, d), which
-// backward needs; otherwise pass an undefined stats.
+// backward needs; otherwise pass an undefined stats. With documents stats is (B, N, H, D): each document's
+// log-sum-exp in the row of its first token (the other rows are left as they were).
 void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Tensor& stats);
 
 // dx (B, N, H, D) contiguous from dout (the shape of out, contiguous) and x (as for forward); stats as

@@ -14,8 +14,10 @@
 // Softmax over the feature dim reduces across a row's lanes with shuffles. Softmax over the sequence is
 // two-pass: a statistics kernel (online max / sum-exp per (b, N-chunk, h, d)) and a finalize kernel
 // give the per-(b, h, d) log-sum-exp, which the apply kernel and the backward use. Its backward first
-// sums y * dy over N the same way. Everything is computed in f32 but the angle reduction (double).
+// sums y * dy over N the same way. With documents, per document (ops/lrpe/doc_stats.cuh). Everything is
+// computed in f32 but the angle reduction (double).
 #include "ops/lrpe/device.cuh"
+#include "ops/lrpe/doc_stats.cuh"
 #include "ops/lrpe/seq_stats.cuh"
 
 namespace lintape::lrpe_cuda {
@@ -92,7 +94,9 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS || (ROT && (CLS ==
         } else if (sequence_softmax<CLS>(g.act)) {
 #pragma unroll
           for (int i = 0; i < NV; ++i)
-            if (ok[i]) softmax_sequence<P, VEC>(g, b + k, h, int64_t(lane + i * lpr) * VEC, v[i]);
+            if (ok[i])
+              softmax_sequence<P, VEC>(g, stat_row<DOCS>(g, b + k, DOCS ? start[k] : 0), h,
+                                       int64_t(lane + i * lpr) * VEC, v[i]);
         } else if (has_act<CLS>(g.act)) {
           with_elementwise_act(g.act, [&](auto A) {
 #pragma unroll
@@ -129,9 +133,17 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS || (ROT && (CLS ==
 
 // Backward: per batch row, dout's two halves and (behind an act) x, all in flight together. Behind an
 // act the cosine kind needs up to 72 registers and rotate 80 (28 and 24 warps per SM); no act fits in 64.
-// With documents: 80 and 96 (24 and 20 warps), where the bounds without spilled.
+// With documents: 80, and 96 for rotate behind an act (24 and 20 warps), where the bounds without spilled
+// (rotate behind a softmax still spills 4 to 8 bytes; at 80, 32 to 100). backward_blocks: the bound.
+template <int NV, bool ROT, int CLS, bool DOCS>
+constexpr int backward_blocks() {
+  if (NV > 1) return 1;
+  if (DOCS) return ROT && CLS != kNoAct ? 5 : 6;
+  return CLS == kNoAct ? 8 : ROT ? 6 : 7;
+}
+
 template <class T, int VEC, int NV, bool ROT, int CLS, bool DOCS>
-__global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS ? (ROT ? 5 : 6) : CLS == kNoAct ? 8 : ROT ? 6 : 7)
+__global__ void __launch_bounds__(kThreads, backward_blocks<NV, ROT, CLS, DOCS>())
     backward_kernel(const T* __restrict__ x, const T* __restrict__ dout, T* __restrict__ dx, Geo g) {
   constexpr int P = ROT ? 2 : 1;
   const int lpr = g.lpr, lane = int(threadIdx.x) & (lpr - 1), rpb = kThreads / lpr;
@@ -195,15 +207,16 @@ __global__ void __launch_bounds__(kThreads, NV > 1 ? 1 : DOCS ? (ROT ? 5 : 6) : 
 #pragma unroll
             for (int e = 0; e < VEC; ++e) gr[i][p][e] = v[i][p][e] * (gr[i][p][e] - dot);
       } else if (sequence_softmax<CLS>(g.act)) {
+        const int64_t srow = stat_row<DOCS>(g, b, start);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           if (!ok[i]) continue;
           const int64_t j0 = int64_t(lane + i * lpr) * VEC;
-          softmax_sequence<P, VEC>(g, b, h, j0, v[i]);
+          softmax_sequence<P, VEC>(g, srow, h, j0, v[i]);
 #pragma unroll
           for (int p = 0; p < P; ++p) {
             float q[VEC];
-            load_f32<VEC>(g.q + (b * g.H + h) * g.D + p * g.half + j0, q);
+            load_f32<VEC>(g.q + (srow * g.H + h) * g.D + p * g.half + j0, q);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) gr[i][p][e] = v[i][p][e] * (gr[i][p][e] - q[e]);
           }
@@ -294,12 +307,19 @@ void check_tensor(const Tensor& t, const Shape& shape, DType dtype, Device devic
                        : std::string("an undefined tensor"));
 }
 
-// Documents: starts (B, N) int32 contiguous on x's device, for the 1d kinds without softmax over the sequence.
+// Documents: starts (B, N) int32 contiguous on x's device, for the 1d kinds.
 void check_starts(const LrpeSpec& spec, const Tensor& x, const char* op) {
   if (!spec.starts.defined()) return;
-  LT_CHECK(spec.kind != LrpeSpec::MdCosine && !spec.seq_softmax(), "[", op,
-           "] the kernels take documents for lrpe_cosine and lrpe_rotate without softmax over the sequence");
+  LT_CHECK(spec.kind != LrpeSpec::MdCosine, "[", op, "] the kernels take documents for lrpe_cosine and lrpe_rotate");
   check_tensor(spec.starts, {x.size(0), x.size(1)}, DType::I32, x.device(), op, "starts");
+}
+
+// Softmax over the sequence: stats (B, H, D) f32, or (B, N, H, D) with documents (launch.h).
+void check_stats(const LrpeSpec& spec, const Tensor& x, const Tensor& stats, const char* op) {
+  if (!spec.seq_softmax()) return;
+  const Shape shape = spec.starts.defined() ? Shape{x.size(0), x.size(1), x.size(2), x.size(3)}
+                                            : Shape{x.size(0), x.size(2), x.size(3)};
+  check_tensor(stats, shape, DType::F32, x.device(), op, "stats");
 }
 
 // x's features are packed (stride 1); its other strides may be anything.
@@ -356,11 +376,8 @@ void with_row_shape(int vec, int nv, int act, Fn&& fn) {
 // compiled both ways.
 template <class T, class Fn>
 void with_row_shape(int vec, int nv, int act, bool docs, Fn&& fn) {
-  // Documents never come with softmax over the sequence (the op refuses them): that class is not compiled.
   if (docs)
-    with_row_shape<T>(vec, nv, act, [&](auto V, auto NV, auto CLS) {
-      if constexpr (CLS.value != kSequence) fn(V, NV, CLS, std::true_type());
-    });
+    with_row_shape<T>(vec, nv, act, [&](auto V, auto NV, auto CLS) { fn(V, NV, CLS, std::true_type()); });
   else
     with_row_shape<T>(vec, nv, act, [&](auto V, auto NV, auto CLS) { fn(V, NV, CLS, std::false_type()); });
 }
@@ -475,6 +492,58 @@ void seq_stats_backward(const T* x, const T* dout, const Geo& g, int64_t forced_
   LT_CUDA_CHECK_LAUNCH();
 }
 
+// Documents (ops/lrpe/doc_stats.cuh): tokens per piece, for about kWaves waves of resident warps over
+// warps_per_piece warps per piece, at least kMinPiece tokens (each piece costs its partials: a short piece
+// would move more partials than x); the finalize grid holds at most 65535 pieces. `forced` > 0 sets it (tests).
+int64_t doc_piece(int64_t warps_per_piece, int64_t N, int64_t resident_warps, int64_t forced) {
+  constexpr int64_t kMinPiece = 16, kWaves = 2;
+  int64_t piece = forced;
+  if (piece <= 0) {
+    const int64_t want = std::max<int64_t>(1, kWaves * resident_warps / std::max<int64_t>(1, warps_per_piece));
+    piece = std::max(kMinPiece, (N + want - 1) / want);
+  }
+  return std::max(std::min(piece, N), (N + 65534) / 65535);
+}
+
+template <class T>
+void doc_stats_forward(const T* x, const Geo& g, int64_t forced_piece, const Tensor& lse, Device dev, int sms,
+                       cudaStream_t st) {
+  const int64_t HD = g.H * g.D;
+  const int vec = pick_vec<T>({g.D, g.x_batch, g.x_tok, g.x_head}, {x});
+  const int64_t gx = (HD / vec + 31) / 32;
+  with_vec<T>(vec, [&](auto V) {
+    constexpr auto kernel = doc_stats_forward_kernel<T, V.value>;
+    const int64_t resident = int64_t(sms) * blocks_per_sm<kernel>(32 * kStatRows) * kStatRows;
+    const int64_t piece = doc_piece(gx * g.B, g.N, resident, forced_piece), pieces = (g.N + piece - 1) / piece;
+    Tensor part = empty({4, g.B, pieces, HD}, DType::F32, dev);
+    const dim3 grid{unsigned(gx), unsigned((pieces + kStatRows - 1) / kStatRows), unsigned(g.B)};
+    kernel<<<grid, dim3(32, kStatRows), 0, st>>>(x, part.data_ptr<float>(), lse.data_ptr<float>(), g, piece);
+    LT_CUDA_CHECK_LAUNCH();
+    const dim3 fgrid{unsigned((HD + 127) / 128), unsigned(pieces), unsigned(g.B)};
+    doc_stats_finalize<true>
+        <<<fgrid, 128, 0, st>>>(part.data_ptr<float>(), lse.data_ptr<float>(), g.starts, g.N, HD, piece);
+    LT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+// q (B, N, H, D) for the backward with documents; vec is the row kernels' vector width.
+template <class T, int VEC, bool ROT>
+void doc_stats_backward(const T* x, const T* dout, const Geo& g, int64_t forced_piece, const Tensor& q, Device dev,
+                        int sms, cudaStream_t st) {
+  constexpr auto kernel = doc_stats_backward_kernel<T, VEC, ROT>;
+  const int64_t HD = g.H * g.D, gx = (g.H * (g.A / VEC) + 31) / 32;
+  const int64_t resident = int64_t(sms) * blocks_per_sm<kernel>(32 * kStatRows) * kStatRows;
+  const int64_t piece = doc_piece(gx * g.B, g.N, resident, forced_piece), pieces = (g.N + piece - 1) / piece;
+  Tensor part = empty({2, g.B, pieces, HD}, DType::F32, dev);
+  const dim3 grid{unsigned(gx), unsigned((pieces + kStatRows - 1) / kStatRows), unsigned(g.B)};
+  kernel<<<grid, dim3(32, kStatRows), 0, st>>>(x, dout, part.data_ptr<float>(), q.data_ptr<float>(), g, piece);
+  LT_CUDA_CHECK_LAUNCH();
+  const dim3 fgrid{unsigned((HD + 127) / 128), unsigned(pieces), unsigned(g.B)};
+  doc_stats_finalize<false>
+      <<<fgrid, 128, 0, st>>>(part.data_ptr<float>(), q.data_ptr<float>(), g.starts, g.N, HD, piece);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 bool reads_in_place(const Tensor& x) {
@@ -491,8 +560,8 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
   check_x(x, op);
   const Device dev = x.device();
   check_tensor(out, spec.out_shape(x.shape()), x.dtype(), dev, op, "out");
-  if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
   check_starts(spec, x, op);
+  check_stats(spec, x, stats, op);
   Geo g = make_geo(x.shape(), spec);
   set_x_strides(g, x);
   if (x.numel() == 0) return;
@@ -505,7 +574,10 @@ void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Ten
       const T* xp = static_cast<const T*>(x.data());
       T* op_ = static_cast<T*>(out.data());
       if (spec.seq_softmax()) {
-        seq_stats_forward<T>(xp, g, spec.stat_chunk, stats, dev, sms, st);
+        if (g.starts)
+          doc_stats_forward<T>(xp, g, spec.stat_chunk, stats, dev, sms, st);
+        else
+          seq_stats_forward<T>(xp, g, spec.stat_chunk, stats, dev, sms, st);
         g.lse = stats.data_ptr<float>();
       }
       const int vec = pick_vec<T>({g.A, g.x_batch, g.x_tok, g.x_head}, {xp, op_});
@@ -528,8 +600,8 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
   const Device dev = x.device();
   check_tensor(dout, spec.out_shape(x.shape()), x.dtype(), dev, op, "dout");
   check_tensor(dx, x.shape(), x.dtype(), dev, op, "dx");
-  if (spec.seq_softmax()) check_tensor(stats, {x.size(0), x.size(2), x.size(3)}, DType::F32, dev, op, "stats");
   check_starts(spec, x, op);
+  check_stats(spec, x, stats, op);
   Geo g = make_geo(x.shape(), spec);
   set_x_strides(g, x);
   if (x.numel() == 0) return;
@@ -546,9 +618,13 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
       Tensor q;
       if (spec.seq_softmax()) {
         g.lse = stats.data_ptr<float>();
-        q = empty({g.B, g.H, g.D}, DType::F32, dev);
+        q = empty_like(stats);
         with_vec<T>(vec, [&](auto V) {
-          if (spec.rotate())
+          if (g.starts && spec.rotate())
+            doc_stats_backward<T, V.value, true>(xp, dp, g, spec.stat_chunk, q, dev, sms, st);
+          else if (g.starts)
+            doc_stats_backward<T, V.value, false>(xp, dp, g, spec.stat_chunk, q, dev, sms, st);
+          else if (spec.rotate())
             seq_stats_backward<T, V.value, true>(xp, dp, g, spec.stat_chunk, q, dev, sms, st);
           else
             seq_stats_backward<T, V.value, false>(xp, dp, g, spec.stat_chunk, q, dev, sms, st);
