@@ -12,11 +12,12 @@
 //            warpgroup products (ops/tpa/attention_wg.cuh), off unless LINTAPE_TPA_FWD=wgmma.
 //   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
 //            of 128.
+#include <cudaTypedefs.h>
+#include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include "core/config.h"
 #include "ops/tpa/attention_parts.cuh"
-#include "ops/tpa/attention_wg.cuh"
+#include "ops/tpa/attention_tma.cuh"
 
 namespace lintape::tpa_cuda {
 
@@ -218,27 +219,50 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 // Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
 // factors into a workspace, then the attention over them.
 
-// The warpgroup kernel (ops/tpa/attention_wg.cuh) runs only when LINTAPE_TPA_FWD=wgmma asks for it (the
-// mma.sync kernel was faster on an H100 at every benchmarked shape), where it was compiled (sm_90a) and the
-// device is compute capability 9.0.
-bool forward_on_wgmma(int device) {
+bool wgmma_compiled() {
   static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
-  const char* env = std::getenv("LINTAPE_TPA_FWD");
-  if (!compiled || !env || std::strcmp(env, "wgmma") != 0) return false;
+  return compiled;
+}
+
+bool is_hopper(int device) {
   int major = 0, minor = 0;
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   return major == 9 && minor == 0;
 }
 
-template <class T, int HD, bool Wg, bool DOCS>
+// K or V of a launch's batch entries, (entries, M, H, HD) 16-bit, as a 4-D tensor map read in boxes of 64
+// columns x kWgKeys rows of one head and entry, stored with the 128-byte swizzle; rows past M read as zeros.
+CUtensorMap kv_tensor_map(const void* x, int64_t entries, int M, int H, int HD, bool bf16) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    LT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    LT_CHECK(fn && found == cudaDriverEntryPointSuccess, "[tpa_attention] the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(M), cuuint64_t(entries)};
+  const cuuint64_t strides[3] = {cuuint64_t(HD) * 2, cuuint64_t(H) * HD * 2, cuuint64_t(M) * H * HD * 2};
+  const cuuint32_t box[4] = {attention_tma::kBox, 1, attention_wg::kWgKeys, 1}, steps[4] = {1, 1, 1, 1};
+  const CUresult r = encode(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                            const_cast<void*>(x), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  LT_CHECK(r == CUDA_SUCCESS, "[tpa_attention] cuTensorMapEncodeTiled failed: ", int(r));
+  return map;
+}
+
+template <class T, int HD, ForwardKernel K, bool DOCS>
 void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
+  static_assert(K == ForwardKernel::MmaSync || !DOCS, "only the mma.sync kernel takes documents");
+  constexpr bool tma = K == ForwardKernel::WarpgroupTma || K == ForwardKernel::WarpgroupPingPong;
   Params<T> p = make_params<T>(a);
   p.out = static_cast<T*>(out.data());
   p.lse = lse.data_ptr<float>();
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
-  constexpr int rows = Wg ? attention_wg::kWgRows : kQueryRows;
+  constexpr int rows = K == ForwardKernel::MmaSync ? kQueryRows : attention_wg::kWgRows;
   const int64_t B = a.aq.size(0), kv_len = int64_t(p.M) * p.H * HD, query_tiles = (p.N + rows - 1) / rows;
   const int64_t launches =
       batch_launches(B, 2 * kv_len * int64_t(sizeof(T)), B * p.N * p.H * HD * int64_t(sizeof(T)), query_tiles * p.H,
@@ -249,11 +273,23 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   T* v = k + chunk * kv_len;
   p.k = k;
   p.v = v;
-  static_assert(!(Wg && DOCS), "the warpgroup kernel takes no documents");
-  const auto kernel = Wg ? attention_wg::forward<T, HD> : attention_fwd<T, HD, DOCS>;
-  const size_t smem = Wg ? attention_wg::smem_bytes<HD>() : fwd_smem<HD>();
+  CUtensorMap tk{}, tv{};
+  if constexpr (tma) {
+    tk = kv_tensor_map(k, chunk, p.M, p.H, HD, std::is_same<T, __nv_bfloat16>::value);
+    tv = kv_tensor_map(v, chunk, p.M, p.H, HD, std::is_same<T, __nv_bfloat16>::value);
+  }
   static bool configured = false;
-  allow_smem(kernel, smem, configured);
+  size_t smem = 0;
+  if constexpr (tma) {
+    smem = attention_tma::smem_bytes<HD>();
+    allow_smem(attention_tma::forward<T, HD, K == ForwardKernel::WarpgroupPingPong>, smem, configured);
+  } else if constexpr (K == ForwardKernel::Warpgroup) {
+    smem = attention_wg::smem_bytes<HD>();
+    allow_smem(attention_wg::forward<T, HD>, smem, configured);
+  } else {
+    smem = fwd_smem<HD>();
+    allow_smem(attention_fwd<T, HD, DOCS>, smem, configured);
+  }
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.M;
     p.b0 = b0;
@@ -263,7 +299,13 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fv, v, b0 * p.M, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
-    kernel<<<grid, kThreads, smem, st>>>(p);
+    if constexpr (tma)
+      attention_tma::forward<T, HD, K == ForwardKernel::WarpgroupPingPong>
+          <<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tk, tv);
+    else if constexpr (K == ForwardKernel::Warpgroup)
+      attention_wg::forward<T, HD><<<grid, kThreads, smem, st>>>(p);
+    else
+      attention_fwd<T, HD, DOCS><<<grid, kThreads, smem, st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
     b0 += n;
   }
@@ -280,26 +322,55 @@ std::string attention_unsupported(DType dtype, int64_t D, int64_t E, int64_t Rq,
 }
 
 namespace {
-template <bool Wg, bool DOCS>
+template <ForwardKernel K, bool DOCS>
 void forward_dispatch(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   const bool bf16 = a.aq.dtype() == DType::BF16;
   const bool wide = a.bq.size(3) == 128;
   if (bf16)
-    wide ? forward_typed<__nv_bfloat16, 128, Wg, DOCS>(a, out, lse)
-         : forward_typed<__nv_bfloat16, 64, Wg, DOCS>(a, out, lse);
+    wide ? forward_typed<__nv_bfloat16, 128, K, DOCS>(a, out, lse)
+         : forward_typed<__nv_bfloat16, 64, K, DOCS>(a, out, lse);
   else
-    wide ? forward_typed<__half, 128, Wg, DOCS>(a, out, lse) : forward_typed<__half, 64, Wg, DOCS>(a, out, lse);
+    wide ? forward_typed<__half, 128, K, DOCS>(a, out, lse) : forward_typed<__half, 64, K, DOCS>(a, out, lse);
+}
+
+// LINTAPE_TPA_FWD's kernel, else Auto.
+ForwardKernel kernel_from_env() {
+  const char* env = std::getenv("LINTAPE_TPA_FWD");
+  if (!env) return ForwardKernel::Auto;
+  const std::string e = env;
+  if (e == "mma") return ForwardKernel::MmaSync;
+  if (e == "wgmma") return ForwardKernel::Warpgroup;
+  if (e == "tma") return ForwardKernel::WarpgroupTma;
+  if (e == "pingpong") return ForwardKernel::WarpgroupPingPong;
+  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_FWD is mma, wgmma, tma or pingpong; got ", e);
+  return ForwardKernel::Auto;
 }
 }  // namespace
 
+std::vector<ForwardKernel> forward_kernels(int device) {
+  if (!wgmma_compiled() || !is_hopper(device)) return {ForwardKernel::MmaSync};
+  return {ForwardKernel::MmaSync, ForwardKernel::Warpgroup, ForwardKernel::WarpgroupTma,
+          ForwardKernel::WarpgroupPingPong};
+}
+
 void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
-  // Documents run the mma.sync kernel: the warpgroup kernel takes none.
-  if (a.starts.defined())
-    forward_dispatch<false, true>(a, out, lse);
-  else if (a.allow_wgmma && forward_on_wgmma(a.aq.device().index))
-    forward_dispatch<true, false>(a, out, lse);
-  else
-    forward_dispatch<false, false>(a, out, lse);
+  // Documents run the mma.sync kernel: the warpgroup kernels take none.
+  if (a.starts.defined()) return forward_dispatch<ForwardKernel::MmaSync, true>(a, out, lse);
+  const int device = a.aq.device().index;
+  ForwardKernel k = a.forward_kernel == ForwardKernel::Auto ? kernel_from_env() : a.forward_kernel;
+  if (k == ForwardKernel::Auto) k = ForwardKernel::MmaSync;
+  const std::vector<ForwardKernel> ok = forward_kernels(device);
+  if (std::find(ok.begin(), ok.end(), k) == ok.end()) k = ForwardKernel::MmaSync;
+  switch (k) {
+    case ForwardKernel::Warpgroup:
+      return forward_dispatch<ForwardKernel::Warpgroup, false>(a, out, lse);
+    case ForwardKernel::WarpgroupTma:
+      return forward_dispatch<ForwardKernel::WarpgroupTma, false>(a, out, lse);
+    case ForwardKernel::WarpgroupPingPong:
+      return forward_dispatch<ForwardKernel::WarpgroupPingPong, false>(a, out, lse);
+    default:
+      return forward_dispatch<ForwardKernel::MmaSync, false>(a, out, lse);
+  }
 }
 
 }  // namespace lintape::tpa_cuda
