@@ -30,9 +30,11 @@ inline std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factor
 // The attention launchers on poisoned outputs, against ref (attention_and_grads' output and six gradients for
 // the upstream gradient w): every forward kernel the device runs (tpa_cuda::forward_kernels; a call with
 // documents always runs the mma.sync kernel), each writing every element and a finite lse, then the backward
-// reading that forward's output and lse (so a wrong lse fails the gradients) on six poisoned gradients.
+// reading that forward's output and lse (so a wrong lse fails the gradients) on six poisoned gradients. The
+// persistent kernels run on five blocks at most, so that a block walks several work items.
 inline void check_attention_launchers(tpa_cuda::AttentionArgs a, DType dt, const Tensor& w,
                                       const std::vector<Tensor>& ref) {
+  a.persistent_blocks = 5;
   const int64_t B = a.aq.size(0), N = a.aq.size(1), H = a.aq.size(2), E = a.bv.size(-1);
   Tensor out = empty({B, N, H, E}, dt, a.aq.device()), lse = empty({B, N, H}, DType::F32, a.aq.device());
   const std::vector<Tensor> f = {a.aq, a.bq, a.ak, a.bk, a.av, a.bv};

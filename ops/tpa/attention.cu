@@ -8,8 +8,9 @@
 // shared memory; the repeated tiles are built once per launch into a workspace that lives for that launch
 // (a part of the batch at a time: see batch_launches) and copied tile by tile by cp.async.
 //   forward (this file): K and V built; query tile of 256 rows (32 a warp); per key tile of 64:
-//            S = Q K^T, online softmax, O = alpha O + P V. On Hopper built for sm_90a, the same on
-//            warpgroup products (ops/tpa/attention_wg.cuh), off unless LINTAPE_TPA_FWD=wgmma.
+//            S = Q K^T, online softmax, O = alpha O + P V. On Hopper built for sm_90a (the default there
+//            without documents), the same on warpgroup products fed by a TMA producer warp
+//            (ops/tpa/attention_tma.cuh); the first warpgroup version (attention_wg.cuh) on request.
 //   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
 //            of 128.
 #include <cudaTypedefs.h>
@@ -231,9 +232,10 @@ bool is_hopper(int device) {
   return major == 9 && minor == 0;
 }
 
-// K or V of a launch's batch entries, (entries, M, H, HD) 16-bit, as a 4-D tensor map read in boxes of 64
-// columns x kWgKeys rows of one head and entry, stored with the 128-byte swizzle; rows past M read as zeros.
-CUtensorMap kv_tensor_map(const void* x, int64_t entries, int M, int H, int HD, bool bf16) {
+// x (entries, L, H, HD) 16-bit (K or V of a launch's batch entries, or Q in the output) as a 4-D tensor map read
+// in boxes of 64 columns x kWgKeys (= kWgRows) rows of one head and entry, stored with the 128-byte swizzle;
+// rows past L read as zeros.
+CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -242,8 +244,8 @@ CUtensorMap kv_tensor_map(const void* x, int64_t entries, int M, int H, int HD, 
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   CUtensorMap map;
-  const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(M), cuuint64_t(entries)};
-  const cuuint64_t strides[3] = {cuuint64_t(HD) * 2, cuuint64_t(H) * HD * 2, cuuint64_t(M) * H * HD * 2};
+  const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(L), cuuint64_t(entries)};
+  const cuuint64_t strides[3] = {cuuint64_t(HD) * 2, cuuint64_t(H) * HD * 2, cuuint64_t(L) * H * HD * 2};
   const cuuint32_t box[4] = {attention_tma::kBox, 1, attention_wg::kWgKeys, 1}, steps[4] = {1, 1, 1, 1};
   const CUresult r = encode(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                             const_cast<void*>(x), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -256,7 +258,10 @@ CUtensorMap kv_tensor_map(const void* x, int64_t entries, int M, int H, int HD, 
 template <class T, int HD, ForwardKernel K, bool DOCS>
 void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   static_assert(K == ForwardKernel::MmaSync || !DOCS, "only the mma.sync kernel takes documents");
-  constexpr bool tma = K == ForwardKernel::WarpgroupTma || K == ForwardKernel::WarpgroupPingPong;
+  constexpr bool pingpong = K == ForwardKernel::WarpgroupPingPong || K == ForwardKernel::WarpgroupPersistentPingPong;
+  constexpr bool persistent =
+      K == ForwardKernel::WarpgroupPersistent || K == ForwardKernel::WarpgroupPersistentPingPong;
+  constexpr bool tma = persistent || K == ForwardKernel::WarpgroupTma || K == ForwardKernel::WarpgroupPingPong;
   Params<T> p = make_params<T>(a);
   p.out = static_cast<T*>(out.data());
   p.lse = lse.data_ptr<float>();
@@ -273,16 +278,23 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   T* v = k + chunk * kv_len;
   p.k = k;
   p.v = v;
-  CUtensorMap tk{}, tv{};
+  CUtensorMap tq{}, tk{}, tv{};
+  constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
   if constexpr (tma) {
-    tk = kv_tensor_map(k, chunk, p.M, p.H, HD, std::is_same<T, __nv_bfloat16>::value);
-    tv = kv_tensor_map(v, chunk, p.M, p.H, HD, std::is_same<T, __nv_bfloat16>::value);
+    tk = rows_tensor_map(k, chunk, p.M, p.H, HD, bf16);
+    tv = rows_tensor_map(v, chunk, p.M, p.H, HD, bf16);
   }
+  if constexpr (persistent) tq = rows_tensor_map(p.out, B, p.N, p.H, HD, bf16);
+  Pair<T> fq = p.fq;
+  if (p.scale < 0) fq.inv_r = -fq.inv_r;  // Q carries the scale's sign (as in the kernels that build it)
+  int blocks = 0;  // the persistent grid: one block an SM
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev.index));
+  if (a.persistent_blocks > 0) blocks = std::min(blocks, a.persistent_blocks);
   static bool configured = false;
   size_t smem = 0;
   if constexpr (tma) {
     smem = attention_tma::smem_bytes<HD>();
-    allow_smem(attention_tma::forward<T, HD, K == ForwardKernel::WarpgroupPingPong>, smem, configured);
+    allow_smem(attention_tma::forward<T, HD, pingpong, persistent>, smem, configured);
   } else if constexpr (K == ForwardKernel::Warpgroup) {
     smem = attention_wg::smem_bytes<HD>();
     allow_smem(attention_wg::forward<T, HD>, smem, configured);
@@ -299,9 +311,17 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fv, v, b0 * p.M, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
+    const int items = int(query_tiles * p.H * n);
+    if constexpr (persistent) {  // Q into the output's rows of these entries, read back by TMA
+      const int64_t q_tokens = n * p.N;
+      build_rows<T, HD><<<grid_for(q_tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
+          fq, p.out + b0 * p.N * p.H * HD, b0 * p.N, q_tokens, p.H);
+      LT_CUDA_CHECK_LAUNCH();
+    }
     if constexpr (tma)
-      attention_tma::forward<T, HD, K == ForwardKernel::WarpgroupPingPong>
-          <<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tk, tv);
+      attention_tma::forward<T, HD, pingpong, persistent>
+          <<<persistent ? std::min(items, blocks) : items, attention_tma::kTmaThreads, smem, st>>>(p, tq, tk, tv,
+                                                                                                 items, int(n));
     else if constexpr (K == ForwardKernel::Warpgroup)
       attention_wg::forward<T, HD><<<grid, kThreads, smem, st>>>(p);
     else
@@ -333,6 +353,10 @@ void forward_dispatch(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     wide ? forward_typed<__half, 128, K, DOCS>(a, out, lse) : forward_typed<__half, 64, K, DOCS>(a, out, lse);
 }
 
+// Auto's kernel where the device runs the warpgroup kernels: the fastest measured on an H200
+// (bench/notes/tpa-hopper.md, section 3).
+constexpr ForwardKernel kDefaultWarpgroupKernel = ForwardKernel::WarpgroupTma;
+
 // LINTAPE_TPA_FWD's kernel, else Auto.
 ForwardKernel kernel_from_env() {
   const char* env = std::getenv("LINTAPE_TPA_FWD");
@@ -342,15 +366,18 @@ ForwardKernel kernel_from_env() {
   if (e == "wgmma") return ForwardKernel::Warpgroup;
   if (e == "tma") return ForwardKernel::WarpgroupTma;
   if (e == "pingpong") return ForwardKernel::WarpgroupPingPong;
-  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_FWD is mma, wgmma, tma or pingpong; got ", e);
+  if (e == "persist") return ForwardKernel::WarpgroupPersistent;
+  if (e == "persist-pingpong") return ForwardKernel::WarpgroupPersistentPingPong;
+  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_FWD is mma, wgmma, tma, pingpong, persist or persist-pingpong; got ", e);
   return ForwardKernel::Auto;
 }
 }  // namespace
 
 std::vector<ForwardKernel> forward_kernels(int device) {
   if (!wgmma_compiled() || !is_hopper(device)) return {ForwardKernel::MmaSync};
-  return {ForwardKernel::MmaSync, ForwardKernel::Warpgroup, ForwardKernel::WarpgroupTma,
-          ForwardKernel::WarpgroupPingPong};
+  return {ForwardKernel::MmaSync,      ForwardKernel::Warpgroup,           ForwardKernel::WarpgroupTma,
+          ForwardKernel::WarpgroupPingPong, ForwardKernel::WarpgroupPersistent,
+          ForwardKernel::WarpgroupPersistentPingPong};
 }
 
 void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
@@ -358,8 +385,8 @@ void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   if (a.starts.defined()) return forward_dispatch<ForwardKernel::MmaSync, true>(a, out, lse);
   const int device = a.aq.device().index;
   ForwardKernel k = a.forward_kernel == ForwardKernel::Auto ? kernel_from_env() : a.forward_kernel;
-  if (k == ForwardKernel::Auto) k = ForwardKernel::MmaSync;
   const std::vector<ForwardKernel> ok = forward_kernels(device);
+  if (k == ForwardKernel::Auto) k = kDefaultWarpgroupKernel;
   if (std::find(ok.begin(), ok.end(), k) == ok.end()) k = ForwardKernel::MmaSync;
   switch (k) {
     case ForwardKernel::Warpgroup:
@@ -368,6 +395,10 @@ void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
       return forward_dispatch<ForwardKernel::WarpgroupTma, false>(a, out, lse);
     case ForwardKernel::WarpgroupPingPong:
       return forward_dispatch<ForwardKernel::WarpgroupPingPong, false>(a, out, lse);
+    case ForwardKernel::WarpgroupPersistent:
+      return forward_dispatch<ForwardKernel::WarpgroupPersistent, false>(a, out, lse);
+    case ForwardKernel::WarpgroupPersistentPingPong:
+      return forward_dispatch<ForwardKernel::WarpgroupPersistentPingPong, false>(a, out, lse);
     default:
       return forward_dispatch<ForwardKernel::MmaSync, false>(a, out, lse);
   }
