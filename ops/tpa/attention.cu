@@ -353,9 +353,12 @@ void forward_dispatch(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     wide ? forward_typed<__half, 128, K, DOCS>(a, out, lse) : forward_typed<__half, 64, K, DOCS>(a, out, lse);
 }
 
-// Auto's kernel where the device runs the warpgroup kernels: the fastest measured on an H200
-// (bench/notes/tpa-hopper.md, section 3).
-constexpr ForwardKernel kDefaultWarpgroupKernel = ForwardKernel::WarpgroupTma;
+// Auto's kernel for N queries where the device runs the warpgroup kernels: the fastest measured on an H200
+// (bench/notes/tpa-hopper.md, section 3), ping-pong at N = 2048 (6-7% ahead), the producer warp alone at
+// N = 8192 (4-5% ahead).
+ForwardKernel default_warpgroup_kernel(int64_t N) {
+  return N <= 2048 ? ForwardKernel::WarpgroupPingPong : ForwardKernel::WarpgroupTma;
+}
 
 // LINTAPE_TPA_FWD's kernel, else Auto.
 ForwardKernel kernel_from_env() {
@@ -386,7 +389,7 @@ void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   const int device = a.aq.device().index;
   ForwardKernel k = a.forward_kernel == ForwardKernel::Auto ? kernel_from_env() : a.forward_kernel;
   const std::vector<ForwardKernel> ok = forward_kernels(device);
-  if (k == ForwardKernel::Auto) k = kDefaultWarpgroupKernel;
+  if (k == ForwardKernel::Auto) k = default_warpgroup_kernel(a.aq.size(1));
   if (std::find(ok.begin(), ok.end(), k) == ok.end()) k = ForwardKernel::MmaSync;
   switch (k) {
     case ForwardKernel::Warpgroup:

@@ -51,7 +51,7 @@ namespace lintape::tpa_cuda {
 // (WarpgroupTma), that one with the two consumer warpgroups taking turns (WarpgroupPingPong), and both
 // persistent with Q copied too (WarpgroupPersistent, WarpgroupPersistentPingPong). Auto: the one
 // LINTAPE_TPA_FWD names (mma, wgmma, tma, pingpong, persist, persist-pingpong), else the fastest measured that
-// the call can run.
+// the call can run (on Hopper: WarpgroupPingPong up to N = 2048 queries, WarpgroupTma above).
 enum class ForwardKernel {
   Auto,
   MmaSync,
