@@ -220,6 +220,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 // Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
 // factors into a workspace, then the attention over them.
 
+// Whether this build holds the sm_90a kernels (wgmma, setmaxnreg), and whether a device is compute capability
+// 9.0: the warpgroup kernels need both.
 bool wgmma_compiled() {
   static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
   return compiled;
@@ -287,8 +289,7 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   if constexpr (persistent) tq = rows_tensor_map(p.out, B, p.N, p.H, HD, bf16);
   Pair<T> fq = p.fq;
   if (p.scale < 0) fq.inv_r = -fq.inv_r;  // Q carries the scale's sign (as in the kernels that build it)
-  int blocks = 0;  // the persistent grid: one block an SM
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev.index));
+  int blocks = sm_count(dev.index);  // the persistent grid: one block an SM
   if (a.persistent_blocks > 0) blocks = std::min(blocks, a.persistent_blocks);
   static bool configured = false;
   size_t smem = 0;
