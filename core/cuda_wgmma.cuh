@@ -26,6 +26,13 @@ namespace lintape::cuda {
 __device__ __forceinline__ uint64_t wgmma_desc(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   return uint64_t((smem_addr(p) & 0x3FFFF) >> 4) | (uint64_t(lbo_bytes >> 4) << 16) | (uint64_t(sbo_bytes >> 4) << 32);
 }
+// The same with the 128-byte swizzle (the pattern of TMA's CU_TENSOR_MAP_SWIZZLE_128B: in each 1024-byte
+// block of 8 rows of 128 bytes, row r's 16-byte chunk c stored at chunk c ^ r). The blocks start on
+// 1024-byte boundaries; p may point into one (a k-step's columns). K-major: SBO the distance between blocks of 8
+// rows (LBO unused); MN-major: LBO the distance between 64-element column blocks, SBO between blocks of 8 rows.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return wgmma_desc(p, lbo_bytes, sbo_bytes) | (uint64_t(1) << 62);
+}
 
 #ifdef LINTAPE_WGMMA
 // Before the first wgmma that reads accumulators written by other instructions.

@@ -178,12 +178,14 @@ Inputs attention_inputs(const AttnShape& s, DType dt, uint64_t seed) {
 TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   // Odd N, causal and not, N != M (more keys than a tile), ranks (6, 2, 2), (1, 1, 1) and up to 16,
-  // D = 64 and 128, several query and key tiles.
+  // D = 64 and 128, several query and key tiles; the last two run the producer's ring of two slots around
+  // three times (six key tiles of 128, the last one partial) over several heads and batch entries.
   const AttnShape shapes[] = {{2, 77, 77, 3, 6, 2, 2, 64, true},     {2, 77, 77, 3, 6, 2, 2, 64, false},
                               {1, 130, 130, 2, 1, 1, 1, 128, true},  {1, 45, 70, 2, 3, 2, 4, 128, false},
                               {1, 201, 201, 2, 16, 16, 16, 64, true}, {1, 300, 300, 2, 6, 2, 2, 128, true},
                               {1, 130, 300, 3, 6, 2, 2, 64, false},  {1, 150, 150, 2, 16, 4, 2, 128, false},
-                              {2, 257, 257, 2, 2, 8, 8, 128, true}};
+                              {2, 257, 257, 2, 2, 8, 8, 128, true},  {2, 700, 700, 3, 6, 2, 2, 128, true},
+                              {2, 390, 650, 2, 1, 16, 1, 64, false}};
   for (const AttnShape& s : shapes)
     for (DType dt : {DType::BF16, DType::F16}) {
       CAPTURE(s.N);

@@ -28,16 +28,23 @@ inline std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factor
 
 #if LINTAPE_WITH_CUDA
 // The attention launchers on poisoned outputs, against ref (attention_and_grads' output and six gradients for
-// the upstream gradient w): both forward kernels where the warpgroup one is picked (LINTAPE_TPA_FWD=wgmma on
-// Hopper, sm_90a; a call with documents always runs the mma.sync kernel), each writing every element and a
-// finite lse; then the backward, reading the last forward's output and lse, on six poisoned gradients.
+// the upstream gradient w): every forward kernel the device runs (tpa_cuda::forward_kernels; a call with
+// documents always runs the mma.sync kernel), each writing every element and a finite lse, then the backward
+// reading that forward's output and lse (so a wrong lse fails the gradients) on six poisoned gradients. The
+// persistent kernels run on five blocks at most, so that a block walks several work items.
 inline void check_attention_launchers(tpa_cuda::AttentionArgs a, DType dt, const Tensor& w,
                                       const std::vector<Tensor>& ref) {
+  a.persistent_blocks = 5;
   const int64_t B = a.aq.size(0), N = a.aq.size(1), H = a.aq.size(2), E = a.bv.size(-1);
   Tensor out = empty({B, N, H, E}, dt, a.aq.device()), lse = empty({B, N, H}, DType::F32, a.aq.device());
-  for (bool wgmma : {true, false}) {
-    CAPTURE(wgmma);
-    a.allow_wgmma = wgmma;
+  const std::vector<Tensor> f = {a.aq, a.bq, a.ak, a.bk, a.av, a.bv};
+  tpa_cuda::FactorGrads fg{empty(f[0].shape(), dt, f[0].device()), empty(f[1].shape(), dt, f[0].device()),
+                           empty(f[2].shape(), dt, f[0].device()), empty(f[3].shape(), dt, f[0].device()),
+                           empty(f[4].shape(), dt, f[0].device()), empty(f[5].shape(), dt, f[0].device())};
+  Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
+  for (tpa_cuda::ForwardKernel k : tpa_cuda::forward_kernels(a.aq.device().index)) {
+    CAPTURE(int(k));
+    a.forward_kernel = k;
     poison_(out);
     poison_(lse);
     tpa_cuda::attention_forward(a, out, lse);
@@ -45,17 +52,12 @@ inline void check_attention_launchers(tpa_cuda::AttentionArgs a, DType dt, const
     for (double v : lse.to(Device::cpu()).to_vector<double>()) lse_finite = lse_finite && std::isfinite(v);
     CHECK(lse_finite);
     CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
-  }
-  const std::vector<Tensor> f = {a.aq, a.bq, a.ak, a.bk, a.av, a.bv};
-  tpa_cuda::FactorGrads fg{empty(f[0].shape(), dt, f[0].device()), empty(f[1].shape(), dt, f[0].device()),
-                           empty(f[2].shape(), dt, f[0].device()), empty(f[3].shape(), dt, f[0].device()),
-                           empty(f[4].shape(), dt, f[0].device()), empty(f[5].shape(), dt, f[0].device())};
-  Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
-  for (Tensor* t : grads) poison_(*t);
-  tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(a.aq.device()), fg);
-  for (size_t i = 0; i < 6; ++i) {
-    CAPTURE(kAttentionNames[i + 1]);
-    CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
+    for (Tensor* t : grads) poison_(*t);
+    tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(a.aq.device()), fg);
+    for (size_t i = 0; i < 6; ++i) {
+      CAPTURE(kAttentionNames[i + 1]);
+      CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
+    }
   }
 }
 #endif

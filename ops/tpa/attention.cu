@@ -8,15 +8,17 @@
 // shared memory; the repeated tiles are built once per launch into a workspace that lives for that launch
 // (a part of the batch at a time: see batch_launches) and copied tile by tile by cp.async.
 //   forward (this file): K and V built; query tile of 256 rows (32 a warp); per key tile of 64:
-//            S = Q K^T, online softmax, O = alpha O + P V. On Hopper built for sm_90a, the same on
-//            warpgroup products (ops/tpa/attention_wg.cuh), off unless LINTAPE_TPA_FWD=wgmma.
+//            S = Q K^T, online softmax, O = alpha O + P V. On Hopper built for sm_90a (the default there
+//            without documents), the same on warpgroup products fed by a TMA producer warp
+//            (ops/tpa/attention_tma.cuh); the first warpgroup version (attention_wg.cuh) on request.
 //   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
 //            of 128.
+#include <cudaTypedefs.h>
+#include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include "core/config.h"
 #include "ops/tpa/attention_parts.cuh"
-#include "ops/tpa/attention_wg.cuh"
+#include "ops/tpa/attention_tma.cuh"
 
 namespace lintape::tpa_cuda {
 
@@ -218,27 +220,56 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 // Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
 // factors into a workspace, then the attention over them.
 
-// The warpgroup kernel (ops/tpa/attention_wg.cuh) runs only when LINTAPE_TPA_FWD=wgmma asks for it (the
-// mma.sync kernel was faster on an H100 at every benchmarked shape), where it was compiled (sm_90a) and the
-// device is compute capability 9.0.
-bool forward_on_wgmma(int device) {
+// Whether this build holds the sm_90a kernels (wgmma, setmaxnreg), and whether a device is compute capability
+// 9.0: the warpgroup kernels need both.
+bool wgmma_compiled() {
   static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
-  const char* env = std::getenv("LINTAPE_TPA_FWD");
-  if (!compiled || !env || std::strcmp(env, "wgmma") != 0) return false;
+  return compiled;
+}
+
+bool is_hopper(int device) {
   int major = 0, minor = 0;
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   return major == 9 && minor == 0;
 }
 
-template <class T, int HD, bool Wg, bool DOCS>
+// x (entries, L, H, HD) 16-bit (K or V of a launch's batch entries, or Q in the output) as a 4-D tensor map read
+// in boxes of 64 columns x kWgKeys (= kWgRows) rows of one head and entry, stored with the 128-byte swizzle;
+// rows past L read as zeros.
+CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    LT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    LT_CHECK(fn && found == cudaDriverEntryPointSuccess, "[tpa_attention] the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(L), cuuint64_t(entries)};
+  const cuuint64_t strides[3] = {cuuint64_t(HD) * 2, cuuint64_t(H) * HD * 2, cuuint64_t(L) * H * HD * 2};
+  const cuuint32_t box[4] = {attention_tma::kBox, 1, attention_wg::kWgKeys, 1}, steps[4] = {1, 1, 1, 1};
+  const CUresult r = encode(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                            const_cast<void*>(x), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  LT_CHECK(r == CUDA_SUCCESS, "[tpa_attention] cuTensorMapEncodeTiled failed: ", int(r));
+  return map;
+}
+
+template <class T, int HD, ForwardKernel K, bool DOCS>
 void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
+  static_assert(K == ForwardKernel::MmaSync || !DOCS, "only the mma.sync kernel takes documents");
+  constexpr bool pingpong = K == ForwardKernel::WarpgroupPingPong || K == ForwardKernel::WarpgroupPersistentPingPong;
+  constexpr bool persistent =
+      K == ForwardKernel::WarpgroupPersistent || K == ForwardKernel::WarpgroupPersistentPingPong;
+  constexpr bool tma = persistent || K == ForwardKernel::WarpgroupTma || K == ForwardKernel::WarpgroupPingPong;
   Params<T> p = make_params<T>(a);
   p.out = static_cast<T*>(out.data());
   p.lse = lse.data_ptr<float>();
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
-  constexpr int rows = Wg ? attention_wg::kWgRows : kQueryRows;
+  constexpr int rows = K == ForwardKernel::MmaSync ? kQueryRows : attention_wg::kWgRows;
   const int64_t B = a.aq.size(0), kv_len = int64_t(p.M) * p.H * HD, query_tiles = (p.N + rows - 1) / rows;
   const int64_t launches =
       batch_launches(B, 2 * kv_len * int64_t(sizeof(T)), B * p.N * p.H * HD * int64_t(sizeof(T)), query_tiles * p.H,
@@ -249,11 +280,29 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   T* v = k + chunk * kv_len;
   p.k = k;
   p.v = v;
-  static_assert(!(Wg && DOCS), "the warpgroup kernel takes no documents");
-  const auto kernel = Wg ? attention_wg::forward<T, HD> : attention_fwd<T, HD, DOCS>;
-  const size_t smem = Wg ? attention_wg::smem_bytes<HD>() : fwd_smem<HD>();
+  CUtensorMap tq{}, tk{}, tv{};
+  constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (tma) {
+    tk = rows_tensor_map(k, chunk, p.M, p.H, HD, bf16);
+    tv = rows_tensor_map(v, chunk, p.M, p.H, HD, bf16);
+  }
+  if constexpr (persistent) tq = rows_tensor_map(p.out, B, p.N, p.H, HD, bf16);
+  Pair<T> fq = p.fq;
+  if (p.scale < 0) fq.inv_r = -fq.inv_r;  // Q carries the scale's sign (as in the kernels that build it)
+  int blocks = sm_count(dev.index);  // the persistent grid: one block an SM
+  if (a.persistent_blocks > 0) blocks = std::min(blocks, a.persistent_blocks);
   static bool configured = false;
-  allow_smem(kernel, smem, configured);
+  size_t smem = 0;
+  if constexpr (tma) {
+    smem = attention_tma::smem_bytes<HD>();
+    allow_smem(attention_tma::forward<T, HD, pingpong, persistent>, smem, configured);
+  } else if constexpr (K == ForwardKernel::Warpgroup) {
+    smem = attention_wg::smem_bytes<HD>();
+    allow_smem(attention_wg::forward<T, HD>, smem, configured);
+  } else {
+    smem = fwd_smem<HD>();
+    allow_smem(attention_fwd<T, HD, DOCS>, smem, configured);
+  }
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.M;
     p.b0 = b0;
@@ -263,7 +312,21 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fv, v, b0 * p.M, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
-    kernel<<<grid, kThreads, smem, st>>>(p);
+    const int items = int(query_tiles * p.H * n);
+    if constexpr (persistent) {  // Q into the output's rows of these entries, read back by TMA
+      const int64_t q_tokens = n * p.N;
+      build_rows<T, HD><<<grid_for(q_tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
+          fq, p.out + b0 * p.N * p.H * HD, b0 * p.N, q_tokens, p.H);
+      LT_CUDA_CHECK_LAUNCH();
+    }
+    if constexpr (tma)
+      attention_tma::forward<T, HD, pingpong, persistent>
+          <<<persistent ? std::min(items, blocks) : items, attention_tma::kTmaThreads, smem, st>>>(p, tq, tk, tv,
+                                                                                                 items, int(n));
+    else if constexpr (K == ForwardKernel::Warpgroup)
+      attention_wg::forward<T, HD><<<grid, kThreads, smem, st>>>(p);
+    else
+      attention_fwd<T, HD, DOCS><<<grid, kThreads, smem, st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
     b0 += n;
   }
@@ -280,26 +343,69 @@ std::string attention_unsupported(DType dtype, int64_t D, int64_t E, int64_t Rq,
 }
 
 namespace {
-template <bool Wg, bool DOCS>
+template <ForwardKernel K, bool DOCS>
 void forward_dispatch(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   const bool bf16 = a.aq.dtype() == DType::BF16;
   const bool wide = a.bq.size(3) == 128;
   if (bf16)
-    wide ? forward_typed<__nv_bfloat16, 128, Wg, DOCS>(a, out, lse)
-         : forward_typed<__nv_bfloat16, 64, Wg, DOCS>(a, out, lse);
+    wide ? forward_typed<__nv_bfloat16, 128, K, DOCS>(a, out, lse)
+         : forward_typed<__nv_bfloat16, 64, K, DOCS>(a, out, lse);
   else
-    wide ? forward_typed<__half, 128, Wg, DOCS>(a, out, lse) : forward_typed<__half, 64, Wg, DOCS>(a, out, lse);
+    wide ? forward_typed<__half, 128, K, DOCS>(a, out, lse) : forward_typed<__half, 64, K, DOCS>(a, out, lse);
+}
+
+// Auto's kernel for N queries where the device runs the warpgroup kernels: the fastest measured on an H200
+// (bench/notes/tpa-hopper.md, section 3), ping-pong at N = 2048 (6-7% ahead), the producer warp alone at
+// N = 8192 (4-5% ahead).
+ForwardKernel default_warpgroup_kernel(int64_t N) {
+  return N <= 2048 ? ForwardKernel::WarpgroupPingPong : ForwardKernel::WarpgroupTma;
+}
+
+// LINTAPE_TPA_FWD's kernel, else Auto.
+ForwardKernel kernel_from_env() {
+  const char* env = std::getenv("LINTAPE_TPA_FWD");
+  if (!env) return ForwardKernel::Auto;
+  const std::string e = env;
+  if (e == "mma") return ForwardKernel::MmaSync;
+  if (e == "wgmma") return ForwardKernel::Warpgroup;
+  if (e == "tma") return ForwardKernel::WarpgroupTma;
+  if (e == "pingpong") return ForwardKernel::WarpgroupPingPong;
+  if (e == "persist") return ForwardKernel::WarpgroupPersistent;
+  if (e == "persist-pingpong") return ForwardKernel::WarpgroupPersistentPingPong;
+  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_FWD is mma, wgmma, tma, pingpong, persist or persist-pingpong; got ", e);
+  return ForwardKernel::Auto;
 }
 }  // namespace
 
+std::vector<ForwardKernel> forward_kernels(int device) {
+  if (!wgmma_compiled() || !is_hopper(device)) return {ForwardKernel::MmaSync};
+  return {ForwardKernel::MmaSync,      ForwardKernel::Warpgroup,           ForwardKernel::WarpgroupTma,
+          ForwardKernel::WarpgroupPingPong, ForwardKernel::WarpgroupPersistent,
+          ForwardKernel::WarpgroupPersistentPingPong};
+}
+
 void attention_forward(const AttentionArgs& a, Tensor& out, Tensor& lse) {
-  // Documents run the mma.sync kernel: the warpgroup kernel takes none.
-  if (a.starts.defined())
-    forward_dispatch<false, true>(a, out, lse);
-  else if (a.allow_wgmma && forward_on_wgmma(a.aq.device().index))
-    forward_dispatch<true, false>(a, out, lse);
-  else
-    forward_dispatch<false, false>(a, out, lse);
+  // Documents run the mma.sync kernel: the warpgroup kernels take none.
+  if (a.starts.defined()) return forward_dispatch<ForwardKernel::MmaSync, true>(a, out, lse);
+  const int device = a.aq.device().index;
+  ForwardKernel k = a.forward_kernel == ForwardKernel::Auto ? kernel_from_env() : a.forward_kernel;
+  const std::vector<ForwardKernel> ok = forward_kernels(device);
+  if (k == ForwardKernel::Auto) k = default_warpgroup_kernel(a.aq.size(1));
+  if (std::find(ok.begin(), ok.end(), k) == ok.end()) k = ForwardKernel::MmaSync;
+  switch (k) {
+    case ForwardKernel::Warpgroup:
+      return forward_dispatch<ForwardKernel::Warpgroup, false>(a, out, lse);
+    case ForwardKernel::WarpgroupTma:
+      return forward_dispatch<ForwardKernel::WarpgroupTma, false>(a, out, lse);
+    case ForwardKernel::WarpgroupPingPong:
+      return forward_dispatch<ForwardKernel::WarpgroupPingPong, false>(a, out, lse);
+    case ForwardKernel::WarpgroupPersistent:
+      return forward_dispatch<ForwardKernel::WarpgroupPersistent, false>(a, out, lse);
+    case ForwardKernel::WarpgroupPersistentPingPong:
+      return forward_dispatch<ForwardKernel::WarpgroupPersistentPingPong, false>(a, out, lse);
+    default:
+      return forward_dispatch<ForwardKernel::MmaSync, false>(a, out, lse);
+  }
 }
 
 }  // namespace lintape::tpa_cuda

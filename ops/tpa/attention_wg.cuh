@@ -7,8 +7,8 @@
 // registers and V from shared memory. Causal: only the tiles up to the diagonal, the diagonal masked (with
 // kWgRows == kWgKeys no warpgroup meets a tile wholly above its rows). Pipelined within each warpgroup: a
 // tile's softmax runs while the tensor cores do the previous tile's P V (waiting for each product instead
-// was 5% slower). Slower than the mma.sync kernel on an H100 so far (bench/notes/tpa-hopper.md): off
-// unless LINTAPE_TPA_FWD=wgmma.
+// was 5% slower). Slower than the mma.sync kernel on an H100 (bench/notes/tpa-hopper.md): only with
+// LINTAPE_TPA_FWD=wgmma; attention_tma.cuh is its successor, and uses its softmax and stores.
 #pragma once
 #include "core/cuda_wgmma_rs.cuh"
 #include "ops/tpa/attention_parts.cuh"

@@ -46,11 +46,31 @@ namespace lintape::tpa_cuda {
 // f16, D == E in {64, 128}, ranks 1..16, causal only with N == M. Read through their token strides:
 // each factor's batch and token dims merge, a's rank stride is 1, b's rows of D are packed at stride D
 // and 16-byte aligned (ops/tpa/tpa.cpp copies a factor that is not).
+// The forward's kernels (ops/tpa/attention.cu): mma.sync (any tensor-core GPU, documents); on Hopper
+// (sm_90a builds) warpgroup products with all-thread copies (Warpgroup) or fed by a producer warp through TMA
+// (WarpgroupTma), that one with the two consumer warpgroups taking turns (WarpgroupPingPong), and both
+// persistent with Q copied too (WarpgroupPersistent, WarpgroupPersistentPingPong). Auto: the one
+// LINTAPE_TPA_FWD names (mma, wgmma, tma, pingpong, persist, persist-pingpong), else the fastest measured that
+// the call can run (on Hopper: WarpgroupPingPong up to N = 2048 queries, WarpgroupTma above).
+enum class ForwardKernel {
+  Auto,
+  MmaSync,
+  Warpgroup,
+  WarpgroupTma,
+  WarpgroupPingPong,
+  WarpgroupPersistent,
+  WarpgroupPersistentPingPong
+};
+
+// The kernels attention_forward can run on this device for a call without documents (MmaSync first).
+std::vector<ForwardKernel> forward_kernels(int device);
+
 struct AttentionArgs {
   Tensor aq, bq, ak, bk, av, bv;
   bool causal = true;
   double scale = 0;
-  bool allow_wgmma = true;  // false forces the mma.sync forward (tests)
+  ForwardKernel forward_kernel = ForwardKernel::Auto;
+  int persistent_blocks = 0;  // > 0: the persistent kernels' grid at most this (tests: several items a block)
   // Documents (N == M): starts (B, N) int32 contiguous on the factors' device (ops/documents.h); query n sees
   // key m iff starts[n] <= m <= n (causal) or starts[m] == starts[n]. Undefined: no boundaries. The forward
   // then runs the mma.sync kernel (the warpgroup kernel takes no documents).
