@@ -77,13 +77,9 @@ Tensor run(const Tensor& x_in, LrpeSpec spec, Impl impl, const Documents& docs =
   check_inputs(x_in, spec);
   check_documents(x_in, docs, spec);
   const char* op = spec.name();
-  // ops/impl.h's rule: the fused kernels take every f32/bf16/f16 CUDA call but softmax over the sequence with
-  // documents, which Impl::Fused runs but Auto leaves to Composed until the fused kernels' times are measured
-  // on a GPU (bench/notes/documents-lrpe.md).
-  if (impl == Impl::Auto) {
-    const bool composed = x_in.dtype() == DType::F64 || (spec.seq_softmax() && spec.starts.defined());
-    impl = !x_in.is_cuda() ? Impl::Reference : composed ? Impl::Composed : Impl::Fused;
-  }
+  // ops/impl.h's rule: the fused kernels take every f32/bf16/f16 CUDA call.
+  if (impl == Impl::Auto)
+    impl = !x_in.is_cuda() ? Impl::Reference : x_in.dtype() == DType::F64 ? Impl::Composed : Impl::Fused;
   if (impl == Impl::Composed) return lrpe_paths::run_composed(x_in, spec);
   if (impl == Impl::Fused) return fused_path(x_in, spec, cache_angles);
   const Tensor x = x_in.contiguous();

@@ -26,7 +26,7 @@ struct LrpeOptions {
   ActDim dim = ActDim::None;
   // Packed rows (ops/documents.h), for x's (B, N) on x's device: positions restart at each document start,
   // token s of row b sits at offset + s - starts[b, s]; softmax over the sequence normalises each document
-  // on its own (every path; Auto picks Composed for it on CUDA).
+  // on its own (every path).
   Documents documents;
 };
 
