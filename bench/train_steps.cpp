@@ -211,9 +211,8 @@ TrainBenchResult bench_train(TrainSetup& s) {
   if (s.graph) r.cuda_graph = s.graph->why();
   const auto [peak, source] = peak_bf16_flops(d);
   r.peak_source = source;
-  if (peak > 0) r.mfu = r.tokens_per_s * train_flops_per_token(s.model->config(), s.params,
-                                                                     mean_causal_context(s.documents, s.model->config().seq_len)) /
-                        peak;
+  const double context = mean_causal_context(s.documents, s.model->config().seq_len);
+  if (peak > 0) r.mfu = r.tokens_per_s * train_flops_per_token(s.model->config(), s.params, context) / peak;
   return r;
 }
 

@@ -1,11 +1,13 @@
 // Training: sha256, the schedule, one step against the same step by hand, loss falling on text, mqar
 // above chance, resume bit-identical (interrupted, and killed while writing a checkpoint), corrupt and
-// truncated checkpoints refused, the input errors, and data cut into documents (--documents: the splits,
-// the packed rows' boundaries and loss mask, resume). All on small CPU configs, fast enough for CI.
+// truncated checkpoints refused, the input errors, a queued step's inputs, and data cut into documents
+// (--documents: the splits, the packed rows' boundaries and loss mask, the loss with accumulation, resume).
+// All on small CPU configs, fast enough for CI.
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -24,12 +26,14 @@
 #include "train_helpers.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
+#include "ops/shape.h"
 #include "train/checkpoint.h"
 #include "train/comm.h"
 #include "train/config.h"
 #include "train/data.h"
 #include "train/grad_reducer.h"
 #include "train/optimizer.h"
+#include "train/session.h"
 #include "train/trainer.h"
 
 using namespace lintape;
@@ -508,6 +512,57 @@ TEST_CASE("documents: a training step's loss is the model's on the batch with it
   const std::string text((std::istreambuf_iterator<char>(summary)), std::istreambuf_iterator<char>());
   CHECK(text.find("\"documents\": \"the fortunes' % lines: ") != std::string::npos);
   CHECK(text.find("\"documents\": \"auto\"") != std::string::npos);
+}
+
+// With accumulation the micro-batches' counts of targets differ (each document's last target is masked):
+// the step's loss is the mean over all of them, the model's loss on the two batches as one.
+TEST_CASE("documents: with accumulation the step's loss is the mean over every target") {
+  TempDir dir("docaccum");
+  TrainConfig c = micro_train_config(write_document_corpus(dir));
+  c.documents = "auto";
+  c.grad_accum = 2;
+  c.steps = 1;
+  const auto data = open_data(c.data, "", c.batch, c.model.seq_len, c.seed, c.val_batches, c.model.vocab_size, 0.05,
+                              {c.documents, c.eot_token});
+  const Batch a = data->next_train(), b = data->next_train();
+  auto targets = [](const Batch& x) {
+    const std::vector<int64_t> t = x.targets.to_vector<int64_t>();
+    return std::count_if(t.begin(), t.end(), [](int64_t v) { return v >= 0; });
+  };
+  REQUIRE(targets(a) != targets(b));  // else the mean of the two means would be the same
+  LanguageModel model(c.model, c.seed);
+  const Documents both = Documents::from_starts(cat({a.documents.starts(), b.documents.starts()}, 0));
+  const double expected = model.loss(cat({a.tokens, b.tokens}, 0), cat({a.targets, b.targets}, 0), both).item();
+  const double mean_of_means = 0.5 * (model.loss(a.tokens, a.targets, a.documents).item() +
+                                      model.loss(b.tokens, b.targets, b.documents).item());
+  REQUIRE(std::abs(expected - mean_of_means) > 1e-5 * expected);  // the test tells the two apart
+  const TrainResult r = Trainer(c, {Device::cpu(), dir.file("run.jsonl")}).run();
+  REQUIRE(r.losses.size() == 1);
+  CHECK(r.losses[0] == doctest::Approx(expected).epsilon(1e-6));
+}
+
+TEST_CASE("a queued step's inputs: written in place, batches of one shape and one documents setting") {
+  StepInputs in;
+  const Tensor tokens = from_vector_i64({1, 2, 3, 4, 5, 6}, {2, 3});
+  const Tensor targets = from_vector_i64({2, 3, -1, 5, 6, 7}, {2, 3});
+  const Documents docs = Documents::from_cu_seqlens({0, 2, 3, 6}, 2, 3);
+  in.write(tokens, targets, docs, 0.25, Device::cpu());
+  const void* buffer = in.tokens.data();
+  CHECK(in.tokens.to_vector<int64_t>() == tokens.to_vector<int64_t>());
+  CHECK(in.targets.to_vector<int64_t>() == targets.to_vector<int64_t>());
+  CHECK(in.documents.host_starts() == docs.host_starts());
+  CHECK(in.weight.item() == 0.25);
+  // The next batch lands in the same buffers, its boundaries too.
+  const Documents next = Documents::from_cu_seqlens({0, 1, 3, 6}, 2, 3);
+  in.write(targets, tokens, next, 0.75, Device::cpu());
+  CHECK(in.tokens.data() == buffer);
+  CHECK(in.tokens.to_vector<int64_t>() == targets.to_vector<int64_t>());
+  CHECK(in.documents.host_starts() == next.host_starts());
+  CHECK(in.weight.item() == 0.75);
+  check_throws_containing([&] { in.write(tokens.narrow(1, 0, 2).contiguous(), targets, docs, 1, Device::cpu()); },
+                          {"[train]", "batches of one shape", "(2, 2)"});
+  check_throws_containing([&] { in.write(tokens, targets, Documents(), 1, Device::cpu()); },
+                          {"[train]", "documents on and off"});
 }
 
 TEST_CASE("documents: resume is bit-identical to an uninterrupted run") {

@@ -292,7 +292,8 @@ void Communicator::all_reduce_sum_queued(Tensor& t) {
 
 void Communicator::wait_device(Device device) {
 #if LINTAPE_WITH_NCCL
-  if (distributed() && device.is_cuda() && nccl_) return nccl_wait(nccl_->comm, cuda::stream(device.index), "step", rank_);
+  if (distributed() && device.is_cuda() && nccl_)
+    return nccl_wait(nccl_->comm, cuda::stream(device.index), "step", rank_);
 #endif
 #if LINTAPE_WITH_CUDA
   if (device.is_cuda()) cuda::synchronize(device.index);
