@@ -263,5 +263,21 @@ __device__ __forceinline__ void softmax_sequence(const Geo& g, int64_t srow, int
   }
 }
 
+// The sequence statistics' running max m and sum s of exp(x - m), per lane element, over kStep more tokens v.
+template <int kStep, int VEC>
+__device__ __forceinline__ void running_max_sum(float (&m)[VEC], float (&s)[VEC], const float (&v)[kStep][VEC]) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    float mx = m[e];
+#pragma unroll
+    for (int i = 0; i < kStep; ++i) mx = fmaxf(mx, v[i][e]);
+    float sum = s[e] * __expf(m[e] - mx);
+#pragma unroll
+    for (int i = 0; i < kStep; ++i) sum += __expf(v[i][e] - mx);
+    m[e] = mx;
+    s[e] = sum;
+  }
+}
+
 }  // namespace
 }  // namespace lintape::lrpe_cuda

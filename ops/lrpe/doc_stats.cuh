@@ -76,17 +76,7 @@ __global__ void __launch_bounds__(32 * kStatRows, 2)
       if (t + i < pc.e) to_float(raw[i], v[i]);
     if (t + kStep <= pc.e && sv[kStep - 1] == cur) {
       // The usual case: all kStep tokens in the current document (starts are nondecreasing), one rescale.
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float mx = m[e];
-#pragma unroll
-        for (int i = 0; i < kStep; ++i) mx = fmaxf(mx, v[i][e]);
-        float sum = s[e] * __expf(m[e] - mx);
-#pragma unroll
-        for (int i = 0; i < kStep; ++i) sum += __expf(v[i][e] - mx);
-        m[e] = mx;
-        s[e] = sum;
-      }
+      running_max_sum<kStep, VEC>(m, s, v);
       continue;
     }
 #pragma unroll

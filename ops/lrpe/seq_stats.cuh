@@ -38,17 +38,7 @@ __global__ void __launch_bounds__(32 * kStatRows, 3)
 #pragma unroll
           for (int e = 0; e < VEC; ++e) v[i][e] = -INFINITY;
       }
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float mx = m[e];  // finite from here on: token t is always in range
-#pragma unroll
-        for (int i = 0; i < kStep; ++i) mx = fmaxf(mx, v[i][e]);
-        float sum = s[e] * __expf(m[e] - mx);
-#pragma unroll
-        for (int i = 0; i < kStep; ++i) sum += __expf(v[i][e] - mx);
-        m[e] = mx;
-        s[e] = sum;
-      }
+      running_max_sum<kStep, VEC>(m, s, v);  // m finite from here on: token t is always in range
     }
   }
 #pragma unroll
