@@ -34,7 +34,8 @@ void StepInputs::write(const Tensor& t, const Tensor& y, const Documents& docs, 
     tokens = empty(t.shape(), t.dtype(), device);
     targets = empty(y.shape(), y.dtype(), device);
     weight = empty({}, DType::F32, device);
-    if (docs.defined()) documents = Documents::from_starts(empty(docs.starts().shape(), DType::I32, device));
+    // Zeros, one document a row, until the copy below: valid starts (a CPU buffer is checked).
+    if (docs.defined()) documents = Documents::from_starts(zeros(docs.starts().shape(), DType::I32, device));
   }
   LT_CHECK(tokens.shape() == t.shape() && documents.defined() == docs.defined(),
            "[train] a queued step needs batches of one shape; got ", shape_str(t.shape()), " after ",
