@@ -263,6 +263,18 @@ __device__ __forceinline__ void softmax_sequence(const Geo& g, int64_t srow, int
   }
 }
 
+// The angles one token on: (c, s) rotated by the angles of one step, (rc, rs).
+template <int VEC>
+__device__ __forceinline__ void advance_sincos(float (&c)[VEC], float (&s)[VEC], const float (&rc)[VEC],
+                                               const float (&rs)[VEC]) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const float cn = c[e] * rc[e] - s[e] * rs[e];
+    s[e] = s[e] * rc[e] + c[e] * rs[e];
+    c[e] = cn;
+  }
+}
+
 // The sequence statistics' running max m and sum s of exp(x - m), per lane element, over kStep more tokens v.
 template <int kStep, int VEC>
 __device__ __forceinline__ void running_max_sum(float (&m)[VEC], float (&s)[VEC], const float (&v)[kStep][VEC]) {

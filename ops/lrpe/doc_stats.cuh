@@ -170,12 +170,7 @@ __global__ void __launch_bounds__(32 * kStatRows)
           unit_sincos<VEC>(g, tt - cur, h, j0, c, s);
           since = 0;
         } else {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const float cn = c[e] * rc[e] - s[e] * rs[e];
-            s[e] = s[e] * rc[e] + c[e] * rs[e];
-            c[e] = cn;
-          }
+          advance_sincos<VEC>(c, s, rc, rs);
         }
       }
       float d0[VEC], d1[VEC], v[P][VEC];

@@ -138,12 +138,7 @@ __global__ void __launch_bounds__(32 * kStatRows, 2)
       if (!stepped || step % kReseed == 0) {
         unit_sincos<VEC>(g, t, h, j0, c, s);
       } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const float cn = c[e] * rc[e] - s[e] * rs[e];
-          s[e] = s[e] * rc[e] + c[e] * rs[e];
-          c[e] = cn;
-        }
+        advance_sincos<VEC>(c, s, rc, rs);
       }
 #pragma unroll
       for (int bb = 0; bb < BT; ++bb) {
