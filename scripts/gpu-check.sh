@@ -98,10 +98,24 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${gpus:-0}" -ge 2 ] && command -v mpirun >/dev/null; then
   mpirun=(mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE=0)
   step "nccl collectives, 2 ranks" "$out/ranks.log" "${mpirun[@]}" "$build/tests/lintape_comm_checks" cuda
+  # The step's CUDA graph on two ranks equals the eager queued step, and many small gradient buckets
+  # (started during backward, inside the graph) equal one, bit for bit (two ranks sum a + b either way).
+  bits=(train --preset tiny --data mqar --batch 16 --seq 256 --steps 6 --seed 7)
+  for run in "graph:--bucket-mib 0" "eager:--bucket-mib 0 --no-cuda-graph" "buckets:--bucket-mib 0.05"; do
+    # shellcheck disable=SC2086  # the run's flags are split on purpose
+    step "train bits, 2 GPUs, ${run%%:*}" "$out/ranks.log" "${mpirun[@]}" "$cli" "${bits[@]}" ${run#*:} \
+      --log "$work/bits-${run%%:*}.jsonl"
+  done
+  same_losses() { [ -s "$work/bits-$1.jsonl" ] && cmp -s <(grep -o '"loss":[^,]*,"lr"' "$work/bits-$1.jsonl") \
+    <(grep -o '"loss":[^,]*,"lr"' "$work/bits-$2.jsonl"); }
+  step "2 GPUs: graph == eager, bit for bit" "$out/ranks.log" same_losses graph eager
+  step "2 GPUs: buckets in the graph == one bucket, bit for bit" "$out/ranks.log" same_losses buckets graph
   small=(train --preset small --data mqar --seq 2048 --steps 25 --seed 3)
   step "train, 1 GPU, batch 16" "$out/ranks.log" "$cli" "${small[@]}" --batch 16
   step "train, 2 GPUs, batch 32" "$out/ranks.log" "${mpirun[@]}" "$cli" "${small[@]}" --batch 32
   step "train, 2 GPUs, batch 32, ZeRO-1" "$out/ranks.log" "${mpirun[@]}" "$cli" "${small[@]}" --batch 32 --zero 1
+  step "train, 2 GPUs, batch 32, buckets of 25 MiB" "$out/ranks.log" "${mpirun[@]}" "$cli" "${small[@]}" --batch 32 \
+    --bucket-mib 25
   grep -E '^loss .* tok/s' "$out/ranks.log" | sed 's/^/  /' | tee -a "$out/summary.txt"
 else
   note "several GPUs: skipped (${gpus:-0} GPU, or no mpirun)"

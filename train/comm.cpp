@@ -350,6 +350,18 @@ void Communicator::wait_started() {
 #endif
 }
 
+void Communicator::join_started() {
+#if LINTAPE_WITH_NCCL
+  if (started_->cuda_device >= 0) {
+    Nccl* n = nccl_;
+    started_->cuda_device = -1;
+    LT_CUDA_CHECK(cudaEventRecord(n->ready, n->stream));
+    LT_CUDA_CHECK(cudaStreamWaitEvent(cuda::stream(n->device), n->ready, 0));
+  }
+#endif
+  wait_started();  // what is left: sums over CPU tensors
+}
+
 void Communicator::all_reduce_mean(Tensor& t) {
   all_reduce_sum(t);
   divide_by_size(t);

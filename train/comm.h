@@ -40,6 +40,10 @@ class Communicator {
   // collective may be issued (every rank must issue its collectives in the same order).
   void all_reduce_sum_start(Tensor& t);
   void wait_started();
+  // wait_started with no wait on the host: the device stream waits for the sums started on CUDA, so that a
+  // captured CUDA graph holds them (forked onto the communicator's stream and joined back by events);
+  // a failure shows in the next wait_device. Sums started over CPU tensors are waited for as in wait_started.
+  void join_started();
   // The same sum queued on a CUDA tensor's device stream with no wait on the host, so that a captured CUDA
   // graph can hold it (a CPU tensor: all_reduce_sum). A failure or a rank that stops shows in the next
   // wait_device, which waits for everything queued on `device`'s stream so far under the timeout, polling

@@ -60,12 +60,16 @@ void GradReducer::mean_queued() {
   comm_.divide_by_size(flat_);
 }
 
-void GradReducer::finish() {
+void GradReducer::finish() { finish_with(&Communicator::wait_started); }
+
+void GradReducer::finish_queued() { finish_with(&Communicator::join_started); }
+
+void GradReducer::finish_with(void (Communicator::*complete)()) {
   LT_CHECK(module_.flat_gradients().data() == flat_.data(),
            "[GradReducer] the module was flattened again after the reducer was made; make a new one");
   std::fill(waiting_.begin(), waiting_.end(), 0);
   start_ready();
-  comm_.wait_started();
+  (comm_.*complete)();
   comm_.divide_by_size(flat_);
   waiting_ = parameters_of_;
   std::fill(reported_.begin(), reported_.end(), 0);

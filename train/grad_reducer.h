@@ -38,6 +38,10 @@ class GradReducer {
   // (Communicator::all_reduce_sum_queued): one sum after backward, what a captured step holds. Not mixed
   // with on_leaf_ready in one step.
   void mean_queued();
+  // finish() queued with no wait on the host (Communicator::join_started): the buckets started during
+  // backward (on_leaf_ready) and joined back into the device stream, so a captured step holds them too.
+  void finish_queued();
+  bool bucketed() const { return buckets_.size() > 1; }
 
   // The buckets as (offset, length) in the flat buffer, in the order they start.
   const std::vector<std::pair<int64_t, int64_t>>& buckets() const { return buckets_; }
@@ -46,6 +50,7 @@ class GradReducer {
  private:
   void reported(const Tensor& leaf);
   void start_ready();
+  void finish_with(void (Communicator::*complete)());
   Module& module_;
   Communicator& comm_;
   Tensor flat_;  // the module's flat gradient buffer

@@ -52,15 +52,24 @@ void StepInputs::write(const Tensor& t, const Tensor& y, const Documents& docs, 
 void TrainSession::queue_step(const std::vector<StepInputs>& micro, double clip) {
   model->zero_grad();
   Tensor total;
-  for (const StepInputs& in : micro) {
+  // Buckets: the last micro-batch's backward completes the gradients and starts their sums.
+  const bool buckets = reducer && reducer->bucketed();
+  for (size_t m = 0; m < micro.size(); ++m) {
+    const StepInputs& in = micro[m];
     const Tensor l = mul(model->loss(in.tokens, in.targets, in.documents), in.weight);
-    backward(l);
+    if (buckets && m + 1 == micro.size())
+      backward(l, {}, false, reducer->on_leaf_ready());
+    else
+      backward(l);
     NoGradGuard no_grad;
     total = total.defined() ? add(total, l.detach()) : l.detach();
   }
   Tensor loss = total.to(DType::F32);
   if (reducer) {  // every rank then has the same loss and gradients: the same skip, the same update
-    reducer->mean_queued();
+    if (buckets)
+      reducer->finish_queued();
+    else
+      reducer->mean_queued();
     Communicator& comm = Communicator::world();
     comm.all_reduce_sum_queued(loss);
     comm.divide_by_size(loss);

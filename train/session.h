@@ -47,8 +47,9 @@ struct TrainSession {
   // as they are (no update).
   double update(double lr, double clip);
   // The whole step queued on the device without a wait (AdamW::queue_step): zero the gradients, each
-  // micro-batch's loss (times its weight) and backward, with a reducer the gradients' and the
-  // loss's mean over the ranks (one sum each after backward), then the clip at `clip` and the update.
+  // micro-batch's loss (times its weight) and backward, with a reducer the gradients' mean over the ranks
+  // (in buckets started during the last backward, or one sum after it) and the loss's, then the clip at
+  // `clip` and the update.
   // What a CUDA graph captures; the caller sets the learning rate before and reads the step after.
   void queue_step(const std::vector<StepInputs>& micro, double clip);
 };

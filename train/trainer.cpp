@@ -149,8 +149,8 @@ Trainer::Trainer(TrainConfig config, TrainerOptions options) : config_(std::move
   // ZeRO-1 keeps its one reduce-scatter after backward; one rank has nothing to reduce.
   if (comm.distributed() && options_.zero == 0)
     session_.reducer = std::make_unique<GradReducer>(*session_.model, comm, options_.bucket_mib);
-  // The queued step (and its CUDA graph) holds one all-reduce after backward: not the buckets started
-  // during backward, nor ZeRO-1's reduce-scatter, whose steps stay eager.
+  // The queued step (and its CUDA graph) holds the gradients' all-reduce, in buckets or one after backward;
+  // not ZeRO-1's reduce-scatter, whose steps stay eager.
   if (session_.optimizer->can_queue() && (!comm.distributed() || queued_reduce()))
     graph_ = std::make_unique<StepGraph>(options_.device, options_.cuda_graph);
 }

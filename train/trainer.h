@@ -98,8 +98,8 @@ class Trainer {
   // the step's work run or replayed by graph_, then one wait for its loss and gradient norm. Returns the
   // loss, and the numbers unless the loss or the norm is NaN or Inf (then no update was applied).
   std::pair<double, std::optional<StepNumbers>> queued_step();
-  // Several ranks reduce inside the queued step: without ZeRO-1 and with one all-reduce after backward.
-  bool queued_reduce() const { return options_.zero == 0 && options_.bucket_mib == 0; }
+  // Several ranks reduce inside the queued step without ZeRO-1 (whose reduce-scatter stays eager).
+  bool queued_reduce() const { return options_.zero == 0; }
   // The step's row (and with `line`, its progress line), the validation's, the stop on a NaN or Inf.
   void log_step(const StepNumbers& numbers, Clock::time_point step_start, Clock::time_point run_start, bool line,
                 TrainResult& result, RunLog& log) const;
