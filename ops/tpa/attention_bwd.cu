@@ -7,7 +7,7 @@
 // workspace, key tile by key tile in order, then a second kernel contracts it to aq and bq per token, over
 // all heads at once. The fixed orders (attention_parts' turns) make the gradients the same bits run to run.
 // On Hopper (sm_90a builds, D = 128, no documents) the same schedule on warpgroup products
-// (ops/tpa/attention_bwd_wg.cuh) on request.
+// (ops/tpa/attention_bwd_wg.cuh), the default there.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -390,6 +390,7 @@ void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor&
   if (a.starts.defined()) return backward_dispatch<true>(a, out, lse, dout, g);
   BackwardKernel k = a.backward_kernel == BackwardKernel::Auto ? backward_kernel_from_env() : a.backward_kernel;
   const std::vector<BackwardKernel> ok = backward_kernels(a.aq.device().index);
+  if (k == BackwardKernel::Auto) k = BackwardKernel::Warpgroup;  // where it runs: faster at every shape measured
   if (k != BackwardKernel::Warpgroup || a.bq.size(3) != 128 || std::find(ok.begin(), ok.end(), k) == ok.end())
     return backward_dispatch<false>(a, out, lse, dout, g);
   if (a.aq.dtype() == DType::BF16)

@@ -67,7 +67,8 @@ std::vector<ForwardKernel> forward_kernels(int device);
 
 // The backward's kernels (ops/tpa/attention_bwd.cu): mma.sync (any tensor-core GPU, every call) and, on Hopper
 // in sm_90a builds, warpgroup products (Warpgroup: D = 128 without documents; other calls run mma.sync).
-// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma), else MmaSync.
+// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma), else Warpgroup where the call and the device run it (faster
+// than MmaSync at every shape measured on an H100, bench/notes/tpa-hopper.md section 4).
 enum class BackwardKernel { Auto, MmaSync, Warpgroup };
 
 // The kernels attention_backward can run on this device for a call without documents at D = 128 (MmaSync
