@@ -12,7 +12,7 @@
 //            without documents), the same on warpgroup products fed by a TMA producer warp
 //            (ops/tpa/attention_tma.cuh); the first warpgroup version (attention_wg.cuh) on request.
 //   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
-//            of 128.
+//            of 128; on Hopper (sm_90a, D = 128, the default there without documents) on warpgroup products.
 #include <cudaTypedefs.h>
 #include <algorithm>
 #include <cstdlib>

@@ -340,41 +340,23 @@ __device__ void factor_da(const float* dx, const Pair<T>& f, T* da, int64_t bb, 
 #pragma unroll
     for (int e = 0; e < E; ++e) x[u][e] = dx[i * LDF + lane + 32 * e];
   }
-  // RU ranks at a time, their basis rows loaded together (past R the last rank's again, not stored): one load
-  // latency per RU ranks, not per rank, on the path every block ends with.
-  constexpr int RU = 4;
 #pragma unroll 1
-  for (int r0 = 0; r0 < f.R; r0 += RU) {
-    float b[RU][U][E];
+  for (int r = 0; r < f.R; ++r) {
+    float dot[U];
 #pragma unroll
-    for (int k = 0; k < RU; ++k)
+    for (int u = 0; u < U; ++u) {
+      const T* br = f.b_at(t[u]) + r * HD;
+      dot[u] = 0.f;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const T* br = f.b_at(t[u]) + min(r0 + k, f.R - 1) * HD;
-#pragma unroll
-        for (int e = 0; e < E; ++e) b[k][u][e] = to_acc(br[lane + 32 * e]);
-      }
-    float dot[RU][U];
-#pragma unroll
-    for (int k = 0; k < RU; ++k)
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        dot[k][u] = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) dot[k][u] += x[u][e] * b[k][u][e];
-      }
+      for (int e = 0; e < E; ++e) dot[u] += x[u][e] * to_acc(br[lane + 32 * e]);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2)
 #pragma unroll
-      for (int k = 0; k < RU; ++k)
+      for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
 #pragma unroll
-        for (int u = 0; u < U; ++u) dot[k][u] += __shfl_xor_sync(0xffffffffu, dot[k][u], o);
-#pragma unroll
-    for (int k = 0; k < RU; ++k)
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (r0 + k < f.R && ok[u] && lane == 0)
-          da[(t[u] * H + h) * f.R + r0 + k] = from_acc<T>(dot[k][u] * f.inv_r);
+    for (int u = 0; u < U; ++u)
+      if (ok[u] && lane == 0) da[(t[u] * H + h) * f.R + r] = from_acc<T>(dot[u] * f.inv_r);
   }
 }
 
