@@ -265,6 +265,54 @@ TEST_CASE("cuda tpa attention fused backward gives the same bits run to run" * L
   }
 }
 
+TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 16, same bits" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  // Each backward kernel the device runs, named through the launcher: one query tile inside one key tile;
+  // N a multiple of no tile (the causal diagonal key tiles of 128 over query tiles of 64, the last of each
+  // partial), ranks 16; N != M not causal, ranks 1 and 16; whole tiles; D = 64, which the warpgroup kernel
+  // leaves to mma.sync. Two backward runs on the same inputs give the same bits.
+  const AttnShape shapes[] = {{1, 64, 64, 2, 1, 1, 1, 128, true},      {2, 333, 333, 3, 16, 16, 16, 128, true},
+                              {1, 200, 523, 4, 1, 16, 1, 128, false},  {2, 256, 256, 2, 6, 2, 2, 128, true},
+                              {1, 129, 129, 2, 2, 1, 3, 64, true}};
+  for (const AttnShape& s : shapes)
+    for (tpa_cuda::BackwardKernel k : tpa_cuda::backward_kernels(gpu().index)) {
+      CAPTURE(s.N);
+      CAPTURE(s.M);
+      CAPTURE(s.D);
+      CAPTURE(int(k));
+      const DType dt = s.Rk == 16 ? DType::F16 : DType::BF16;
+      const Inputs in = attention_inputs(s, dt, uint64_t(s.N + 3));
+      TpaOptions o;
+      o.causal = s.causal;
+      const Tensor w = randn({s.B, s.N, s.H, s.D}, DType::F64, Device::cpu(), 11).to(dt).to(DType::F64);
+      const std::vector<Tensor> ref = attention_and_grads(in.cpu, o, Impl::Reference, w);
+      tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
+                                1.0 / std::sqrt(double(s.D))};
+      a.backward_kernel = k;
+      Tensor out = empty({s.B, s.N, s.H, s.D}, dt, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
+      tpa_cuda::attention_forward(a, out, lse);
+      const Tensor dout = w.to(dt).to(gpu());
+      std::vector<std::vector<double>> runs[2];
+      for (auto& run : runs) {
+        tpa_cuda::FactorGrads fg{empty(in.gpu[0].shape(), dt, gpu()), empty(in.gpu[1].shape(), dt, gpu()),
+                                 empty(in.gpu[2].shape(), dt, gpu()), empty(in.gpu[3].shape(), dt, gpu()),
+                                 empty(in.gpu[4].shape(), dt, gpu()), empty(in.gpu[5].shape(), dt, gpu())};
+        Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
+        for (Tensor* t : grads) poison_(*t);
+        tpa_cuda::attention_backward(a, out, lse, dout, fg);
+        for (size_t i = 0; i < 6; ++i) {
+          CAPTURE(kAttentionNames[i + 1]);
+          const Tensor got = grads[i]->to(Device::cpu());
+          CHECK_CLOSE_TENSOR(got, ref[i + 1], dt);
+          run.push_back(got.to_vector<double>());
+        }
+      }
+      CHECK(runs[0] == runs[1]);
+    }
+#endif
+}
+
 TEST_CASE("cuda tpa attention fused keeps no q, k, v or scores" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const AttnShape s{2, 512, 512, 4, 6, 2, 2, 64, true};

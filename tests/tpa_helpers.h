@@ -29,9 +29,10 @@ inline std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factor
 #if LINTAPE_WITH_CUDA
 // The attention launchers on poisoned outputs, against ref (attention_and_grads' output and six gradients for
 // the upstream gradient w): every forward kernel the device runs (tpa_cuda::forward_kernels; a call with
-// documents always runs the mma.sync kernel), each writing every element and a finite lse, then the backward
-// reading that forward's output and lse (so a wrong lse fails the gradients) on six poisoned gradients. The
-// persistent kernels run on five blocks at most, so that a block walks several work items.
+// documents always runs the mma.sync kernel), each writing every element and a finite lse, then each backward
+// kernel (tpa_cuda::backward_kernels; calls it does not take run the mma.sync kernel) reading that forward's
+// output and lse (so a wrong lse fails the gradients) on six poisoned gradients. The persistent kernels run on
+// five blocks at most, so that a block walks several work items.
 inline void check_attention_launchers(tpa_cuda::AttentionArgs a, DType dt, const Tensor& w,
                                       const std::vector<Tensor>& ref) {
   a.persistent_blocks = 5;
@@ -52,11 +53,15 @@ inline void check_attention_launchers(tpa_cuda::AttentionArgs a, DType dt, const
     for (double v : lse.to(Device::cpu()).to_vector<double>()) lse_finite = lse_finite && std::isfinite(v);
     CHECK(lse_finite);
     CHECK_CLOSE_TENSOR(out.to(Device::cpu()), ref[0], dt);
-    for (Tensor* t : grads) poison_(*t);
-    tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(a.aq.device()), fg);
-    for (size_t i = 0; i < 6; ++i) {
-      CAPTURE(kAttentionNames[i + 1]);
-      CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
+    for (tpa_cuda::BackwardKernel bk : tpa_cuda::backward_kernels(a.aq.device().index)) {
+      CAPTURE(int(bk));
+      a.backward_kernel = bk;
+      for (Tensor* t : grads) poison_(*t);
+      tpa_cuda::attention_backward(a, out, lse, w.to(dt).to(a.aq.device()), fg);
+      for (size_t i = 0; i < 6; ++i) {
+        CAPTURE(kAttentionNames[i + 1]);
+        CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], dt);
+      }
     }
   }
 }

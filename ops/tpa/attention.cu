@@ -12,11 +12,10 @@
 //            without documents), the same on warpgroup products fed by a TMA producer warp
 //            (ops/tpa/attention_tma.cuh); the first warpgroup version (attention_wg.cuh) on request.
 //   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
-//            of 128.
+//            of 128; on Hopper (sm_90a, D = 128, the default there without documents) on warpgroup products.
 #include <cudaTypedefs.h>
 #include <algorithm>
 #include <cstdlib>
-#include "core/config.h"
 #include "ops/tpa/attention_parts.cuh"
 #include "ops/tpa/attention_tma.cuh"
 
@@ -219,20 +218,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 // ---------------------------------------------------------------------------------------------------
 // Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
 // factors into a workspace, then the attention over them.
-
-// Whether this build holds the sm_90a kernels (wgmma, setmaxnreg), and whether a device is compute capability
-// 9.0: the warpgroup kernels need both.
-bool wgmma_compiled() {
-  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
-  return compiled;
-}
-
-bool is_hopper(int device) {
-  int major = 0, minor = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
-}
 
 // x (entries, L, H, HD) 16-bit (K or V of a launch's batch entries, or Q in the output) as a 4-D tensor map read
 // in boxes of 64 columns x kWgKeys (= kWgRows) rows of one head and entry, stored with the 128-byte swizzle;

@@ -6,9 +6,13 @@
 // f32 atomics into a workspace, head by head in order). dQ is summed over key tiles by f32 atomics into a
 // workspace, key tile by key tile in order, then a second kernel contracts it to aq and bq per token, over
 // all heads at once. The fixed orders (attention_parts' turns) make the gradients the same bits run to run.
+// On Hopper (sm_90a builds, D = 128, no documents) the same schedule on warpgroup products
+// (ops/tpa/attention_bwd_wg.cuh), the default there.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include "ops/tpa/attention_parts.cuh"
+#include <string>
+#include "ops/tpa/attention_bwd_wg.cuh"
 
 namespace lintape::tpa_cuda {
 
@@ -236,22 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
   rank_weights(wk, p.fk, bb, h, k0);
   rank_weights(wv, p.fv, bb, h, k0);
   __syncthreads();
-  // Chunk by chunk: the rank weights (written once), then the basis gradients summed over heads, head by
-  // head, each warp counting itself. A chunk's chain of heads runs while the next chunk's weights are
-  // computed, so head h waits about h chunks' adds, not h whole tiles' (the H blocks of a key tile end
-  // together).
-  int* db_turn = p.db_turn + ((bb - p.b0) * gridDim.z + kt) * kChunks;
-#pragma unroll 1
-  for (int c = 0; c < kChunks; ++c) {
-    const int seen = poll_turn(db_turn + c);
-    factor_da<T, HD>(fk, p.fk, p.dak, bb, h, p.H, k0, c);
-    factor_da<T, HD>(fv, p.fv, p.dav, bb, h, p.H, k0, c);
-    wait_turn(db_turn + c, p.ordered ? h * kWarps : 0, seen);
-    factor_db<T, HD>(fk, wk, p.fk, p.dbk, bb, p.b0, k0, c);
-    factor_db<T, HD>(fv, wv, p.fv, p.dbv, bb, p.b0, k0, c);
-    __syncwarp();
-    if (lane == 0) count_turn(db_turn + c);
-  }
+  basis_turns<T, HD>(fk, fv, wk, wv, p, bb, h, kt, k0);
 }
 
 // dQ (f32 dQ / scale, batch entries from t0 / N) to its factors, a warp per token, every value written once:
@@ -295,9 +284,11 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const Pai
 // ---------------------------------------------------------------------------------------------------
 // Launcher.
 
-template <class T, int HD, bool DOCS>
+// WG: the warpgroup kernel (attention_bwd_wg.cuh) instead of attention_bwd.
+template <class T, int HD, bool DOCS, bool WG>
 void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                     FactorGrads& g) {
+  static_assert(!WG || (HD == 128 && !DOCS), "the warpgroup kernel: D = 128, no documents");
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
   Params<T> p = make_params<T>(a);
@@ -328,7 +319,10 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   p.q = static_cast<const T*>(qbuf.data());
   static bool configured = false;
-  allow_smem(attention_bwd<T, HD, DOCS>, bwd_smem<HD>(), configured);
+  if constexpr (WG)
+    allow_smem(attention_bwd_wg::backward<T, HD>, attention_bwd_wg::smem_bytes<HD>(), configured);
+  else
+    allow_smem(attention_bwd<T, HD, DOCS>, bwd_smem<HD>(), configured);
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.N;
     p.b0 = b0;
@@ -343,7 +337,10 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
         p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
-    attention_bwd<T, HD, DOCS><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
+    if constexpr (WG)
+      attention_bwd_wg::backward<T, HD><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
+    else
+      attention_bwd<T, HD, DOCS><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
     attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
         p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
@@ -364,20 +361,42 @@ void backward_dispatch(const AttentionArgs& a, const Tensor& out, const Tensor& 
   const bool bf16 = a.aq.dtype() == DType::BF16;
   const bool wide = a.bq.size(3) == 128;
   if (bf16)
-    wide ? backward_typed<__nv_bfloat16, 128, DOCS>(a, out, lse, dout, g)
-         : backward_typed<__nv_bfloat16, 64, DOCS>(a, out, lse, dout, g);
+    wide ? backward_typed<__nv_bfloat16, 128, DOCS, false>(a, out, lse, dout, g)
+         : backward_typed<__nv_bfloat16, 64, DOCS, false>(a, out, lse, dout, g);
   else
-    wide ? backward_typed<__half, 128, DOCS>(a, out, lse, dout, g)
-         : backward_typed<__half, 64, DOCS>(a, out, lse, dout, g);
+    wide ? backward_typed<__half, 128, DOCS, false>(a, out, lse, dout, g)
+         : backward_typed<__half, 64, DOCS, false>(a, out, lse, dout, g);
+}
+
+// LINTAPE_TPA_BWD's kernel, else Auto.
+BackwardKernel backward_kernel_from_env() {
+  const char* env = std::getenv("LINTAPE_TPA_BWD");
+  if (!env) return BackwardKernel::Auto;
+  const std::string e = env;
+  if (e == "mma") return BackwardKernel::MmaSync;
+  if (e == "wgmma") return BackwardKernel::Warpgroup;
+  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_BWD is mma or wgmma; got ", e);
+  return BackwardKernel::Auto;
 }
 }  // namespace
 
+std::vector<BackwardKernel> backward_kernels(int device) {
+  if (!wgmma_compiled() || !is_hopper(device)) return {BackwardKernel::MmaSync};
+  return {BackwardKernel::MmaSync, BackwardKernel::Warpgroup};
+}
+
 void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         FactorGrads& g) {
-  if (a.starts.defined())
-    backward_dispatch<true>(a, out, lse, dout, g);
+  if (a.starts.defined()) return backward_dispatch<true>(a, out, lse, dout, g);
+  BackwardKernel k = a.backward_kernel == BackwardKernel::Auto ? backward_kernel_from_env() : a.backward_kernel;
+  const std::vector<BackwardKernel> ok = backward_kernels(a.aq.device().index);
+  if (k == BackwardKernel::Auto) k = BackwardKernel::Warpgroup;  // where it runs: faster at every shape measured
+  if (k != BackwardKernel::Warpgroup || a.bq.size(3) != 128 || std::find(ok.begin(), ok.end(), k) == ok.end())
+    return backward_dispatch<false>(a, out, lse, dout, g);
+  if (a.aq.dtype() == DType::BF16)
+    backward_typed<__nv_bfloat16, 128, false, true>(a, out, lse, dout, g);
   else
-    backward_dispatch<false>(a, out, lse, dout, g);
+    backward_typed<__half, 128, false, true>(a, out, lse, dout, g);
 }
 
 }  // namespace lintape::tpa_cuda

@@ -7,6 +7,8 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include "core/config.h"
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
 #include "ops/tpa/launch.h"
@@ -429,6 +431,28 @@ __device__ __forceinline__ void count_turn(int* turn) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(turn) : "memory");
 }
 
+// The end of a backward block (key tile kt from row k0, head h): from its f32 dK and dV tiles fk, fv (kBig
+// rows, HD + 4 floats a row, dK scaled) and their rank weights wk, wv (rank_weights), chunk by chunk, the
+// rank weights' gradients (written once), then the basis gradients summed over heads, head by head, each warp
+// counting itself. A chunk's chain of heads runs while the next chunk's weights are computed, so head h waits
+// about h chunks' adds, not h whole tiles' (the H blocks of a key tile end together).
+template <class T, int HD>
+__device__ void basis_turns(const float* fk, const float* fv, const float* wk, const float* wv, const Params<T>& p,
+                            int64_t bb, int h, int kt, int k0) {
+  int* db_turn = p.db_turn + ((bb - p.b0) * gridDim.z + kt) * kChunks;
+#pragma unroll 1
+  for (int c = 0; c < kChunks; ++c) {
+    const int seen = poll_turn(db_turn + c);
+    factor_da<T, HD>(fk, p.fk, p.dak, bb, h, p.H, k0, c);
+    factor_da<T, HD>(fv, p.fv, p.dav, bb, h, p.H, k0, c);
+    wait_turn(db_turn + c, p.ordered ? h * kWarps : 0, seen);
+    factor_db<T, HD>(fk, wk, p.fk, p.dbk, bb, p.b0, k0, c);
+    factor_db<T, HD>(fv, wv, p.fv, p.dbv, bb, p.b0, k0, c);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) count_turn(db_turn + c);
+  }
+}
+
 // Documents: the tiles [0, count) of `tiles` tiles of `rows` rows whose first row's document starts at or
 // before `limit` (starts is nondecreasing, so they come first); every thread of the block gets the count.
 __device__ __forceinline__ int tiles_starting_by(const int32_t* starts, int tiles, int rows, int limit) {
@@ -487,6 +511,20 @@ inline int64_t batch_launches(int64_t B, int64_t ws_entry_bytes, int64_t budget_
   const int64_t to_fill = (2 * int64_t(sms) + entry_blocks - 1) / entry_blocks;
   const int64_t chunk = std::min(B, std::max(by_memory, to_fill));
   return (B + chunk - 1) / chunk;
+}
+
+// Whether this build holds the sm_90a kernels (wgmma, setmaxnreg), and whether a device is compute capability
+// 9.0: the warpgroup kernels need both.
+inline bool wgmma_compiled() {
+  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
+  return compiled;
+}
+
+inline bool is_hopper(int device) {
+  int major = 0, minor = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
 }
 
 // Raises a kernel's dynamic shared memory limit once per process.

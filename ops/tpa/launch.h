@@ -65,11 +65,22 @@ enum class ForwardKernel {
 // The kernels attention_forward can run on this device for a call without documents (MmaSync first).
 std::vector<ForwardKernel> forward_kernels(int device);
 
+// The backward's kernels (ops/tpa/attention_bwd.cu): mma.sync (any tensor-core GPU, every call) and, on Hopper
+// in sm_90a builds, warpgroup products (Warpgroup: D = 128 without documents; other calls run mma.sync).
+// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma), else Warpgroup where the call and the device run it (faster
+// than MmaSync at every shape measured on an H100, bench/notes/tpa-hopper.md section 4).
+enum class BackwardKernel { Auto, MmaSync, Warpgroup };
+
+// The kernels attention_backward can run on this device for a call without documents at D = 128 (MmaSync
+// first).
+std::vector<BackwardKernel> backward_kernels(int device);
+
 struct AttentionArgs {
   Tensor aq, bq, ak, bk, av, bv;
   bool causal = true;
   double scale = 0;
   ForwardKernel forward_kernel = ForwardKernel::Auto;
+  BackwardKernel backward_kernel = BackwardKernel::Auto;
   int persistent_blocks = 0;  // > 0: the persistent kernels' grid at most this (tests: several items a block)
   // Documents (N == M): starts (B, N) int32 contiguous on the factors' device (ops/documents.h); query n sees
   // key m iff starts[n] <= m <= n (causal) or starts[m] == starts[n]. Undefined: no boundaries. The forward
