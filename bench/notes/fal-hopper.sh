@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The FAL causal chunk kernels' device check (notes: bench/notes/fal-hopper.md), one call on the GPU machine:
 # builds this tree (and a base tree's CLI beside it, when given), runs the FAL CUDA cases, then
-# `lintape bench fal-causal` for this tree (the state passes' wgmma walks and, LINTAPE_FAL_STATE_PASS=old, the
-# mma.sync slices; chunk states saved by the forward, and not) and the base, the fla kernel alone in the same
-# call, compute-sanitizer on the chunked causal cases and ncu on the kernels.
+# `lintape bench fal-causal` for this tree (the state passes' wgmma walks, LINTAPE_FAL_STATE_PASS=new, and the
+# mma.sync slices, the default; chunk states saved by the forward, and not) and the base, the fla kernel alone in
+# the same call, compute-sanitizer on the chunked causal cases and ncu on the kernels. The build alone took 4
+# minutes of a 7-minute call (session 4): give the sanitizers their own call, or run fewer steps.
 #   bench/notes/fal-hopper.sh OUTDIR [BASE_TREE] [STEPS]
 # STEPS: a comma list of build,tests,bench,peer,racecheck,memcheck,nosave,ncu (default: all, in that order;
 # racecheck runs racecheck and synccheck on RACE_CASES, default the chunk-edge case; memcheck on MEM_CASES,
@@ -45,8 +46,8 @@ bench() {  # label, cli, env...
   log "bench $label rc=$?"
 }
 if has bench; then
-  echo "== new (walks)" >>"$out/bench.txt"
-  bench new "$cli"
+  echo "== new (walks), LINTAPE_FAL_STATE_PASS=new" >>"$out/bench.txt"
+  bench new "$cli" LINTAPE_FAL_STATE_PASS=new
   echo "== old (slices), LINTAPE_FAL_STATE_PASS=old" >>"$out/bench.txt"
   bench old "$cli" LINTAPE_FAL_STATE_PASS=old
   if [ -n "$base" ]; then
@@ -74,8 +75,8 @@ if has memcheck; then
   log "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
 fi
 if has nosave; then
-  echo "== new (walks), LINTAPE_FAL_SAVE_STATES=0" >>"$out/bench.txt"
-  bench new-nosave "$cli" LINTAPE_FAL_SAVE_STATES=0
+  echo "== new (walks), LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=new" >>"$out/bench.txt"
+  bench new-nosave "$cli" LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=new
   echo "== old (slices), LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=old" >>"$out/bench.txt"
   bench old-nosave "$cli" LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=old
 fi

@@ -4,7 +4,9 @@
 // (the pattern of the noncausal reduction, ops/fal/noncausal.cu, with its encoder). Per chunk c of the walk:
 //   forward  store S_c;     S <- lambda^cl S + K^T diag(delta) V      (c = c0 ... c1 - 1)
 //   reverse  store R_(c+1); R <- lambda^cl R + Q^T diag(gamma) dY     (c = c1 - 1 ... c0, dY = dO o gb)
-// as the slices' state kernel of ops/fal/chunk_fwd.cu does, which every call with documents keeps.
+// as the slices' state kernel of ops/fal/chunk_fwd.cu does, which every call with documents keeps. Not the
+// default (LINTAPE_FAL_STATE_PASS=new): on an H100 the walks took about 1.6x the slices' time
+// (bench/notes/fal-hopper.md), one block an SM running each chunk's state stores, loads and encode in turn.
 #include <cstdlib>
 #include <string>
 #include "core/config.h"
@@ -238,20 +240,20 @@ void launch_walk_of(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   }
 }
 
-// Whether the process asked for the slices' kernel (LINTAPE_FAL_STATE_PASS=old), read once.
-bool env_wants_slices() {
-  static const bool old = [] {
+// Whether the process asked for the walks (LINTAPE_FAL_STATE_PASS=new), read once.
+bool env_wants_walks() {
+  static const bool on = [] {
     const char* v = std::getenv("LINTAPE_FAL_STATE_PASS");
-    return v && std::string(v) == "old";
+    return v && std::string(v) == "new";
   }();
-  return old;
+  return on;
 }
 
 }  // namespace
 
 bool walk_runs(const Args& a) {
   const StatePassKernel k = g_state_pass;
-  if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && env_wants_slices())) return false;
+  if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && !env_wants_walks())) return false;
   if (a.starts) return false;  // documents: the slices' kernel
   static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
   int dev = 0, major = 0, minor = 0;
