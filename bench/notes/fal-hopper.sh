@@ -71,7 +71,8 @@ if has racecheck; then
 fi
 if has memcheck; then
   timeout "${SAN_S:-90}" compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
-    -tc="${MEM_CASES:-*cuda fal chunked causal state passes*,*cuda fal chunked causal saves*}" >>"$out/sanitizer.log" 2>&1
+    -tc="${MEM_CASES:-*cuda fal chunked causal state passes*,*cuda fal chunked causal saves*}" \
+    >>"$out/sanitizer.log" 2>&1
   log "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
 fi
 if has nosave; then
