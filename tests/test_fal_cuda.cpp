@@ -212,23 +212,42 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   if (states) CHECK_CLOSE_TENSOR(dS0.to(Device::cpu()), S0_ref.grad(), dt);
 
   if (causal && fal_cuda::causal_chunked(dt, c.D, c.E, spec)) {
-    // The forward saving every chunk's entering state (poisoned first) and the backward reading them instead of
-    // running its forward state pass, at the same cut: the tape's way when it records the backward.
-    const Tensor saved = poisoned({B, H, (N + 63) / 64, P, c.E}, dt);
-    const Tensor out2 = poisoned(o_ref.shape(), dt), state2 = poisoned({B, H, P, c.E}, DType::F32);
-    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out2, state2, segments, saved);
-    CHECK(rel_error(out2.to(Device::cpu()), out.to(Device::cpu())) == 0.0);
-    CHECK(rel_error(state2.to(Device::cpu()), state.to(Device::cpu())) == 0.0);
-    std::vector<Tensor> grads2;
-    for (const Tensor& t : in) grads2.push_back(poisoned(t.shape(), dt));
-    const Tensor dS0_2 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
-    fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads2[0], grads2[1], grads2[2],
-                              grads2[3], dS0_2, segments, saved);
-    for (size_t i = 0; i < 4; ++i) {
-      CAPTURE(i);
-      CHECK_CLOSE_TENSOR(grads2[i].to(Device::cpu()), cpu[i].grad(), dt);
+    // Each kernel of the state passes in turn (the wgmma walks where the device runs them, then the mma.sync
+    // slices): the backward with both state passes, then the forward saving every chunk's entering state
+    // (poisoned first) and the backward reading them instead of running its forward state pass, at the same
+    // cut: the tape's way when it records the backward.
+    struct Restore {
+      ~Restore() { fal_cuda::set_state_pass_kernel(fal_cuda::StatePassKernel::Auto); }
+    } restore;
+    for (const auto kernel : {fal_cuda::StatePassKernel::Walk, fal_cuda::StatePassKernel::Slices}) {
+      CAPTURE(kernel == fal_cuda::StatePassKernel::Walk ? "walk" : "slices");
+      fal_cuda::set_state_pass_kernel(kernel);
+      std::vector<Tensor> grads1;
+      for (const Tensor& t : in) grads1.push_back(poisoned(t.shape(), dt));
+      const Tensor dS0_1 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
+      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads1[0], grads1[1], grads1[2],
+                                grads1[3], dS0_1, segments);
+      for (size_t i = 0; i < 4; ++i) {
+        CAPTURE(i);
+        CHECK_CLOSE_TENSOR(grads1[i].to(Device::cpu()), cpu[i].grad(), dt);
+      }
+      if (states) CHECK_CLOSE_TENSOR(dS0_1.to(Device::cpu()), S0_ref.grad(), dt);
+      const Tensor saved = poisoned({B, H, (N + 63) / 64, P, c.E}, dt);
+      const Tensor out2 = poisoned(o_ref.shape(), dt), state2 = poisoned({B, H, P, c.E}, DType::F32);
+      fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out2, state2, segments, saved);
+      CHECK(rel_error(out2.to(Device::cpu()), out.to(Device::cpu())) == 0.0);
+      CHECK(rel_error(state2.to(Device::cpu()), state.to(Device::cpu())) == 0.0);
+      std::vector<Tensor> grads2;
+      for (const Tensor& t : in) grads2.push_back(poisoned(t.shape(), dt));
+      const Tensor dS0_2 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
+      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads2[0], grads2[1], grads2[2],
+                                grads2[3], dS0_2, segments, saved);
+      for (size_t i = 0; i < 4; ++i) {
+        CAPTURE(i);
+        CHECK_CLOSE_TENSOR(grads2[i].to(Device::cpu()), cpu[i].grad(), dt);
+      }
+      if (states) CHECK_CLOSE_TENSOR(dS0_2.to(Device::cpu()), S0_ref.grad(), dt);
     }
-    if (states) CHECK_CLOSE_TENSOR(dS0_2.to(Device::cpu()), S0_ref.grad(), dt);
   }
 
   // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states).
@@ -343,6 +362,23 @@ TEST_CASE("cuda fal chunked causal saves the chunk states over many walks" * LT_
   LT_REQUIRE_CUDA();
   check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 1700, 401, 8, true, 0, 7);
   check_fused_sequence(kChunkConfigs[2], true, DType::F16, 1710, 401, 8, false, 0, 7);
+}
+
+// The state passes (check_fused_sequence runs each kernel) at the chunks' edges: one token, a chunk less one and
+// more one, two whole chunks, walks that start and end at a cut mid-sequence (5 chunks and a token in segments of
+// two), and D 128 without LRPE (D' = 128) beside D' = 256.
+TEST_CASE("cuda fal chunked causal state passes at the chunk edges" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const StepConfig none128{"none D 128 E 64 sigmoid v decay", FalLrpe::None, 128, 64, kSilu, kNone, kSigmoid, kNone,
+                           true};
+  uint64_t seed = 1900;
+  for (const auto& [N, segments] : {std::pair<int64_t, int64_t>{1, 0}, {63, 0}, {65, 1}, {128, 2}, {321, 3}})
+    for (const StepConfig* c : {&kChunkConfigs[0], &none128}) {
+      CAPTURE(c->name);
+      CAPTURE(N);
+      CAPTURE(segments);
+      check_fused_sequence(*c, true, N % 2 == 1 ? DType::BF16 : DType::F16, seed += 10, N, 2, N != 63, 0, segments);
+    }
 }
 
 namespace {

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The FAL causal chunk kernels' device check (notes: bench/notes/fal-hopper.md), one call on the GPU machine:
 # builds this tree (and a base tree's CLI beside it, when given), runs the FAL CUDA cases, then
-# `lintape bench fal-causal` for this tree (chunk states saved by the forward, and not) and the base, the fla
-# kernel alone in the same call, compute-sanitizer on the chunked causal cases and ncu on the kernels.
+# `lintape bench fal-causal` for this tree (the state passes' wgmma walks, LINTAPE_FAL_STATE_PASS=new, and the
+# mma.sync slices, the default; chunk states saved by the forward, and not) and the base, the fla kernel alone in
+# the same call, compute-sanitizer on the chunked causal cases and ncu on the kernels. The build alone took 4
+# minutes of a 7-minute call (session 4): give the sanitizers their own call, or run fewer steps.
 #   bench/notes/fal-hopper.sh OUTDIR [BASE_TREE] [STEPS]
-# STEPS: a comma list of build,tests,bench,racecheck,memcheck,peer,ncu (default: all, in that order; racecheck
-# runs racecheck and synccheck on RACE_CASES, default the saved-states case; memcheck on MEM_CASES, default the
-# chunked causal cases).
+# STEPS: a comma list of build,tests,bench,peer,racecheck,memcheck,nosave,ncu (default: all, in that order;
+# racecheck runs racecheck and synccheck on RACE_CASES, default the chunk-edge case; memcheck on MEM_CASES,
+# default the chunk-edge and saved-states cases; nosave benches without saved states; each sanitizer run stops
+# after SAN_S seconds, default 90).
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 base=${2:-}
-steps=,${3:-build,tests,bench,racecheck,memcheck,peer,ncu},
+steps=,${3:-build,tests,bench,peer,racecheck,memcheck,nosave,ncu},
 root=$(pwd)
 cli=$root/build-gpu/lintape
 tests=$root/build-gpu/tests/lintape_tests
@@ -43,26 +46,14 @@ bench() {  # label, cli, env...
   log "bench $label rc=$?"
 }
 if has bench; then
-  echo "== new" >>"$out/bench.txt"
-  bench new "$cli"
-  echo "== new, LINTAPE_FAL_SAVE_STATES=0" >>"$out/bench.txt"
-  bench new-nosave "$cli" LINTAPE_FAL_SAVE_STATES=0
+  echo "== new (walks), LINTAPE_FAL_STATE_PASS=new" >>"$out/bench.txt"
+  bench new "$cli" LINTAPE_FAL_STATE_PASS=new
+  echo "== old (slices), LINTAPE_FAL_STATE_PASS=old" >>"$out/bench.txt"
+  bench old "$cli" LINTAPE_FAL_STATE_PASS=old
   if [ -n "$base" ]; then
     echo "== base" >>"$out/bench.txt"
     bench base "$root/$base/build-gpu/lintape"
   fi
-fi
-if has racecheck; then
-  for tool in racecheck synccheck; do
-    compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="${RACE_CASES:-*cuda fal chunked causal saves*}" \
-      >>"$out/sanitizer.log" 2>&1
-    log "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1)"
-  done
-fi
-if has memcheck; then
-  compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="${MEM_CASES:-*cuda fal chunked causal*}" \
-    >>"$out/sanitizer.log" 2>&1
-  log "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
 fi
 if has peer; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$root"/../../.whl/*.whl
@@ -71,13 +62,32 @@ if has peer; then
     python3 fal_peer.py --causal-only --kernel-only --ns 2048,8192 --shape 16x6) >"$out/peer.txt" 2>&1
   log "peer rc=$?"
 fi
+if has racecheck; then
+  for tool in racecheck synccheck; do
+    timeout "${SAN_S:-90}" compute-sanitizer --tool $tool --error-exitcode 1 "$tests" \
+      -tc="${RACE_CASES:-*cuda fal chunked causal state passes*}" >>"$out/sanitizer.log" 2>&1
+    log "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1)"
+  done
+fi
+if has memcheck; then
+  timeout "${SAN_S:-90}" compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
+    -tc="${MEM_CASES:-*cuda fal chunked causal state passes*,*cuda fal chunked causal saves*}" \
+    >>"$out/sanitizer.log" 2>&1
+  log "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n1)"
+fi
+if has nosave; then
+  echo "== new (walks), LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=new" >>"$out/bench.txt"
+  bench new-nosave "$cli" LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=new
+  echo "== old (slices), LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=old" >>"$out/bench.txt"
+  bench old-nosave "$cli" LINTAPE_FAL_SAVE_STATES=0 LINTAPE_FAL_STATE_PASS=old
+fi
 if has ncu; then
   sections=(--section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis)
-  ncu --clock-control none "${sections[@]}" -k regex:'fused_forward_kernel' -c 1 \
-    "$cli" bench fal-causal --n 2048 --reps 1 >"$out/ncu.txt" 2>&1
-  ncu --clock-control none "${sections[@]}" -k regex:'state_kernel|grad_kernel' -c 2 \
-    "$cli" bench fal-causal --n 2048 --reps 1 >>"$out/ncu.txt" 2>&1
-  log "ncu rc=$?"
+  for pass in new old; do  # the first reverse state pass of each kernel
+    timeout "${NCU_S:-60}" env LINTAPE_FAL_STATE_PASS=$pass ncu --clock-control none "${sections[@]}" \
+      -k regex:'walk_kernel|state_kernel' -c 1 "$cli" bench fal-causal --n 2048 --reps 1 >>"$out/ncu.txt" 2>&1
+    log "ncu $pass rc=$?"
+  done
 fi
 log done

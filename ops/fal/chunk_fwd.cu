@@ -466,6 +466,10 @@ bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
 }
 
 void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
+  if (walk_runs(a)) {
+    walk_pass(a, dtype, BH, reverse, st);
+    return;
+  }
   if (dtype == DType::BF16)
     launch_state<__nv_bfloat16>(a, BH, reverse, st);
   else

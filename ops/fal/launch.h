@@ -99,6 +99,15 @@ struct ChunkShape {
 };
 int64_t chunk_segments(const ChunkShape& shape, int sms, bool fused);
 
+// Which kernel runs the causal chunk kernels' state passes (the backward's; the forward's when it did not save
+// the chunk states; the local passes of a cut): Walk, one wgmma block per (b, h) and segment holding the whole
+// state (ops/fal/chunk_state.cu; sm_90a builds on a device of compute capability 9.0, calls without documents),
+// or Slices, mma.sync blocks per 64 x 64 state tile (ops/fal/chunk_fwd.cu; every call). Auto: Slices, or Walk
+// where it runs when LINTAPE_FAL_STATE_PASS=new (on an H100 the walks were slower: bench/notes/fal-hopper.md).
+// For tests, which run each; process-wide, not thread-safe.
+enum class StatePassKernel { Auto, Slices, Walk };
+void set_state_pass_kernel(StatePassKernel kernel);
+
 // Causal, N == M. q, k, v, g may be views whose last two dims are contiguous rows (e.g. slices of one
 // projection): the chunk kernels read them in place, the sweep copies them. S0 (B, H, D', E) f32 or undefined
 // (zeros); writes out and S_final (B, H, D', E) f32. segments: 0 cuts the sequence as the shapes want (see

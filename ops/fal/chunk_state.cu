@@ -1,0 +1,275 @@
+// Causal FAL's state passes on Hopper's warpgroup products (ops/fal/chunk.cuh): one block of four warpgroups
+// per walk (b, h and segment) holds the whole D' x E f32 state in registers and multiplies on wgmma,
+// asynchronously, while its threads encode the next chunk's rows into the other of two shared-memory buffers
+// (the pattern of the noncausal reduction, ops/fal/noncausal.cu, with its encoder). Per chunk c of the walk:
+//   forward  store S_c;     S <- lambda^cl S + K^T diag(delta) V      (c = c0 ... c1 - 1)
+//   reverse  store R_(c+1); R <- lambda^cl R + Q^T diag(gamma) dY     (c = c1 - 1 ... c0, dY = dO o gb)
+// as the slices' state kernel of ops/fal/chunk_fwd.cu does, which every call with documents keeps. Not the
+// default (LINTAPE_FAL_STATE_PASS=new): on an H100 the walks took about 1.6x the slices' time
+// (bench/notes/fal-hopper.md), one block an SM running each chunk's state stores, loads and encode in turn.
+#include <cstdlib>
+#include <string>
+#include "core/config.h"
+#include "core/cuda_wgmma.cuh"
+#include "ops/fal/noncausal.cuh"
+
+namespace lintape::fal_cuda {
+
+namespace {
+StatePassKernel g_state_pass = StatePassKernel::Auto;
+}  // namespace
+
+void set_state_pass_kernel(StatePassKernel kernel) { g_state_pass = kernel; }
+
+namespace chunk {
+
+namespace {
+
+constexpr int kWalkThreads = 512;
+
+// The 4 warpgroups over the PP x EP state: WGM along P (64 rows each) by WGN along E (NW columns each).
+template <int PP, int EP>
+struct WalkWarps {
+  static constexpr int WGM = PP / 64, WGN = 4 / WGM, NW = EP / WGN;
+  static_assert(WGM * WGN == 4 && NW % 16 == 0, "whole warpgroup tiles");
+};
+
+// One buffer's X (kC x PP) and Z (kC x EP) tiles in 8-column blocks (CoreColumnTile), in elements.
+template <int PP, int EP>
+struct WalkTiles {
+  static constexpr int kX = PP / 8 * CoreColumnTile::kBlock, kZ = EP / 8 * CoreColumnTile::kBlock;
+};
+
+// Two buffers of tiles, the raw rows of the next chunk (x, z and, in reverse, dO), the angle table and the
+// threads' first-row angles.
+template <int DP, int PP, int EP>
+constexpr size_t walk_smem_bytes(size_t elem) {
+  return elem * size_t(2 * (WalkTiles<PP, EP>::kX + WalkTiles<PP, EP>::kZ) + kC * (DP + 2 * EP)) +
+         sizeof(float) * noncausal::kAngleRows * DP + noncausal::FirstRowAngles<DP, kWalkThreads>::kBytes;
+}
+
+// Rows t0 ... t0 + kC - 1, columns [0, W) of x into stage ([kC][W]) through cp.async, zeros past the sequence
+// or past cols. A thread copies the pieces that it reads back (Raw's: fetch's order), so a wait and no barrier
+// lets it read them.
+template <class T, int W, int NThr>
+__device__ __forceinline__ void stage_raw(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t0, int cols,
+                                          T* stage) {
+#pragma unroll
+  for (int it = 0; it < Raw<W, NThr>::kIt; ++it) {
+    const int idx = threadIdx.x + it * NThr, i = idx / (W / 8), c = (idx % (W / 8)) * 8;
+    if (t0 + i < a.N && c < cols)
+      cp_async16(stage + i * W + c, x + (t0 + i) * ts + c);
+    else
+      *reinterpret_cast<uint4*>(stage + i * W + c) = make_uint4(0, 0, 0, 0);
+  }
+}
+template <class T, int W, int NThr>
+__device__ __forceinline__ uint4 staged(const T* stage, int it) {
+  const int idx = threadIdx.x + it * NThr;
+  return *reinterpret_cast<const uint4*>(stage + idx / (W / 8) * W + (idx % (W / 8)) * 8);
+}
+
+// DP = D, PP = D', EP = E rounded up to 64 or 128. Only where LINTAPE_WGMMA was compiled (walk_runs checks).
+template <class T, int DP, int PP, int EP, bool Reverse>
+__global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
+#ifndef LINTAPE_WGMMA
+  __trap();
+#else
+  using W = WalkWarps<PP, EP>;
+  using Tiles = WalkTiles<PP, EP>;
+  constexpr int NThr = kWalkThreads, kBuffer = Tiles::kX + Tiles::kZ, kBlock = CoreColumnTile::kBlock;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* tiles = reinterpret_cast<T*>(smem_raw);  // buffer i: X at i kBuffer, then Z
+  T* raw_x = tiles + 2 * kBuffer;
+  T* raw_z = raw_x + kC * DP;
+  T* raw_d = raw_z + kC * EP;
+  float* angles = reinterpret_cast<float*>(raw_d + kC * EP);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gm = (warp >> 2) % W::WGM, gn = (warp >> 2) / W::WGM;
+  const Walk w = walk_of(a, blockIdx.x, Reverse);
+  const int64_t bh = w.bh, b = bh / a.H;
+  const int h = int(bh % a.H);
+  const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
+  const size_t PE = size_t(a.P) * a.E;
+  T* states = a.local ? nullptr : static_cast<T*>(Reverse ? a.rstates : a.states) + bh * a.nC * PE;
+
+  // Accumulator value 4 j + r of this thread: state row row(r), column col(j) + r % 2 (core/cuda_wgmma.cuh).
+  float acc[W::NW / 2];
+  auto row = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
+  auto col = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
+#pragma unroll
+  for (int j = 0; j < W::NW / 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int e = col(j) + (r & 1);
+      acc[4 * j + r] = w.start && e < a.E ? w.start[size_t(row(r)) * a.E + e] : 0.0f;
+    }
+
+  const int c0 = w.c0, steps = w.c1 - w.c0;
+  auto chunk_at = [&](int s) { return Reverse ? c0 + steps - 1 - s : c0 + s; };
+  auto chunk_len = [&](int c) { return int(a.N - int64_t(c) * kC < kC ? a.N - int64_t(c) * kC : kC); };
+  // The raw rows go to shared memory rather than registers, which the state fills; their addresses are rebuilt
+  // here (b and h made opaque), as held across the loop they would take registers from the state.
+  auto fetch_chunk = [&](int c) {
+    const int64_t t0 = int64_t(c) * kC, bo = opaque_index(b), ho = opaque_index(h);
+    const T* x = Reverse ? at_head<T>(a.q, bo, a.sq_b, ho, a.D) : at_head<T>(a.k, bo, a.sk_b, ho, a.D);
+    const int64_t xts = Reverse ? a.sq_t : a.sk_t;
+    const T* z = Reverse ? at_head<T>(a.g, bo, a.sg_b, ho, a.E) : at_head<T>(a.v, bo, a.sv_b, ho, a.E);
+    const int64_t zts = Reverse ? a.sg_t : a.sv_t;
+    const int64_t dts = int64_t(a.H) * a.E;
+    stage_raw<T, DP, NThr>(a, x, xts, t0, a.D, raw_x);
+    stage_raw<T, EP, NThr>(a, z, zts, t0, a.E, raw_z);
+    if (Reverse)
+      stage_raw<T, EP, NThr>(a, static_cast<const T*>(a.dout) + bo * a.N * dts + ho * a.E, dts, t0, a.E, raw_d);
+    cp_async_commit();
+  };
+  noncausal::FirstRowAngles<DP, NThr> first;
+  first.kept = angles + noncausal::kAngleRows * DP;
+  // The fetched rows of chunk c into buffer buf: X through the act and the LRPE, Z through its act (times dO in
+  // reverse) and the row's decay (gamma_i reverse, delta_i forward; zeros past the sequence). wgmma reads them
+  // through the async proxy: each writer fences.
+  auto store_chunk = [&](int c, int buf) {
+    const int64_t t0 = int64_t(c) * kC;
+    const int cl = chunk_len(c);
+    T* xs = tiles + buf * kBuffer;
+    cp_async_wait_all();
+    Raw<DP, NThr> xr;
+#pragma unroll
+    for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) xr.u[it] = staged<T, DP, NThr>(raw_x, it);
+    noncausal::encode_rows<T, DP, NThr>(a, xr, Reverse ? a.act_q : a.act_k, angles, first, t0, xs, CoreColumnTile{});
+#pragma unroll
+    for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
+      const int idx = threadIdx.x + it * NThr, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
+      float y[8];
+      unpack8<T>(staged<T, EP, NThr>(raw_z, it), y);
+      act_n(y, Reverse ? a.act_g : a.act_v, i < cl && c8 < a.E);
+      const float f = decay_pow(log2_lam, Reverse ? i + 1 : cl - 1 - i);
+      if (Reverse) {
+        float d[8];
+        unpack8<T>(staged<T, EP, NThr>(raw_d, it), d);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) y[u] *= d[u] * f;
+      } else {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) y[u] *= f;
+      }
+      store8(xs + Tiles::kX + CoreColumnTile{}(i, c8), y);
+    }
+    cuda::fence_proxy_async();
+  };
+
+  if (a.lrpe == FalStepSpec::kCosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), angles);
+  __syncthreads();  // the angles are in
+  if (steps > 0) {
+    fetch_chunk(chunk_at(0));
+    store_chunk(chunk_at(0), 0);
+  }
+  __syncthreads();
+  if (steps > 1) fetch_chunk(chunk_at(1));
+  int buf = 0;
+  // 16 tokens a k-step: 16 rows of 16 bytes in every 8-column block.
+  constexpr uint32_t kLbo = 8 * 16, kSbo = kBlock * sizeof(T);
+  for (int s = 0; s < steps; ++s) {
+    const int c = chunk_at(s);
+    if (states) {
+      T* dst = states + int64_t(c) * PE;
+#pragma unroll
+      for (int j = 0; j < W::NW / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2)
+          if (col(j) < a.E) store2(dst + size_t(row(r)) * a.E + col(j), acc[4 * j + r], acc[4 * j + r + 1]);
+    }
+    const float carry = decay_pow(log2_lam, chunk_len(c));
+#pragma unroll
+    for (int i = 0; i < W::NW / 2; ++i) acc[i] *= carry;
+    const T* xs = tiles + buf * kBuffer;
+    const T* xa = xs + gm * 8 * kBlock;
+    const T* zb = xs + Tiles::kX + gn * (W::NW / 8) * kBlock;
+    cuda::wgmma_fence_operand(acc);
+    cuda::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kC; kk += 16)
+      cuda::wgmma_mma<T, W::NW, 1, 1>(acc, cuda::wgmma_desc(xa + kk * 8, kLbo, kSbo),
+                                      cuda::wgmma_desc(zb + kk * 8, kLbo, kSbo));
+    cuda::wgmma_commit();
+    const bool more = s + 1 < steps;
+    if (more) store_chunk(chunk_at(s + 1), buf ^ 1);
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operand(acc);
+    if (more) {
+      __syncthreads();  // the next buffer is written; this one's product is done
+      if (s + 2 < steps) fetch_chunk(chunk_at(s + 2));  // in flight during the next product and encode
+      buf ^= 1;
+    }
+  }
+  // The walk's end, found again (held across the loop, its address would take registers).
+  float* last = walk_of(a, opaque_index(blockIdx.x), Reverse).last;
+  if (last)
+#pragma unroll
+    for (int j = 0; j < W::NW / 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int e = col(j) + (r & 1);
+        if (e < a.E) last[size_t(row(r)) * a.E + e] = acc[4 * j + r];
+      }
+#endif
+}
+
+template <class T, int DP, int PP, int EP>
+void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
+  constexpr size_t smem = walk_smem_bytes<DP, PP, EP>(sizeof(T));
+  auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true> : walk_kernel<T, DP, PP, EP, false>;
+  LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void launch_walk_of(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
+  const bool wide = a.E > 64;
+  if (a.D == 128) {
+    if (a.P == 256)
+      wide ? launch_walk<T, 128, 256, 128>(a, BH, reverse, st) : launch_walk<T, 128, 256, 64>(a, BH, reverse, st);
+    else
+      wide ? launch_walk<T, 128, 128, 128>(a, BH, reverse, st) : launch_walk<T, 128, 128, 64>(a, BH, reverse, st);
+  } else {
+    if (a.P == 128)
+      wide ? launch_walk<T, 64, 128, 128>(a, BH, reverse, st) : launch_walk<T, 64, 128, 64>(a, BH, reverse, st);
+    else
+      wide ? launch_walk<T, 64, 64, 128>(a, BH, reverse, st) : launch_walk<T, 64, 64, 64>(a, BH, reverse, st);
+  }
+}
+
+// Whether the process asked for the walks (LINTAPE_FAL_STATE_PASS=new), read once.
+bool env_wants_walks() {
+  static const bool on = [] {
+    const char* v = std::getenv("LINTAPE_FAL_STATE_PASS");
+    return v && std::string(v) == "new";
+  }();
+  return on;
+}
+
+}  // namespace
+
+bool walk_runs(const Args& a) {
+  const StatePassKernel k = g_state_pass;
+  if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && !env_wants_walks())) return false;
+  if (a.starts) return false;  // documents: the slices' kernel
+  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
+  int dev = 0, major = 0, minor = 0;
+  LT_CUDA_CHECK(cudaGetDevice(&dev));
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return compiled && major == 9 && minor == 0;
+}
+
+void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
+  if (dtype == DType::BF16)
+    launch_walk_of<__nv_bfloat16>(a, BH, reverse, st);
+  else
+    launch_walk_of<__half>(a, BH, reverse, st);
+}
+
+}  // namespace chunk
+
+}  // namespace lintape::fal_cuda
