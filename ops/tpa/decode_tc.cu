@@ -26,7 +26,10 @@
 // shared memory, four values of e a thread; after a cluster barrier block r of the cluster combines the
 // r-th slice of the (h, e) values across the cluster's blocks through distributed shared memory. One
 // cluster a sequence writes the output there; with several, each cluster writes one partial and the last
-// block of the sequence combines those (cluster-many times fewer than splits).
+// block of the sequence combines those (cluster-many times fewer than splits). Asked for more than the
+// portable 8 (9..16, non-portable sizes), it takes one cluster a sequence whenever the splits the call
+// wants fit one and a cluster for every sequence stays resident (no partials, no last block), else the
+// rule above with clusters of up to 8.
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
@@ -50,6 +53,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPad = 8;  // 16-bit elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxSplits = 64;
 constexpr int kMaxCluster = 8;  // the portable cluster size
+constexpr int kMaxWhole = 16;   // the largest (non-portable) cluster: one a sequence, when the splits fit
 constexpr int kMaxDevices = 16;
 constexpr int kTwoBlocksBytes = 113 * 1024;  // shared memory that leaves room for two blocks per SM
 constexpr int kMaxSharedBytes = 200 * 1024;
@@ -416,16 +420,16 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     const int64_t cslot = int64_t(b) * (g.splits / C) + split / C;
     for (int q = rank * per + tid; q < min(quads, (rank + 1) * per); q += kThreads) {
       const int h = q / EQ, i = q * 4;
-      float mc[kMaxCluster], m = -INFINITY;  // unrolled: the remote loads go out together
+      float mc[kMaxWhole], m = -INFINITY;  // unrolled: the remote loads go out together
 #pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c) {
+      for (int c = 0; c < kMaxWhole; ++c) {
         mc[c] = c < C ? cluster.map_shared_rank(res_m, c)[h] : -INFINITY;
         m = fmaxf(m, mc[c]);
       }
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
       float l = 0.f;
 #pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c)
+      for (int c = 0; c < kMaxWhole; ++c)
         if (mc[c] != -INFINITY) {
           const float f = exp2f(mc[c] - m);
           const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
@@ -555,27 +559,32 @@ int* split_counters(int device, int64_t B) {
 }
 
 // The blocks a cluster asked for: DecodeArgs::cluster, else LINTAPE_TPA_DECODE_CLUSTER, else kMaxCluster
-// (the cluster schedule; 0 is the last-block combine).
+// (the cluster schedule; 0 is the last-block combine), at most kMaxWhole.
 int cluster_request(const DecodeArgs& a) {
-  if (a.cluster >= 0) return a.cluster;
   static const int env = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_CLUSTER");
     return v ? std::atoi(v) : kMaxCluster;
   }();
-  return env;
+  return std::min(a.cluster >= 0 ? a.cluster : env, kMaxWhole);
 }
 
 // The kernel's limits, worked out once per device and shared-memory size: its dynamic shared memory
-// allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0).
+// allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0; 0 when
+// not one cluster of that size fits).
 template <class T, int HG, int NT, int CH, bool CL>
 int64_t prepare(int device, const Geo& g, int cluster) {
   auto kernel = decode_tc<T, HG, NT, CH, CL>;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
-  static int seen_total[kMaxDevices][kMaxCluster + 1] = {};
-  static int64_t resident[kMaxDevices][kMaxCluster + 1] = {};
+  static bool non_portable[kMaxDevices] = {};
+  static int seen_total[kMaxDevices][kMaxWhole + 1] = {};
+  static int64_t resident[kMaxDevices][kMaxWhole + 1] = {};
   if (allowed[device] < g.total) {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, g.total));
     allowed[device] = g.total;
+  }
+  if (cluster > kMaxCluster && !non_portable[device]) {
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    non_portable[device] = true;
   }
   if (seen_total[device][cluster] != g.total) {
     if (cluster == 0) {
@@ -595,7 +604,7 @@ int64_t prepare(int device, const Geo& g, int cluster) {
       cfg.numAttrs = 1;
       int clusters = 0;
       LT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-      resident[device][cluster] = int64_t(std::max(1, clusters)) * cluster;
+      resident[device][cluster] = int64_t(clusters) * cluster;
     }
     seen_total[device][cluster] = g.total;
   }
@@ -607,10 +616,12 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const Device dev = a.aq.device();
   const int device = dev.index;
   // The cluster schedule where it was asked for and applies (two chunks a warp, bq 16-byte aligned).
-  int cluster = std::min(cluster_request(a), kMaxCluster);
+  const int request = cluster_request(a), cluster_cap = std::min(request, kMaxCluster);
+  int cluster = cluster_cap;
   if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
   auto kernel = decode_tc<T, HG, NT, CH, false>;
   auto clustered = decode_tc<T, HG, NT, CH, CH == 2>;
+  auto resident_with = [&](int c) { return prepare<T, HG, NT, CH, CH == 2>(device, g, c); };
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
   int64_t resident = 0;
   if (cluster) {
@@ -620,13 +631,13 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
     int best = 1;
     int64_t best_blocks = 0;
     for (int c = cluster; c >= 1; --c) {
-      const int64_t per_sequence = prepare<T, HG, NT, CH, CH == 2>(device, g, c) / c / B;
+      const int64_t per_sequence = resident_with(c) / c / B;
       if (per_sequence * c > best_blocks) {
         best = c;
         best_blocks = per_sequence * c;
       }
     }
-    if (a.split_rows <= 0) cluster = best;
+    cluster = best;
     resident = std::max<int64_t>(best_blocks, 1) * B;
   } else {
     resident = prepare<T, HG, NT, CH, false>(device, g, 0);
@@ -635,9 +646,14 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   if (rows > 0) {
     rows = (rows + g.rows - 1) / g.rows * g.rows;
     rows = std::max(rows, (M + kMaxSplits - 1) / kMaxSplits);
+    // The size asked for (tests: many clusters a sequence), where one cluster of it fits the GPU.
+    if (cluster) cluster = request > kMaxCluster && resident_with(request) > 0 ? request : cluster_cap;
   } else {
     const int s = choose_splits(B, M, resident, g);
     rows = ((M + s - 1) / s + g.rows - 1) / g.rows * g.rows;
+    // Past the portable size (request 9..16): one cluster a sequence whenever the splits fit one and a
+    // cluster for every sequence stays resident, so that no last block combines partial results.
+    if (cluster && request > kMaxCluster && s > cluster && s <= request && resident_with(s) / s >= B) cluster = s;
   }
   g.split_rows = int(rows);
   g.splits = int((M + rows - 1) / rows);
