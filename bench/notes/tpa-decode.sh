@@ -22,7 +22,7 @@ has() { [[ $steps == *,$1,* ]]; }
 log() { echo "[$(date -u +%T)] $*" | tee -a "$out/summary.txt"; }
 counts() { grep -E '^\[doctest\] (test cases|assertions)' "$1" | tr '\n' ' '; }
 decode_cases='*cuda tpa decode*'
-race_cases=${RACE_CASES:-*cuda tpa decode schedules: one*,*cuda tpa decode cluster schedule matches*}
+race_cases=${RACE_CASES:-*cuda tpa decode schedules: one*}
 check=${CHECK_SCHEDULE:-16}
 
 log "tree $(cat .stage-commit 2>/dev/null); steps $steps; schedules $schedules"
@@ -35,18 +35,18 @@ if has build; then
 fi
 if has tests; then  # correctness only: every run shares the GPU
   declare -A jobs=()
-  timeout 200 "$tests" -tc='*cuda*tpa*' >"$out/tests.log" 2>&1 &
+  timeout 150 "$tests" -tc='*cuda*tpa*' >"$out/tests.log" 2>&1 &
   jobs[tests]=$!
   for c in ${OTHER_SCHEDULES:-0 16}; do
-    LINTAPE_TPA_DECODE_CLUSTER=$c timeout 200 "$tests" -tc="$decode_cases" >"$out/tests-$c.log" 2>&1 &
+    LINTAPE_TPA_DECODE_CLUSTER=$c timeout 150 "$tests" -tc="$decode_cases" >"$out/tests-$c.log" 2>&1 &
     jobs[tests-$c]=$!
   done
   export LINTAPE_TPA_DECODE_CLUSTER=$check
-  timeout 220 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="$decode_cases" -tce='*seeds*' \
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="$decode_cases" -tce='*seeds*' \
     >"$out/memcheck.log" 2>&1 &
   jobs[memcheck]=$!
   for tool in racecheck synccheck; do
-    timeout 220 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="$race_cases" -tce='*seeds*' \
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="$race_cases" -tce='*seeds*' \
       >"$out/$tool.log" 2>&1 &
     jobs[$tool]=$!
   done
@@ -76,6 +76,11 @@ if has bench; then
     log "bench cluster=$c rc=$?"
     first=$((first + 1))
   done
+  # The fixed part alone: caches of 1 to 128 rows (one block, at most two tiles, a sequence).
+  echo "== LINTAPE_TPA_DECODE_CLUSTER=16, short caches" >>"$out/bench.txt"
+  LINTAPE_TPA_DECODE_CLUSTER=16 timeout 60 "$cli" bench tpa-decode --reps 10 --metric speed --n 1,64,128 \
+    >>"$out/bench.txt" 2>&1
+  log "bench short caches rc=$?"
 fi
 if has ncu; then
   sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats
@@ -97,7 +102,7 @@ fi
 if has peer; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     "$root"/../../.whl/*.whl >/dev/null 2>&1
-  (cd bench/peers && PYTHONPATH=/tmp/site timeout 150 python3 tpa_peer.py --attention-ns 1024 \
+  (cd bench/peers && PYTHONPATH=/tmp/site timeout 120 python3 tpa_peer.py --attention-ns 1024 \
     --decode-ms 2048,8192,32768) >"$out/peer.txt" 2>&1
   log "peer rc=$?"
 fi
