@@ -67,10 +67,11 @@ TEST_CASE("cuda tpa decode schedules: one cluster a sequence against the others"
 #if LINTAPE_WITH_CUDA
   // Shapes where the launcher's splits fit one cluster of 2..16 blocks a sequence (B = 8 at M 1024 and 2048,
   // the bench's short caches), M = 1, M not a multiple of the 64-row tile (or the 32-row one of H = 64),
-  // ranks 1 and 16 for q, D and E 64 and 128; split_rows 64 gives several clusters a sequence, combined by the
-  // last block (clusters of 16 with cluster 16).
+  // ranks 1 and 16 for q, D and E 64 and 128, ranks 2 for k and v (one 16-row chunk a warp: the last-block
+  // schedule under every cluster value, with its gathering combine under 16); split_rows 64 gives several
+  // clusters a sequence, combined by the last block (clusters of 16 with cluster 16).
   const Shape8 shapes[] = {{8, 2048, 32, 16, 1, 1, 128, 128}, {8, 1000, 32, 1, 1, 1, 64, 64},
-                           {3, 1, 32, 16, 1, 1, 128, 128},    {2, 1999, 32, 16, 1, 1, 128, 128},
+                           {3, 1, 32, 16, 1, 1, 128, 128},    {2, 1999, 32, 16, 2, 2, 128, 128},
                            {5, 777, 16, 16, 1, 1, 64, 128},   {4, 1201, 64, 16, 1, 1, 128, 128},
                            {2, 4097, 32, 6, 1, 1, 128, 64}};
   for (const Shape8& s : shapes)

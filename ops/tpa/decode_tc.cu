@@ -29,7 +29,8 @@
 // block of the sequence combines those (cluster-many times fewer than splits). Asked for more than the
 // portable 8 (9..16, non-portable sizes), it takes one cluster a sequence whenever the splits the call
 // wants fit one and a cluster for every sequence stays resident (no partials, no last block), else the
-// rule above with clusters of up to 8.
+// rule above with clusters of up to 8; and both combines (across the cluster, and the last block's) load
+// several ranks or partial results at once, unconditionally, instead of one round trip each.
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
@@ -54,6 +55,7 @@ constexpr int kPad = 8;  // 16-bit elements of padding per shared row: conflict-
 constexpr int kMaxSplits = 64;
 constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kMaxWhole = 16;   // the largest (non-portable) cluster: one a sequence, when the splits fit
+constexpr int kGather = 8;      // partial results a thread loads at once in the gathering combine
 constexpr int kMaxDevices = 16;
 constexpr int kTwoBlocksBytes = 113 * 1024;  // shared memory that leaves room for two blocks per SM
 constexpr int kMaxSharedBytes = 200 * 1024;
@@ -64,6 +66,7 @@ struct Geo {
   int chunks, rows;                // 16-row chunks a warp takes of each tile; rows a tile
   int stages, splits, split_rows;  // split_rows: cache rows a split
   int cluster;                     // blocks a cluster (cluster schedule; splits is a multiple of it), else 0
+  bool gather;                     // cluster 9..16: the combines issue their loads of several slots together
   int64_t ak_b, bk_b, av_b, bv_b;  // batch strides in elements
   float q_mix;                     // scale log2(e) / (R_q R_k): scores in base 2
   float inv_rv;
@@ -428,14 +431,37 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
       }
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
       float l = 0.f;
+      if (g.gather) {
+        // Four ranks at a time, loaded unconditionally (past C at rank C - 1, weighing 0), so that the loads
+        // go out together instead of one remote round trip a rank behind its condition.
 #pragma unroll
-      for (int c = 0; c < kMaxWhole; ++c)
-        if (mc[c] != -INFINITY) {
-          const float f = exp2f(mc[c] - m);
-          const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
-          o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
-          l += f * cluster.map_shared_rank(res_l, c)[h];
+        for (int c0 = 0; c0 < kMaxWhole; c0 += 4) {
+          if (c0 >= C) break;
+          float4 v[4];
+          float lc[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int c = min(c0 + j, C - 1);
+            v[j] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
+            lc[j] = cluster.map_shared_rank(res_l, c)[h];
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float f = mc[c0 + j] == -INFINITY ? 0.f : exp2f(mc[c0 + j] - m);
+            o = make_float4(o.x + f * v[j].x, o.y + f * v[j].y, o.z + f * v[j].z, o.w + f * v[j].w);
+            l += f * lc[j];
+          }
         }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kMaxWhole; ++c)
+          if (mc[c] != -INFINITY) {
+            const float f = exp2f(mc[c] - m);
+            const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
+            o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
+            l += f * cluster.map_shared_rank(res_l, c)[h];
+          }
+      }
       if (whole) {
         const float k = 1.f / l;
         *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i) =
@@ -511,19 +537,53 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   __syncthreads();
   const int quads = H * E / 4;
   const float4* pa = reinterpret_cast<const float4*>(part_acc + int64_t(b) * S * H * E);
-  for (int i = tid; i < quads; i += kThreads) {
-    const int h = i * 4 / E;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-    for (int s = 0; s < S; ++s) {
-      const float w = wm[s * H + h];
-      const float4 v = __ldcg(pa + int64_t(s) * quads + i);
-      o.x += w * v.x;
-      o.y += w * v.y;
-      o.z += w * v.z;
-      o.w += w * v.w;
+  if (g.gather) {
+    // Two quads a thread and kGather slots at a time, loaded unconditionally (past S at slot S - 1, weighing
+    // 0): one L2 round trip for 2 kGather values, where the loop below, with fewer slots than its unroll of
+    // 16, waits on each slot's load in turn.
+    for (int i0 = tid; i0 < quads; i0 += 2 * kThreads) {
+      const int iq[2] = {i0, min(i0 + kThreads, quads - 1)};
+      float4 o[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+      for (int s0 = 0; s0 < S; s0 += kGather) {
+        float4 v[2][kGather];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int j = 0; j < kGather; ++j)
+            v[u][j] = __ldcg(pa + int64_t(min(s0 + j, S - 1)) * quads + iq[u]);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int h = iq[u] * 4 / E;
+#pragma unroll
+          for (int j = 0; j < kGather; ++j) {
+            const float w = s0 + j < S ? wm[(s0 + j) * H + h] : 0.f;
+            o[u] = make_float4(o[u].x + w * v[u][j].x, o[u].y + w * v[u][j].y, o[u].z + w * v[u][j].z,
+                               o[u].w + w * v[u][j].w);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (u == 0 || i0 + kThreads < quads)
+          *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + iq[u] * 4) =
+              make_uint2(pack2<T>(o[u].x, o[u].y), pack2<T>(o[u].z, o[u].w));
     }
-    *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i * 4) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+  } else {
+    for (int i = tid; i < quads; i += kThreads) {
+      const int h = i * 4 / E;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+      for (int s = 0; s < S; ++s) {
+        const float w = wm[s * H + h];
+        const float4 v = __ldcg(pa + int64_t(s) * quads + i);
+        o.x += w * v.x;
+        o.y += w * v.y;
+        o.z += w * v.z;
+        o.w += w * v.w;
+      }
+      *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i * 4) =
+          make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+    }
   }
   if (tid == 0) counters[b] = 0;  // ready for the next call
 }
@@ -661,6 +721,7 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   // (with the cluster size chosen above, still within the resident clusters).
   cluster = std::min(cluster, g.splits);
   g.cluster = cluster;
+  g.gather = request > kMaxCluster;
   if (cluster) g.splits = (g.splits + cluster - 1) / cluster * cluster;
   const int slots = cluster ? g.splits / cluster : g.splits;  // partial results a sequence
   Tensor length_storage, part_acc, part_stat;
