@@ -421,12 +421,14 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     const int C = g.cluster, rank = int(cluster.block_rank()), quads = H * EQ, per = (quads + C - 1) / C;
     const bool whole = g.splits == C;  // one cluster a sequence: the output
     const int64_t cslot = int64_t(b) * (g.splits / C) + split / C;
+    // Block c's result, mapped once a rank: its max and sum follow its H x E values.
+    auto remote = [&](int c) { return cluster.map_shared_rank(res_o, c); };
     for (int q = rank * per + tid; q < min(quads, (rank + 1) * per); q += kThreads) {
       const int h = q / EQ, i = q * 4;
       float mc[kMaxWhole], m = -INFINITY;  // unrolled: the remote loads go out together
 #pragma unroll
       for (int c = 0; c < kMaxWhole; ++c) {
-        mc[c] = c < C ? cluster.map_shared_rank(res_m, c)[h] : -INFINITY;
+        mc[c] = c < C ? remote(c)[H * E + h] : -INFINITY;
         m = fmaxf(m, mc[c]);
       }
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -442,8 +444,8 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int c = min(c0 + j, C - 1);
-            v[j] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
-            lc[j] = cluster.map_shared_rank(res_l, c)[h];
+            v[j] = *reinterpret_cast<const float4*>(remote(c) + i);
+            lc[j] = remote(c)[H * E + H + h];
           }
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -457,9 +459,9 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
         for (int c = 0; c < kMaxWhole; ++c)
           if (mc[c] != -INFINITY) {
             const float f = exp2f(mc[c] - m);
-            const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
+            const float4 v = *reinterpret_cast<const float4*>(remote(c) + i);
             o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
-            l += f * cluster.map_shared_rank(res_l, c)[h];
+            l += f * remote(c)[H * E + H + h];
           }
       }
       if (whole) {
