@@ -26,7 +26,11 @@
 // shared memory, four values of e a thread; after a cluster barrier block r of the cluster combines the
 // r-th slice of the (h, e) values across the cluster's blocks through distributed shared memory. One
 // cluster a sequence writes the output there; with several, each cluster writes one partial and the last
-// block of the sequence combines those (cluster-many times fewer than splits).
+// block of the sequence combines those (cluster-many times fewer than splits). Asked for more than the
+// portable 8 (9..16, non-portable sizes), it takes one cluster a sequence whenever the splits the call
+// wants fit one and a cluster for every sequence stays resident (no partials, no last block), else the
+// rule above with clusters of up to 8; and both combines (across the cluster, and the last block's) load
+// several ranks or partial results at once, unconditionally, instead of one round trip each.
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
@@ -50,6 +54,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPad = 8;  // 16-bit elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxSplits = 64;
 constexpr int kMaxCluster = 8;  // the portable cluster size
+constexpr int kMaxWhole = 16;   // the largest (non-portable) cluster: one a sequence, when the splits fit
+constexpr int kGather = 8;      // partial results a thread loads at once in the gathering combine
 constexpr int kMaxDevices = 16;
 constexpr int kTwoBlocksBytes = 113 * 1024;  // shared memory that leaves room for two blocks per SM
 constexpr int kMaxSharedBytes = 200 * 1024;
@@ -60,6 +66,7 @@ struct Geo {
   int chunks, rows;                // 16-row chunks a warp takes of each tile; rows a tile
   int stages, splits, split_rows;  // split_rows: cache rows a split
   int cluster;                     // blocks a cluster (cluster schedule; splits is a multiple of it), else 0
+  bool gather;                     // cluster 9..16: the combines issue their loads of several slots together
   int64_t ak_b, bk_b, av_b, bv_b;  // batch strides in elements
   float q_mix;                     // scale log2(e) / (R_q R_k): scores in base 2
   float inv_rv;
@@ -414,24 +421,49 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     const int C = g.cluster, rank = int(cluster.block_rank()), quads = H * EQ, per = (quads + C - 1) / C;
     const bool whole = g.splits == C;  // one cluster a sequence: the output
     const int64_t cslot = int64_t(b) * (g.splits / C) + split / C;
+    // Block c's result, mapped once a rank: its max and sum follow its H x E values.
+    auto remote = [&](int c) { return cluster.map_shared_rank(res_o, c); };
     for (int q = rank * per + tid; q < min(quads, (rank + 1) * per); q += kThreads) {
       const int h = q / EQ, i = q * 4;
-      float mc[kMaxCluster], m = -INFINITY;  // unrolled: the remote loads go out together
+      float mc[kMaxWhole], m = -INFINITY;  // unrolled: the remote loads go out together
 #pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c) {
-        mc[c] = c < C ? cluster.map_shared_rank(res_m, c)[h] : -INFINITY;
+      for (int c = 0; c < kMaxWhole; ++c) {
+        mc[c] = c < C ? remote(c)[H * E + h] : -INFINITY;
         m = fmaxf(m, mc[c]);
       }
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
       float l = 0.f;
+      if (g.gather) {
+        // Four ranks at a time, loaded unconditionally (past C at rank C - 1, weighing 0), so that the loads
+        // go out together instead of one remote round trip a rank behind its condition.
 #pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c)
-        if (mc[c] != -INFINITY) {
-          const float f = exp2f(mc[c] - m);
-          const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(res_o, c) + i);
-          o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
-          l += f * cluster.map_shared_rank(res_l, c)[h];
+        for (int c0 = 0; c0 < kMaxWhole; c0 += 4) {
+          if (c0 >= C) break;
+          float4 v[4];
+          float lc[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int c = min(c0 + j, C - 1);
+            v[j] = *reinterpret_cast<const float4*>(remote(c) + i);
+            lc[j] = remote(c)[H * E + H + h];
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float f = mc[c0 + j] == -INFINITY ? 0.f : exp2f(mc[c0 + j] - m);
+            o = make_float4(o.x + f * v[j].x, o.y + f * v[j].y, o.z + f * v[j].z, o.w + f * v[j].w);
+            l += f * lc[j];
+          }
         }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kMaxWhole; ++c)
+          if (mc[c] != -INFINITY) {
+            const float f = exp2f(mc[c] - m);
+            const float4 v = *reinterpret_cast<const float4*>(remote(c) + i);
+            o = make_float4(o.x + f * v.x, o.y + f * v.y, o.z + f * v.z, o.w + f * v.w);
+            l += f * remote(c)[H * E + H + h];
+          }
+      }
       if (whole) {
         const float k = 1.f / l;
         *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i) =
@@ -507,19 +539,53 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   __syncthreads();
   const int quads = H * E / 4;
   const float4* pa = reinterpret_cast<const float4*>(part_acc + int64_t(b) * S * H * E);
-  for (int i = tid; i < quads; i += kThreads) {
-    const int h = i * 4 / E;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-    for (int s = 0; s < S; ++s) {
-      const float w = wm[s * H + h];
-      const float4 v = __ldcg(pa + int64_t(s) * quads + i);
-      o.x += w * v.x;
-      o.y += w * v.y;
-      o.z += w * v.z;
-      o.w += w * v.w;
+  if (g.gather) {
+    // Two quads a thread and kGather slots at a time, loaded unconditionally (past S at slot S - 1, weighing
+    // 0): one L2 round trip for 2 kGather values, where the loop below, with fewer slots than its unroll of
+    // 16, waits on each slot's load in turn.
+    for (int i0 = tid; i0 < quads; i0 += 2 * kThreads) {
+      const int iq[2] = {i0, min(i0 + kThreads, quads - 1)};
+      float4 o[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+      for (int s0 = 0; s0 < S; s0 += kGather) {
+        float4 v[2][kGather];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int j = 0; j < kGather; ++j)
+            v[u][j] = __ldcg(pa + int64_t(min(s0 + j, S - 1)) * quads + iq[u]);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int h = iq[u] * 4 / E;
+#pragma unroll
+          for (int j = 0; j < kGather; ++j) {
+            const float w = s0 + j < S ? wm[(s0 + j) * H + h] : 0.f;
+            o[u] = make_float4(o[u].x + w * v[u][j].x, o[u].y + w * v[u][j].y, o[u].z + w * v[u][j].z,
+                               o[u].w + w * v[u][j].w);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (u == 0 || i0 + kThreads < quads)
+          *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + iq[u] * 4) =
+              make_uint2(pack2<T>(o[u].x, o[u].y), pack2<T>(o[u].z, o[u].w));
     }
-    *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i * 4) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+  } else {
+    for (int i = tid; i < quads; i += kThreads) {
+      const int h = i * 4 / E;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+      for (int s = 0; s < S; ++s) {
+        const float w = wm[s * H + h];
+        const float4 v = __ldcg(pa + int64_t(s) * quads + i);
+        o.x += w * v.x;
+        o.y += w * v.y;
+        o.z += w * v.z;
+        o.w += w * v.w;
+      }
+      *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i * 4) =
+          make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+    }
   }
   if (tid == 0) counters[b] = 0;  // ready for the next call
 }
@@ -555,27 +621,32 @@ int* split_counters(int device, int64_t B) {
 }
 
 // The blocks a cluster asked for: DecodeArgs::cluster, else LINTAPE_TPA_DECODE_CLUSTER, else kMaxCluster
-// (the cluster schedule; 0 is the last-block combine).
+// (the cluster schedule; 0 is the last-block combine), at most kMaxWhole.
 int cluster_request(const DecodeArgs& a) {
-  if (a.cluster >= 0) return a.cluster;
   static const int env = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_CLUSTER");
     return v ? std::atoi(v) : kMaxCluster;
   }();
-  return env;
+  return std::min(a.cluster >= 0 ? a.cluster : env, kMaxWhole);
 }
 
 // The kernel's limits, worked out once per device and shared-memory size: its dynamic shared memory
-// allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0).
+// allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0; 0 when
+// not one cluster of that size fits).
 template <class T, int HG, int NT, int CH, bool CL>
 int64_t prepare(int device, const Geo& g, int cluster) {
   auto kernel = decode_tc<T, HG, NT, CH, CL>;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
-  static int seen_total[kMaxDevices][kMaxCluster + 1] = {};
-  static int64_t resident[kMaxDevices][kMaxCluster + 1] = {};
+  static bool non_portable[kMaxDevices] = {};
+  static int seen_total[kMaxDevices][kMaxWhole + 1] = {};
+  static int64_t resident[kMaxDevices][kMaxWhole + 1] = {};
   if (allowed[device] < g.total) {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, g.total));
     allowed[device] = g.total;
+  }
+  if (cluster > kMaxCluster && !non_portable[device]) {
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    non_portable[device] = true;
   }
   if (seen_total[device][cluster] != g.total) {
     if (cluster == 0) {
@@ -595,7 +666,7 @@ int64_t prepare(int device, const Geo& g, int cluster) {
       cfg.numAttrs = 1;
       int clusters = 0;
       LT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-      resident[device][cluster] = int64_t(std::max(1, clusters)) * cluster;
+      resident[device][cluster] = int64_t(clusters) * cluster;
     }
     seen_total[device][cluster] = g.total;
   }
@@ -607,10 +678,12 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const Device dev = a.aq.device();
   const int device = dev.index;
   // The cluster schedule where it was asked for and applies (two chunks a warp, bq 16-byte aligned).
-  int cluster = std::min(cluster_request(a), kMaxCluster);
+  const int request = cluster_request(a), cluster_cap = std::min(request, kMaxCluster);
+  int cluster = cluster_cap;
   if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
   auto kernel = decode_tc<T, HG, NT, CH, false>;
   auto clustered = decode_tc<T, HG, NT, CH, CH == 2>;
+  auto resident_with = [&](int c) { return prepare<T, HG, NT, CH, CH == 2>(device, g, c); };
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
   int64_t resident = 0;
   if (cluster) {
@@ -620,13 +693,13 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
     int best = 1;
     int64_t best_blocks = 0;
     for (int c = cluster; c >= 1; --c) {
-      const int64_t per_sequence = prepare<T, HG, NT, CH, CH == 2>(device, g, c) / c / B;
+      const int64_t per_sequence = resident_with(c) / c / B;
       if (per_sequence * c > best_blocks) {
         best = c;
         best_blocks = per_sequence * c;
       }
     }
-    if (a.split_rows <= 0) cluster = best;
+    cluster = best;
     resident = std::max<int64_t>(best_blocks, 1) * B;
   } else {
     resident = prepare<T, HG, NT, CH, false>(device, g, 0);
@@ -635,9 +708,14 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   if (rows > 0) {
     rows = (rows + g.rows - 1) / g.rows * g.rows;
     rows = std::max(rows, (M + kMaxSplits - 1) / kMaxSplits);
+    // The size asked for (tests: many clusters a sequence), where one cluster of it fits the GPU.
+    if (cluster) cluster = request > kMaxCluster && resident_with(request) > 0 ? request : cluster_cap;
   } else {
     const int s = choose_splits(B, M, resident, g);
     rows = ((M + s - 1) / s + g.rows - 1) / g.rows * g.rows;
+    // Past the portable size (request 9..16): one cluster a sequence whenever the splits fit one and a
+    // cluster for every sequence stays resident, so that no last block combines partial results.
+    if (cluster && request > kMaxCluster && s > cluster && s <= request && resident_with(s) / s >= B) cluster = s;
   }
   g.split_rows = int(rows);
   g.splits = int((M + rows - 1) / rows);
@@ -645,6 +723,7 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   // (with the cluster size chosen above, still within the resident clusters).
   cluster = std::min(cluster, g.splits);
   g.cluster = cluster;
+  g.gather = request > kMaxCluster;
   if (cluster) g.splits = (g.splits + cluster - 1) / cluster * cluster;
   const int slots = cluster ? g.splits / cluster : g.splits;  // partial results a sequence
   Tensor length_storage, part_acc, part_stat;

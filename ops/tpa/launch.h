@@ -20,8 +20,10 @@ struct DecodeArgs {
   int64_t split_rows = 0;          // cache rows per split; 0 lets the launcher choose from the shapes
   bool allow_tensor_cores = true;  // false forces the general kernel (tests)
   // Tensor-core kernel: 1..8 runs the cluster schedule (splits combined by thread-block clusters of up
-  // to this many blocks through distributed shared memory), 0 the last-block combine, -1 what
-  // LINTAPE_TPA_DECODE_CLUSTER says (unset: the cluster schedule, clusters of up to 8).
+  // to this many blocks through distributed shared memory), 9..16 the same with one cluster a sequence
+  // of up to this many blocks where the splits fit one and combines that load several partial results
+  // at once, 0 the last-block combine, -1 what LINTAPE_TPA_DECODE_CLUSTER says (unset: the cluster
+  // schedule, clusters of up to 8).
   int cluster = -1;
 };
 
