@@ -50,7 +50,8 @@ __device__ __forceinline__ void store_wg_acc(float* t, const float (&acc)[HD / 2
 }
 
 // The same accumulator's rows below M into an f32 workspace x (entries, M, H, HD) at entry e, head h; key is this
-// thread's first row (the second 8 further). A quad writes 32 contiguous bytes of a row.
+// thread's first row (the second 8 further). A quad writes 32 contiguous bytes of a row; streaming stores (read
+// only by a later launch), so that they evict them first rather than the Q and dO rows other blocks reread.
 template <int HD>
 __device__ __forceinline__ void store_wg_acc_rows(float* x, const float (&acc)[HD / 2], int64_t e, int M, int H,
                                                   int h, int key) {
@@ -61,7 +62,7 @@ __device__ __forceinline__ void store_wg_acc_rows(float* x, const float (&acc)[H
     float* row = x + ((e * M + key + 8 * rr) * H + h) * HD + c;
 #pragma unroll
     for (int j = 0; j < HD / 8; ++j)
-      *reinterpret_cast<float2*>(row + j * 8) = make_float2(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+      __stcs(reinterpret_cast<float2*>(row + j * 8), make_float2(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]));
   }
 }
 
