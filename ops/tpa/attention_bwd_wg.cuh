@@ -254,6 +254,10 @@ __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
     wgmma_fence_operand(dv);
     wgmma_fence_operand(dk);
   }
+  if constexpr (SPLIT) {  // issued before the last dQ product and its turn, drained while they run
+    store_wg_acc_rows<HD>(p.dk_rows, dk, bb - p.b0, p.M, p.H, h, key_a);
+    store_wg_acc_rows<HD>(p.dv_rows, dv, bb - p.b0, p.M, p.H, h, key_a);
+  }
   fence_proxy_async();
   __syncthreads();  // dS'^T of the last tile published
   count_added();
@@ -268,11 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
   }
   __syncthreads();  // every warp done with the 16-bit tiles
   count_added();
-  if constexpr (SPLIT) {
-    store_wg_acc_rows<HD>(p.dk_rows, dk, bb - p.b0, p.M, p.H, h, key_a);
-    store_wg_acc_rows<HD>(p.dv_rows, dv, bb - p.b0, p.M, p.H, h, key_a);
-    return;
-  }
+  if constexpr (SPLIT) return;
   float* fk = reinterpret_cast<float*>(ks);
   float* fv = fk + kBig * (HD + 4);
   float* wk = fv + kBig * (HD + 4);
