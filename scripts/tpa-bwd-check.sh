@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # The TPA attention backward kernels in one command on the GPU machine: a Release sm_90a build (the CLI and the
-# tests), the backward-kernel case, the backward benchmark with the default kernel, each kernel named
-# (LINTAPE_TPA_BWD) and the warpgroup kernel with unordered sums (LINTAPE_TPA_BWD_ORDER=0: the turns' cost), the
-# einsum + SDPA peer, then at once (no timing runs beside them) the TPA CUDA cases with the default kernels (the
-# launcher case runs both backward kernels after every forward kernel) and compute-sanitizer on the
-# backward-kernel case (SANITIZERS, default memcheck racecheck synccheck); last Nsight Compute's speed of light
-# of one backward's kernels at B 8 H 16 N 2048, and a table of backward times. Every step has a time limit and
-# runs even when an earlier one failed.
+# tests), the backward-kernel case (every backward kernel, the split one included), the backward benchmark for
+# each name in BENCHES (default "default wgmma-split": the default kernel, then LINTAPE_TPA_BWD=NAME; also mma,
+# wgmma, and wgmma-unordered: the warpgroup kernel with LINTAPE_TPA_BWD_ORDER=0, the turns' cost), the einsum +
+# SDPA peer when PYTHONPATH is set, then at once (no timing runs beside them) the TPA CUDA cases with
+# LINTAPE_TPA_BWD=wgmma-split (every case that takes the default backward takes the split one; the launcher
+# cases run all backward kernels anyway), memcheck on the backward-kernel and split cases and racecheck on the
+# split case; with NCU=1 Nsight Compute's speed of light of one split backward at B 8 H 16 N 2048; last a table
+# of backward times. Every step has a time limit and runs even when an earlier one failed.
 #
 #   scripts/tpa-bwd-check.sh OUTDIR
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$1" && out=$(cd "$1" && pwd)
 build=${LINTAPE_GPU_BUILD:-$root/build-gpu}
 tests=$build/tests/lintape_tests
 cli=$build/lintape
 case='*backward kernels at the tiles*'
+split='*split backward*'
 status=0
 step() {  # step NAME SECONDS LOG COMMAND...
   local name=$1 limit=$2 log=$3 rc
@@ -33,7 +35,7 @@ step configure 90 "$out/build.log" cmake -S "$root" -B "$build" -G Ninja -DLINTA
   -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release
 step build 240 "$out/build.log" cmake --build "$build" -j16 --target lintape_cli lintape_tests ||
   { tail -n 40 "$out/build.log"; exit 1; }
-step "backward-kernel case" 60 "$out/tests.log" "$tests" -tc="$case"
+step "backward-kernel case" 90 "$out/tests.log" "$tests" -tc="$case,$split"
 bench() {  # bench NAME VAR=VALUE...
   local name=$1
   shift
@@ -42,25 +44,31 @@ bench() {  # bench NAME VAR=VALUE...
     >>"$out/bench.txt" 2>&1
   echo "bench $name: exit $? at $(date +%T)" | tee -a "$out/summary.txt"
 }
-bench default
-bench mma LINTAPE_TPA_BWD=mma
-bench wgmma-unordered LINTAPE_TPA_BWD=wgmma LINTAPE_TPA_BWD_ORDER=0
+for name in ${BENCHES:-default wgmma-split}; do
+  case $name in
+    default) bench default ;;
+    wgmma-unordered) bench wgmma-unordered LINTAPE_TPA_BWD=wgmma LINTAPE_TPA_BWD_ORDER=0 ;;
+    *) bench "$name" LINTAPE_TPA_BWD="$name" ;;
+  esac
+done
 if [ -n "${PYTHONPATH:-}" ]; then
   step peer 120 "$out/peer.txt" python3 "$root/bench/peers/tpa_peer.py" --no-decode --attention-ns 2048,8192 \
     --attention-shapes 8x16,16x6
 fi
-step "tpa cases" 150 "$out/tests.log" "$tests" -tc='*cuda*tpa*' &
-for tool in ${SANITIZERS:-memcheck racecheck synccheck}; do
-  step "$tool" 150 "$out/sanitizer-$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 "$tests" -tc="$case" &
-done
+step "tpa cases, split backward" 180 "$out/tests.log" env LINTAPE_TPA_BWD=wgmma-split "$tests" -tc='*cuda*tpa*' &
+step memcheck 180 "$out/sanitizer-memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
+  -tc="$case,$split" &
+step racecheck 180 "$out/sanitizer-racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
+  -tc="$split" &
 wait
 tail -n 3 "$out"/sanitizer-*.log
 grep -E "test cases|assertions" "$out/tests.log"
-# The backward's kernels (and the forward's row builds) past the first calls, at B 8 H 16 N 2048, one by one.
-step ncu 60 "$out/ncu.txt" ncu --clock-control none --section SpeedOfLight --launch-skip 8 --launch-count 12 \
-  -k 'regex:attention_delta|build_rows|backward|attention_bwd|q_factor' "$cli" bench tpa-attention --mode bwd \
-  --metric speed --n 2048 --reps 1
-grep -E "\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput" "$out/ncu.txt" | cut -c1-150 | head -n 48
+if [ "${NCU:-0}" = 1 ]; then  # the split backward's kernels past the first calls, at B 8 H 16 N 2048, one by one
+  step ncu 60 "$out/ncu.txt" env LINTAPE_TPA_BWD=wgmma-split ncu --clock-control none --section SpeedOfLight \
+    --launch-skip 10 --launch-count 14 -k 'regex:attention_delta|build_rows|backward|factor_grads' "$cli" bench \
+    tpa-attention --mode bwd --metric speed --n 2048 --reps 1
+  grep -E "\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput" "$out/ncu.txt" | cut -c1-150 | head -n 56
+fi
 # The table: each kernel's backward rows (ms: fused, composed, TFLOP/s), then the peer's.
 grep -E "^== bench|speed-bwd|^ *[0-9]+ " "$out/bench.txt"
 [ -f "$out/peer.txt" ] && tail -n 20 "$out/peer.txt"

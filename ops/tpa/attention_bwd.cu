@@ -7,7 +7,8 @@
 // workspace, key tile by key tile in order, then a second kernel contracts it to aq and bq per token, over
 // all heads at once. The fixed orders (attention_parts' turns) make the gradients the same bits run to run.
 // On Hopper (sm_90a builds, D = 128, no documents) the same schedule on warpgroup products
-// (ops/tpa/attention_bwd_wg.cuh), the default there.
+// (ops/tpa/attention_bwd_wg.cuh), the default there; its split form writes dK and dV to f32 workspaces instead,
+// contracted per token as dQ is (no head turns in the tensor-core kernel; (N + 2 M) H D floats a batch entry).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -281,14 +282,70 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const Pai
   }
 }
 
+// The same contraction for any pair, ranks G at a time: the token's rows (x, f32, (tokens, H, HD) from token t0)
+// are read once per G ranks, and the G dot products of a row reduced together. The same arithmetic in the same
+// order as attention_q_factor_grads. The split backward's three contractions (dQ, dK, dV).
+template <class T, int HD>
+__global__ void rows_factor_grads(const float* __restrict__ x, const Pair<T> f, T* __restrict__ da,
+                                  T* __restrict__ db, int64_t t0, int64_t tokens, int H, float mul) {
+  constexpr int E = HD / 32, G = 4;
+  const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (w >= tokens) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t t = t0 + w;
+  const int R = f.R;
+  for (int r0 = 0; r0 < R; r0 += G) {
+    float b[G][E], acc[G][E];
+#pragma unroll
+    for (int u = 0; u < G; ++u)
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        b[u][e] = r0 + u < R ? to_acc(f.b_at(t)[(r0 + u) * HD + lane + 32 * e]) : 0.f;
+        acc[u][e] = 0.f;
+      }
+#pragma unroll 2
+    for (int h = 0; h < H; ++h) {
+      float xv[E], dot[G];
+#pragma unroll
+      for (int e = 0; e < E; ++e) xv[e] = x[(w * H + h) * HD + lane + 32 * e];
+#pragma unroll
+      for (int u = 0; u < G; ++u) {
+        dot[u] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) dot[u] += xv[e] * b[u][e];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2)
+#pragma unroll
+        for (int u = 0; u < G; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+      const T* ah = f.a_at(t, h);
+#pragma unroll
+      for (int u = 0; u < G; ++u) {
+        if (r0 + u >= R) break;
+        if (lane == 0) da[(t * H + h) * R + r0 + u] = from_acc<T>(dot[u] * mul);
+        const float wr = to_acc(ah[r0 + u]) * mul;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[u][e] += wr * xv[e];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < G; ++u) {
+      if (r0 + u >= R) break;
+#pragma unroll
+      for (int e = 0; e < E; ++e) db[(t * R + r0 + u) * HD + lane + 32 * e] = from_acc<T>(acc[u][e]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Launcher.
 
-// WG: the warpgroup kernel (attention_bwd_wg.cuh) instead of attention_bwd.
-template <class T, int HD, bool DOCS, bool WG>
+// WG: the warpgroup kernel (attention_bwd_wg.cuh) instead of attention_bwd; SPLIT: its split form.
+template <class T, int HD, bool DOCS, bool WG, bool SPLIT = false>
 void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                     FactorGrads& g) {
   static_assert(!WG || (HD == 128 && !DOCS), "the warpgroup kernel: D = 128, no documents");
+  static_assert(WG || !SPLIT, "the split form is the warpgroup kernel's");
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
   Params<T> p = make_params<T>(a);
@@ -308,19 +365,22 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   // Per launch of up to `chunk` batch entries: a zeroed f32 workspace, dQ (N H HD a batch entry, summed
   // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
   // g.bv, then the turns' counters (H query tiles + kChunks a key tile, a batch entry) and the blocks'
-  // ticket; and Q (N H HD in T a batch entry).
-  const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = int64_t(p.M) * p.fk.R * HD,
-                dbv_len = int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
+  // ticket; and Q (N H HD in T a batch entry). SPLIT: no basis workspaces (the per-token kernel writes g.bk,
+  // g.bv) but dK / scale and dV (M H HD f32 each a batch entry, every row written once, not zeroed).
+  const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = SPLIT ? 0 : int64_t(p.M) * p.fk.R * HD,
+                dbv_len = SPLIT ? 0 : int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
                 turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks + 1,
-                ws_len = dq_len + dbk_len + dbv_len + turns;
-  const int64_t launches = batch_launches(B, ws_len * 4 + dq_len * 2, B * dq_len * 2, key_tiles * p.H, dev.index);
+                ws_len = dq_len + dbk_len + dbv_len + turns, rows_len = SPLIT ? int64_t(p.M) * p.H * HD : 0;
+  const int64_t launches = batch_launches(B, (ws_len + 2 * rows_len) * 4 + dq_len * 2, B * dq_len * 2,
+                                          key_tiles * p.H, dev.index);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * ws_len}, DType::F32, dev);
+  Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, DType::F32, dev) : Tensor();
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   p.q = static_cast<const T*>(qbuf.data());
   static bool configured = false;
   if constexpr (WG)
-    allow_smem(attention_bwd_wg::backward<T, HD>, attention_bwd_wg::smem_bytes<HD>(), configured);
+    allow_smem(attention_bwd_wg::backward<T, HD, SPLIT>, attention_bwd_wg::smem_bytes<HD>(), configured);
   else
     allow_smem(attention_bwd<T, HD, DOCS>, bwd_smem<HD>(), configured);
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
@@ -332,22 +392,39 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.dq_turn = reinterpret_cast<int*>(p.dbv + n * dbv_len);
     p.db_turn = p.dq_turn + n * p.H * ((p.N + kSmall - 1) / kSmall);
     p.ticket = p.db_turn + n * key_tiles * kChunks;
+    if constexpr (SPLIT) {
+      p.dk_rows = rows_ws.data_ptr<float>();
+      p.dv_rows = p.dk_rows + n * rows_len;
+    }
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * ws_len) * 4, st));
     build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
         p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     if constexpr (WG)
-      attention_bwd_wg::backward<T, HD><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
+      attention_bwd_wg::backward<T, HD, SPLIT><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
     else
       attention_bwd<T, HD, DOCS><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
     LT_CUDA_CHECK_LAUNCH();
-    attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
-        p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
-    LT_CUDA_CHECK_LAUNCH();
-    Tensor dbk = g.bk.narrow(0, b0, n), dbv = g.bv.narrow(0, b0, n);
-    dbk.copy_(ws.narrow(0, n * dq_len, n * dbk_len).view(dbk.shape()));
-    dbv.copy_(ws.narrow(0, n * (dq_len + dbk_len), n * dbv_len).view(dbv.shape()));
+    if constexpr (SPLIT) {  // dK is dK / scale, as dQ
+      const int64_t keys = n * p.M;
+      rows_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
+          p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
+      LT_CUDA_CHECK_LAUNCH();
+      rows_factor_grads<T, HD><<<grid_for(keys, kWarps), kThreads, 0, st>>>(
+          p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys, p.H, p.fk.inv_r * p.scale);
+      LT_CUDA_CHECK_LAUNCH();
+      rows_factor_grads<T, HD><<<grid_for(keys, kWarps), kThreads, 0, st>>>(
+          p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.H, p.fv.inv_r);
+      LT_CUDA_CHECK_LAUNCH();
+    } else {
+      attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
+          p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
+      LT_CUDA_CHECK_LAUNCH();
+      Tensor dbk = g.bk.narrow(0, b0, n), dbv = g.bv.narrow(0, b0, n);
+      dbk.copy_(ws.narrow(0, n * dq_len, n * dbk_len).view(dbk.shape()));
+      dbv.copy_(ws.narrow(0, n * (dq_len + dbk_len), n * dbv_len).view(dbv.shape()));
+    }
     b0 += n;
   }
 }
@@ -375,14 +452,15 @@ BackwardKernel backward_kernel_from_env() {
   const std::string e = env;
   if (e == "mma") return BackwardKernel::MmaSync;
   if (e == "wgmma") return BackwardKernel::Warpgroup;
-  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_BWD is mma or wgmma; got ", e);
+  if (e == "wgmma-split") return BackwardKernel::WarpgroupSplit;
+  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_BWD is mma, wgmma or wgmma-split; got ", e);
   return BackwardKernel::Auto;
 }
 }  // namespace
 
 std::vector<BackwardKernel> backward_kernels(int device) {
   if (!wgmma_compiled() || !is_hopper(device)) return {BackwardKernel::MmaSync};
-  return {BackwardKernel::MmaSync, BackwardKernel::Warpgroup};
+  return {BackwardKernel::MmaSync, BackwardKernel::Warpgroup, BackwardKernel::WarpgroupSplit};
 }
 
 void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
@@ -391,12 +469,15 @@ void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor&
   BackwardKernel k = a.backward_kernel == BackwardKernel::Auto ? backward_kernel_from_env() : a.backward_kernel;
   const std::vector<BackwardKernel> ok = backward_kernels(a.aq.device().index);
   if (k == BackwardKernel::Auto) k = BackwardKernel::Warpgroup;  // where it runs: faster at every shape measured
-  if (k != BackwardKernel::Warpgroup || a.bq.size(3) != 128 || std::find(ok.begin(), ok.end(), k) == ok.end())
+  if (k == BackwardKernel::MmaSync || a.bq.size(3) != 128 || std::find(ok.begin(), ok.end(), k) == ok.end())
     return backward_dispatch<false>(a, out, lse, dout, g);
-  if (a.aq.dtype() == DType::BF16)
-    backward_typed<__nv_bfloat16, 128, false, true>(a, out, lse, dout, g);
+  const bool bf16 = a.aq.dtype() == DType::BF16;
+  if (k == BackwardKernel::WarpgroupSplit)
+    bf16 ? backward_typed<__nv_bfloat16, 128, false, true, true>(a, out, lse, dout, g)
+         : backward_typed<__half, 128, false, true, true>(a, out, lse, dout, g);
   else
-    backward_typed<__half, 128, false, true>(a, out, lse, dout, g);
+    bf16 ? backward_typed<__nv_bfloat16, 128, false, true>(a, out, lse, dout, g)
+         : backward_typed<__half, 128, false, true>(a, out, lse, dout, g);
 }
 
 }  // namespace lintape::tpa_cuda

@@ -8,6 +8,8 @@
 //   dQ = dS' K (kSmall queries x 64 columns, warpgroup w columns 64 w..: A dS'^T from shared memory, MN-major,
 //   written by both warpgroups; B K, MN-major), in the next tile's barrier interval as in attention_bwd, issued
 //   before that tile's S^T and dP^T and added to the workspace while they run.
+// SPLIT: the block ends by writing its dK / scale and dV rows into f32 workspaces, which a bandwidth-bound kernel
+// contracts to the factors per token, as it does dQ; otherwise the block contracts them itself (basis_turns).
 // Every tile is stored with the 128-byte swizzle (attention_tma::SwizzleTile): K and V built from their
 // factors, Q (built once per launch) and dO copied by cp.async, double-buffered, and dS'^T (kBig keys x
 // kSmall queries, one 64-column box). One barrier a query tile.
@@ -47,6 +49,23 @@ __device__ __forceinline__ void store_wg_acc(float* t, const float (&acc)[HD / 2
   }
 }
 
+// The same accumulator's rows below M into an f32 workspace x (entries, M, H, HD) at entry e, head h; key is this
+// thread's first row (the second 8 further). A quad writes 32 contiguous bytes of a row; streaming stores (read
+// only by a later launch), so that they evict them first rather than the Q and dO rows other blocks reread.
+template <int HD>
+__device__ __forceinline__ void store_wg_acc_rows(float* x, const float (&acc)[HD / 2], int64_t e, int M, int H,
+                                                  int h, int key) {
+  const int c = (threadIdx.x % 4) * 2;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    if (key + 8 * rr >= M) break;
+    float* row = x + ((e * M + key + 8 * rr) * H + h) * HD + c;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+      __stcs(reinterpret_cast<float2*>(row + j * 8), make_float2(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]));
+  }
+}
+
 #ifdef LINTAPE_WGMMA
 // acc (64 x kSmall) = A B^T, A this warpgroup's rows of a key tile and B a query tile, both K-major (HD
 // along K); issued, not committed.
@@ -76,7 +95,7 @@ __device__ __forceinline__ void issue_frags_times(float (&acc)[HD / 2], const ui
     wgmma_rs<T, HD, 1>(acc, a[kk], wgmma_desc_sw128(x + kk * 16 * kBox, kSmall * kBox * 2, 1024));
 }
 
-template <class T, int HD>
+template <class T, int HD, bool SPLIT>
 __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
   static_assert(HD == 2 * kBox, "dQ's columns: a box a warpgroup");
   constexpr int KT = kBig * HD, QT = kSmall * HD, DT = kBig * kSmall;
@@ -235,6 +254,10 @@ __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
     wgmma_fence_operand(dv);
     wgmma_fence_operand(dk);
   }
+  if constexpr (SPLIT) {  // issued before the last dQ product and its turn, drained while they run
+    store_wg_acc_rows<HD>(p.dk_rows, dk, bb - p.b0, p.M, p.H, h, key_a);
+    store_wg_acc_rows<HD>(p.dv_rows, dv, bb - p.b0, p.M, p.H, h, key_a);
+  }
   fence_proxy_async();
   __syncthreads();  // dS'^T of the last tile published
   count_added();
@@ -249,6 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
   }
   __syncthreads();  // every warp done with the 16-bit tiles
   count_added();
+  if constexpr (SPLIT) return;
   float* fk = reinterpret_cast<float*>(ks);
   float* fv = fk + kBig * (HD + 4);
   float* wk = fv + kBig * (HD + 4);
@@ -261,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
   basis_turns<T, HD>(fk, fv, wk, wv, p, bb, h, kt, k0);
 }
 #else
-template <class T, int HD>
+template <class T, int HD, bool SPLIT>
 __global__ void backward(const Params<T>) {
   __trap();  // attention_backward picks this kernel only where wgmma was compiled
 }

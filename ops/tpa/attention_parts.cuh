@@ -50,6 +50,7 @@ struct Params {
   T *daq, *dak, *dav;        // written once per (token, head, rank)
   float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads in head order
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles in order
+  float *dk_rows, *dv_rows;  // the split backward's f32 workspaces (batch entries, M, H, HD): dK / scale, dV
   int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see wait_turn
   int* db_turn;              // zeroed, a counter per (batch entry, key tile, chunk of 16 keys)
   int* ticket;               // zeroed: hands the blocks their places in the grid in the order they start

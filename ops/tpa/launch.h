@@ -68,10 +68,11 @@ enum class ForwardKernel {
 std::vector<ForwardKernel> forward_kernels(int device);
 
 // The backward's kernels (ops/tpa/attention_bwd.cu): mma.sync (any tensor-core GPU, every call) and, on Hopper
-// in sm_90a builds, warpgroup products (Warpgroup: D = 128 without documents; other calls run mma.sync).
-// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma), else Warpgroup where the call and the device run it (faster
-// than MmaSync at every shape measured on an H100, bench/notes/tpa-hopper.md section 4).
-enum class BackwardKernel { Auto, MmaSync, Warpgroup };
+// in sm_90a builds, warpgroup products (Warpgroup: D = 128 without documents; other calls run mma.sync), and
+// their split form (WarpgroupSplit: dK and dV through f32 workspaces, contracted per token by a second kernel).
+// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma, wgmma-split), else Warpgroup where the call and the device run
+// it (faster than MmaSync at every shape measured on an H100, bench/notes/tpa-hopper.md section 4).
+enum class BackwardKernel { Auto, MmaSync, Warpgroup, WarpgroupSplit };
 
 // The kernels attention_backward can run on this device for a call without documents at D = 128 (MmaSync
 // first).
@@ -102,11 +103,12 @@ struct FactorGrads {
   Tensor aq, bq, ak, bk, av, bv;
 };
 
-// Fills g (every element written) from dout (B, N, H, E) contiguous, the forward's out and lse. q, k, v and
-// dk, dv never reach global memory: the kernel contracts its f32 dk and dv tiles to the factors (the basis
-// gradients summed over heads in f32); dq is summed over key tiles in f32 and contracted by a second kernel.
-// The sums run in a fixed order: the same inputs give the same bits. Their workspace, (N H + M R_k + M R_v) D
-// floats a batch entry, covers the batch entries of one launch. The forward's workspace is K and V (2 M H D
+// Fills g (every element written) from dout (B, N, H, E) contiguous, the forward's out and lse. k, v never
+// reach global memory, nor (but with WarpgroupSplit) dk, dv: the kernel contracts its f32 dk and dv tiles to the
+// factors (the basis gradients summed over heads in f32); dq is summed over key tiles in f32 and contracted by
+// a second kernel. The sums run in a fixed order: the same inputs give the same bits. Their workspace,
+// (N H + M R_k + M R_v) D floats a batch entry ((N H + 2 M H) D with WarpgroupSplit, whose dk and dv rows take
+// dq's way), covers the batch entries of one launch. The forward's workspace is K and V (2 M H D
 // values a batch entry) of a launch.
 void attention_backward(const AttentionArgs& args, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         FactorGrads& g);
