@@ -30,7 +30,7 @@ struct TrainArgs {
   std::string preset = "auto", config_file, data, val_data, device = "auto", dtype = "auto", mixers, log,
               checkpoint_dir, documents;
   int64_t steps = 0, batch = 0, seq = 0, checkpoint_every = -1, seed = -1, zero = 0, eot_token = kGpt2EndOfText;
-  double lr = 0, bucket_mib = 0;
+  double lr = 0, bucket_mib = 25;
   bool resume = false, no_cuda_graph = false;
   const CLI::App* app = nullptr;  // which options were given
   bool given(const char* name) const { return app->count(name) > 0; }
@@ -356,7 +356,7 @@ Command add_train_command(CLI::App& app) {
       ->check(CLI::IsMember({0, 1}));
   sub->add_option("--bucket-mib", args->bucket_mib,
                   "under mpirun, without --zero 1: gradient all-reduce buckets (MiB) started during backward; "
-                  "0 (default): one, after backward")
+                  "0: one, after backward")
       ->capture_default_str()
       ->check(non_negative_number());
   add_documents_option(sub, args->documents,

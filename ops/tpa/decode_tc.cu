@@ -620,12 +620,12 @@ int* split_counters(int device, int64_t B) {
   return ptr[device];
 }
 
-// The blocks a cluster asked for: DecodeArgs::cluster, else LINTAPE_TPA_DECODE_CLUSTER, else kMaxCluster
-// (the cluster schedule; 0 is the last-block combine), at most kMaxWhole.
+// The blocks a cluster asked for: DecodeArgs::cluster, else LINTAPE_TPA_DECODE_CLUSTER, else kMaxWhole
+// (one cluster a sequence where the splits fit, else the cluster schedule; 0 is the last-block combine).
 int cluster_request(const DecodeArgs& a) {
   static const int env = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_CLUSTER");
-    return v ? std::atoi(v) : kMaxCluster;
+    return v ? std::atoi(v) : kMaxWhole;
   }();
   return std::min(a.cluster >= 0 ? a.cluster : env, kMaxWhole);
 }

@@ -22,8 +22,8 @@ struct DecodeArgs {
   // Tensor-core kernel: 1..8 runs the cluster schedule (splits combined by thread-block clusters of up
   // to this many blocks through distributed shared memory), 9..16 the same with one cluster a sequence
   // of up to this many blocks where the splits fit one and combines that load several partial results
-  // at once, 0 the last-block combine, -1 what LINTAPE_TPA_DECODE_CLUSTER says (unset: the cluster
-  // schedule, clusters of up to 8).
+  // at once, 0 the last-block combine, -1 what LINTAPE_TPA_DECODE_CLUSTER says (unset: 16, faster than 8
+  // at every measured shape on an H100, bench/notes/tpa-decode.md).
   int cluster = -1;
 };
 
@@ -70,8 +70,8 @@ std::vector<ForwardKernel> forward_kernels(int device);
 // The backward's kernels (ops/tpa/attention_bwd.cu): mma.sync (any tensor-core GPU, every call) and, on Hopper
 // in sm_90a builds, warpgroup products (Warpgroup: D = 128 without documents; other calls run mma.sync), and
 // their split form (WarpgroupSplit: dK and dV through f32 workspaces, contracted per token by a second kernel).
-// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma, wgmma-split), else Warpgroup where the call and the device run
-// it (faster than MmaSync at every shape measured on an H100, bench/notes/tpa-hopper.md section 4).
+// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma, wgmma-split), else WarpgroupSplit where the call and the device
+// run it (the fastest of the three at every shape measured on an H100, bench/notes/tpa-hopper.md section 4).
 enum class BackwardKernel { Auto, MmaSync, Warpgroup, WarpgroupSplit };
 
 // The kernels attention_backward can run on this device for a call without documents at D = 128 (MmaSync
