@@ -16,38 +16,10 @@ using namespace lintape::test;
 
 namespace {
 
-struct DecodeShape {
-  int64_t B, M, H, Rq, Rk, Rv, D, E;
-};
-
-struct Inputs {
-  std::vector<Tensor> cpu;  // f64, rounded through the tested dtype
-  std::vector<Tensor> gpu;  // the tested dtype
-};
-
-Inputs decode_inputs(const DecodeShape& s, DType dt, uint64_t seed) {
-  const Shape shapes[] = {{s.B, 1, s.H, s.Rq},  {s.B, 1, s.Rq, s.D}, {s.B, s.M, s.H, s.Rk},
-                          {s.B, s.M, s.Rk, s.D}, {s.B, s.M, s.H, s.Rv}, {s.B, s.M, s.Rv, s.E}};
-  Inputs in;
-  for (int i = 0; i < 6; ++i) {
-    Tensor g = randn(shapes[i], dt, gpu(), seed * 8 + uint64_t(i));
-    in.gpu.push_back(g);
-    in.cpu.push_back(g.to(Device::cpu()).to(DType::F64));
-  }
-  return in;
-}
-
-Tensor cpu_decode(const Inputs& in, const std::vector<int64_t>& lengths) {
-  TpaOptions o;
-  o.cache_lengths = lengths;
-  const std::vector<Tensor>& c = in.cpu;
-  return tpa_decode(c[0], c[1], c[2], c[3], c[4], c[5], o, Impl::Reference);
-}
-
 // Runs the launcher on a poisoned output and compares with the reference; cluster as DecodeArgs::cluster.
 void check_decode(const DecodeShape& s, DType dt, const std::vector<int64_t>& lengths, int64_t split_rows,
                   bool tensor_cores, uint64_t seed, int cluster = -1) {
-  const Inputs in = decode_inputs(s, dt, seed);
+  const FactorInputs in = decode_inputs(s, dt, seed, gpu());
 #if LINTAPE_WITH_CUDA
   tpa_cuda::DecodeArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], lengths};
   a.scale = 1.0 / std::sqrt(double(s.D));
@@ -117,7 +89,7 @@ TEST_CASE("cuda tpa decode tensor-core kernel error at the seeds' shape" * LT_CU
   LT_REQUIRE_CUDA();
   // B = 8, H = 32, R_q = 16, D = E = 128, bf16, a long cache: relative error vs f64 within 5e-3.
   const DecodeShape s{8, 8192, 32, 16, 1, 1, 128, 128};
-  const Inputs in = decode_inputs(s, DType::BF16, 11);
+  const FactorInputs in = decode_inputs(s, DType::BF16, 11, gpu());
   const std::vector<int64_t> lengths(size_t(s.B), s.M);
   const Tensor out = tpa_decode(in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5]);
   const double err = rel_error(out.to(Device::cpu()), cpu_decode(in, lengths));
@@ -130,7 +102,7 @@ TEST_CASE("cuda tpa decode tensor-core kernel error at the seeds' shape" * LT_CU
 TEST_CASE("cuda tpa decode over a TpaCache reads it in place" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const DecodeShape s{4, 300, 8, 16, 1, 1, 128, 128};
-  const Inputs in = decode_inputs(s, DType::BF16, 3);
+  const FactorInputs in = decode_inputs(s, DType::BF16, 3, gpu());
   TpaCache cache(s.B, s.H, s.Rk, s.Rv, s.D, s.E, DType::BF16, gpu(), Tensor(), 64);
   for (int64_t t = 0; t < s.M; ++t)
     cache.append(in.gpu[2].narrow(1, t, 1), in.gpu[3].narrow(1, t, 1), in.gpu[4].narrow(1, t, 1),
@@ -162,10 +134,10 @@ bool all_finite(const Tensor& t) {
 }
 
 // The six factors on the GPU in dt and their f64 CPU copies (rounded through dt).
-Inputs attention_inputs(const AttnShape& s, DType dt, uint64_t seed) {
+FactorInputs attention_inputs(const AttnShape& s, DType dt, uint64_t seed) {
   const Shape shapes[] = {{s.B, s.N, s.H, s.Rq}, {s.B, s.N, s.Rq, s.D}, {s.B, s.M, s.H, s.Rk},
                           {s.B, s.M, s.Rk, s.D}, {s.B, s.M, s.H, s.Rv}, {s.B, s.M, s.Rv, s.D}};
-  Inputs in;
+  FactorInputs in;
   for (int i = 0; i < 6; ++i) {
     Tensor g = randn(shapes[i], dt, gpu(), seed * 8 + uint64_t(i));
     in.gpu.push_back(g);
@@ -194,7 +166,7 @@ TEST_CASE("cuda tpa attention fused forward and six gradients match the CPU refe
       CAPTURE(s.D);
       CAPTURE(s.causal);
       CAPTURE(dtype_name(dt));
-      const Inputs in = attention_inputs(s, dt, uint64_t(s.N + s.Rq));
+      const FactorInputs in = attention_inputs(s, dt, uint64_t(s.N + s.Rq));
       TpaOptions o;
       o.causal = s.causal;
       const Tensor w = randn({s.B, s.N, s.H, s.D}, DType::F64, Device::cpu(), 5).to(dt).to(DType::F64);
@@ -246,7 +218,7 @@ TEST_CASE("cuda tpa attention fused backward gives the same bits run to run" * L
   const AttnShape shapes[] = {{2, 600, 600, 8, 6, 2, 2, 128, true}, {1, 200, 523, 5, 16, 16, 1, 64, false}};
   for (const AttnShape& s : shapes) {
     CAPTURE(s.N);
-    const Inputs in = attention_inputs(s, DType::BF16, uint64_t(s.N));
+    const FactorInputs in = attention_inputs(s, DType::BF16, uint64_t(s.N));
     TpaOptions o;
     o.causal = s.causal;
     const Tensor w = randn({s.B, s.N, s.H, s.D}, DType::F64, Device::cpu(), 9).to(DType::BF16).to(DType::F64);
@@ -283,7 +255,7 @@ TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 
       CAPTURE(s.D);
       CAPTURE(int(k));
       const DType dt = s.Rk == 16 ? DType::F16 : DType::BF16;
-      const Inputs in = attention_inputs(s, dt, uint64_t(s.N + 3));
+      const FactorInputs in = attention_inputs(s, dt, uint64_t(s.N + 3));
       TpaOptions o;
       o.causal = s.causal;
       const Tensor w = randn({s.B, s.N, s.H, s.D}, DType::F64, Device::cpu(), 11).to(dt).to(DType::F64);
@@ -317,7 +289,7 @@ TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 
 TEST_CASE("cuda tpa attention fused keeps no q, k, v or scores" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const AttnShape s{2, 512, 512, 4, 6, 2, 2, 64, true};
-  const Inputs in = attention_inputs(s, DType::BF16, 21);
+  const FactorInputs in = attention_inputs(s, DType::BF16, 21);
   const std::vector<Tensor>& g = in.gpu;
   reset_peak_memory(gpu());
   const size_t before = memory_stats(gpu()).in_use;
@@ -332,7 +304,7 @@ TEST_CASE("cuda tpa attention fused keeps no q, k, v or scores" * LT_CUDA_CASE) 
 TEST_CASE("cuda tpa attention fused backward keeps no dq, dk or dv" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const AttnShape s{1, 512, 512, 8, 6, 2, 2, 64, true};
-  const Inputs in = attention_inputs(s, DType::BF16, 23);
+  const FactorInputs in = attention_inputs(s, DType::BF16, 23);
   std::vector<Tensor> leaves;
   size_t grad_bytes = 0;
   for (const Tensor& t : in.gpu) {
@@ -360,7 +332,7 @@ TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces w
   const std::vector<tpa_cuda::BackwardKernel> ks = tpa_cuda::backward_kernels(gpu().index);
   if (std::find(ks.begin(), ks.end(), tpa_cuda::BackwardKernel::WarpgroupSplit) == ks.end()) return;
   const AttnShape s{2, 320, 320, 4, 6, 2, 2, 128, true};  // the last key tile half full
-  const Inputs in = attention_inputs(s, DType::BF16, 25);
+  const FactorInputs in = attention_inputs(s, DType::BF16, 25);
   tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], true,
                             1.0 / std::sqrt(double(s.D))};
   a.backward_kernel = tpa_cuda::BackwardKernel::WarpgroupSplit;
@@ -391,7 +363,7 @@ TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces w
 TEST_CASE("cuda tpa decode of the last token equals the last row of the fused attention" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const AttnShape s{2, 100, 100, 8, 4, 2, 2, 64, true};
-  const Inputs in = attention_inputs(s, DType::BF16, 33);
+  const FactorInputs in = attention_inputs(s, DType::BF16, 33);
   const std::vector<Tensor>& g = in.gpu;
   const Tensor full = tpa_attention(g[0], g[1], g[2], g[3], g[4], g[5], {}, Impl::Fused);
   const Tensor last = tpa_decode(g[0].narrow(1, s.N - 1, 1), g[1].narrow(1, s.N - 1, 1), g[2], g[3], g[4], g[5]);
@@ -463,7 +435,7 @@ TEST_CASE("cuda tpa decode cluster schedule: seeds' shape, repeated calls, a Tpa
   for (int cluster : {0, 4, 8}) {
     CAPTURE(cluster);
     const DecodeShape s{2, 8192, 32, 16, 1, 1, 128, 128};
-    const Inputs in = decode_inputs(s, DType::BF16, 17);
+    const FactorInputs in = decode_inputs(s, DType::BF16, 17, gpu());
     const std::vector<int64_t> lengths{8192, 5000};
     tpa_cuda::DecodeArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], lengths};
     a.scale = 1.0 / std::sqrt(double(s.D));
@@ -479,7 +451,7 @@ TEST_CASE("cuda tpa decode cluster schedule: seeds' shape, repeated calls, a Tpa
   }
   // The cache's buffers narrowed to the used rows: batch strides of the whole capacity.
   const DecodeShape s{4, 300, 32, 16, 1, 1, 128, 128};
-  const Inputs in = decode_inputs(s, DType::BF16, 5);
+  const FactorInputs in = decode_inputs(s, DType::BF16, 5, gpu());
   TpaCache cache(s.B, s.H, s.Rk, s.Rv, s.D, s.E, DType::BF16, gpu(), Tensor(), 64);
   for (int64_t t = 0; t < s.M; ++t)
     cache.append(in.gpu[2].narrow(1, t, 1), in.gpu[3].narrow(1, t, 1), in.gpu[4].narrow(1, t, 1),

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 #include "helpers.h"
+#include "tpa_helpers.h"
 #include "ops/tpa/launch.h"
 #include "ops/tpa/tpa.h"
 
@@ -13,41 +14,14 @@ using namespace lintape::test;
 #if LINTAPE_WITH_CUDA
 namespace {
 
-struct Shape8 {
-  int64_t B, M, H, Rq, Rk, Rv, D, E;
-};
-
-// The six factors in the tested dtype on the GPU, and the same values in f64 on the CPU.
-struct Factors {
-  std::vector<Tensor> gpu, cpu;
-};
-
-Factors make_factors(const Shape8& s, DType dt, uint64_t seed) {
-  const Shape shapes[] = {{s.B, 1, s.H, s.Rq},  {s.B, 1, s.Rq, s.D}, {s.B, s.M, s.H, s.Rk},
-                          {s.B, s.M, s.Rk, s.D}, {s.B, s.M, s.H, s.Rv}, {s.B, s.M, s.Rv, s.E}};
-  Factors f;
-  for (int i = 0; i < 6; ++i) {
-    f.gpu.push_back(randn(shapes[i], dt, gpu(), seed * 8 + uint64_t(i)));
-    f.cpu.push_back(f.gpu.back().to(Device::cpu()).to(DType::F64));
-  }
-  return f;
-}
-
-Tensor reference(const Factors& f, const std::vector<int64_t>& lengths) {
-  TpaOptions o;
-  o.cache_lengths = lengths;
-  const std::vector<Tensor>& c = f.cpu;
-  return tpa_decode(c[0], c[1], c[2], c[3], c[4], c[5], o, Impl::Reference);
-}
-
 // Mixed cache lengths: the full M, 1, and values spread over 1..M.
-std::vector<int64_t> mixed(const Shape8& s) {
+std::vector<int64_t> mixed(const DecodeShape& s) {
   std::vector<int64_t> lengths(size_t(s.B), s.M);
   for (int64_t b = 1; b < s.B; ++b) lengths[size_t(b)] = b == 1 ? 1 : 1 + (b * 4421) % s.M;
   return lengths;
 }
 
-Tensor run(const Factors& f, const std::vector<int64_t>& lengths, int cluster, int64_t split_rows) {
+Tensor run(const FactorInputs& f, const std::vector<int64_t>& lengths, int cluster, int64_t split_rows) {
   tpa_cuda::DecodeArgs a{f.gpu[0], f.gpu[1], f.gpu[2], f.gpu[3], f.gpu[4], f.gpu[5], lengths};
   a.scale = 1.0 / std::sqrt(double(f.gpu[1].size(3)));
   a.cluster = cluster;
@@ -70,15 +44,15 @@ TEST_CASE("cuda tpa decode schedules: one cluster a sequence against the others"
   // ranks 1 and 16 for q, D and E 64 and 128, ranks 2 for k and v (one 16-row chunk a warp: the last-block
   // schedule under every cluster value, with its gathering combine under 16); split_rows 64 gives several
   // clusters a sequence, combined by the last block (clusters of 16 with cluster 16).
-  const Shape8 shapes[] = {{8, 2048, 32, 16, 1, 1, 128, 128}, {8, 1000, 32, 1, 1, 1, 64, 64},
+  const DecodeShape shapes[] = {{8, 2048, 32, 16, 1, 1, 128, 128}, {8, 1000, 32, 1, 1, 1, 64, 64},
                            {3, 1, 32, 16, 1, 1, 128, 128},    {2, 1999, 32, 16, 2, 2, 128, 128},
                            {5, 777, 16, 16, 1, 1, 64, 128},   {4, 1201, 64, 16, 1, 1, 128, 128},
                            {2, 4097, 32, 6, 1, 1, 128, 64}};
-  for (const Shape8& s : shapes)
+  for (const DecodeShape& s : shapes)
     for (DType dt : {DType::BF16, DType::F16}) {
-      const Factors f = make_factors(s, dt, uint64_t(s.M * 3 + s.B));
+      const FactorInputs f = decode_inputs(s, dt, uint64_t(s.M * 3 + s.B), gpu());
       const std::vector<int64_t> lengths = mixed(s);
-      const Tensor ref = reference(f, lengths);
+      const Tensor ref = cpu_decode(f, lengths);
       for (int cluster : {0, 8, 16})
         for (int64_t split_rows : {int64_t(0), int64_t(64)}) {
           CAPTURE(s.B);
@@ -102,10 +76,10 @@ TEST_CASE("cuda tpa decode schedules: the seeds' shape, twice, within 5e-3 of f6
   // cluster a sequence, and a long one, where it takes the clusters of 8 and the last block: the error against
   // f64 and the same bits on a second call (no state left behind).
   for (int64_t M : {int64_t(2048), int64_t(8192)}) {
-    const Shape8 s{8, M, 32, 16, 1, 1, 128, 128};
-    const Factors f = make_factors(s, DType::BF16, uint64_t(M));
+    const DecodeShape s{8, M, 32, 16, 1, 1, 128, 128};
+    const FactorInputs f = decode_inputs(s, DType::BF16, uint64_t(M), gpu());
     const std::vector<int64_t> lengths = mixed(s);
-    const Tensor ref = reference(f, lengths);
+    const Tensor ref = cpu_decode(f, lengths);
     for (int cluster : {0, 8, 16}) {
       CAPTURE(M);
       CAPTURE(cluster);

@@ -26,6 +26,38 @@ inline std::vector<Tensor> attention_and_grads(const std::vector<Tensor>& factor
   return r;
 }
 
+// A decode call's sizes: batch, cache length, heads, the ranks of q, k and v, and the head dims of q/k and v.
+struct DecodeShape {
+  int64_t B, M, H, Rq, Rk, Rv, D, E;
+};
+
+// Six TPA factors in the tested dtype on a device, and the same values in f64 on the CPU.
+struct FactorInputs {
+  std::vector<Tensor> cpu;  // f64, rounded through the tested dtype
+  std::vector<Tensor> gpu;  // the tested dtype
+};
+
+// A decode call's six factors (q's of one token, k's and v's of the M cache rows) on `device`.
+inline FactorInputs decode_inputs(const DecodeShape& s, DType dt, uint64_t seed, Device device) {
+  const Shape shapes[] = {{s.B, 1, s.H, s.Rq},  {s.B, 1, s.Rq, s.D}, {s.B, s.M, s.H, s.Rk},
+                          {s.B, s.M, s.Rk, s.D}, {s.B, s.M, s.H, s.Rv}, {s.B, s.M, s.Rv, s.E}};
+  FactorInputs in;
+  for (int i = 0; i < 6; ++i) {
+    Tensor g = randn(shapes[i], dt, device, seed * 8 + uint64_t(i));
+    in.gpu.push_back(g);
+    in.cpu.push_back(g.to(Device::cpu()).to(DType::F64));
+  }
+  return in;
+}
+
+// The f64 reference decode of those factors over the given cache lengths.
+inline Tensor cpu_decode(const FactorInputs& in, const std::vector<int64_t>& lengths) {
+  TpaOptions o;
+  o.cache_lengths = lengths;
+  const std::vector<Tensor>& c = in.cpu;
+  return tpa_decode(c[0], c[1], c[2], c[3], c[4], c[5], o, Impl::Reference);
+}
+
 #if LINTAPE_WITH_CUDA
 // The attention launchers on poisoned outputs, against ref (attention_and_grads' output and six gradients for
 // the upstream gradient w): every forward kernel the device runs (tpa_cuda::forward_kernels; a call with
