@@ -494,10 +494,18 @@ TEST_CASE("documents: the held-out tail starts a document, and mqar refuses them
   check_throws_containing([&] { c.validate(); }, {"eot_token", "-1"});
 }
 
-TEST_CASE("documents: a training step's loss is the model's on the batch with its documents") {
-  TempDir dir("docstep");
+namespace {
+// The micro training config over the document corpus written into `dir`, split at its documents.
+TrainConfig documents_config(const TempDir& dir) {
   TrainConfig c = micro_train_config(write_document_corpus(dir));
   c.documents = "auto";
+  return c;
+}
+}  // namespace
+
+TEST_CASE("documents: a training step's loss is the model's on the batch with its documents") {
+  TempDir dir("docstep");
+  TrainConfig c = documents_config(dir);
   c.steps = 1;
   const auto data = open_data(c.data, "", c.batch, c.model.seq_len, c.seed, c.val_batches, c.model.vocab_size, 0.05,
                               {c.documents, c.eot_token});
@@ -518,8 +526,7 @@ TEST_CASE("documents: a training step's loss is the model's on the batch with it
 // the step's loss is the mean over all of them, the model's loss on the two batches as one.
 TEST_CASE("documents: with accumulation the step's loss is the mean over every target") {
   TempDir dir("docaccum");
-  TrainConfig c = micro_train_config(write_document_corpus(dir));
-  c.documents = "auto";
+  TrainConfig c = documents_config(dir);
   c.grad_accum = 2;
   c.steps = 1;
   const auto data = open_data(c.data, "", c.batch, c.model.seq_len, c.seed, c.val_batches, c.model.vocab_size, 0.05,
@@ -567,8 +574,7 @@ TEST_CASE("a queued step's inputs: written in place, batches of one shape and on
 
 TEST_CASE("documents: resume is bit-identical to an uninterrupted run") {
   TempDir dir("docresume");
-  TrainConfig c = micro_train_config(write_document_corpus(dir));
-  c.documents = "auto";
+  TrainConfig c = documents_config(dir);
   c.steps = 6;
   c.checkpoint_every = 2;
   const TrainResult whole = Trainer(c, {Device::cpu(), "", dir.file("whole")}).run();
