@@ -4,14 +4,19 @@
 // 8-11). Warp 8 brings each query tile's Q and dO (boxes of 64 columns x kSmall rows by the tensor copy engine,
 // 128-byte swizzle) and its lse and Delta rows (ordinary loads of its 32 lanes) into a ring of kStages slots,
 // each completing on a "full" mbarrier; the consumers give a slot back by arriving on its "empty" one.
-// No block-wide barrier inside the loop: the two consumer warpgroups meet only through dS'^T, whose two
-// buffers each complete on an mbarrier of the 256 consumer threads (a warpgroup's dQ product reads both
-// warpgroups' rows). setmaxnreg moves registers from the producer (24) to the consumers (240).
+// No block-wide barrier inside the loop: the two consumer warpgroups meet only through dS'^T, whose buffers
+// each complete on an mbarrier of the 256 consumer threads (a warpgroup's dQ product reads both warpgroups'
+// rows). dQ of tile i + kLag is issued at tile i (the split form: i + 1), so a warpgroup waits only for the
+// other's dS'^T of kLag tiles before and may run up to about kLag - 1/2 tiles ahead of it: room for one's
+// exponentials to run under the other's products. Its rows then stay kLag tiles in their buffer, and the
+// buffer written at tile i was read last by both warpgroups' dQ products at tile i + kLag (each done before
+// its warpgroup's arrival there), hence 2 kLag buffers. setmaxnreg moves registers from the producer (24) to
+// the consumers (240).
 //
-// The dQ turns: every consumer thread adds its dQ rows of tile i + 1 before it arrives on dS'^T(i)'s
-// mbarrier, so thread 0 counts tile i + 1 once that phase completes (a tile after the adds, as the other
-// kernels count); the block's last tile after a named barrier. The block ends as the split form does (f32 dK
-// and dV rows to their workspaces, contracted per token by rows_factor_grads).
+// The dQ turns: every consumer thread adds its dQ rows of tile i + kLag before it arrives on dS'^T(i)'s
+// mbarrier, so thread 0 counts tile i + kLag once that phase completes (kLag tiles after the adds; the split
+// form counts one tile after); the block's last kLag tiles after a named barrier. The block ends as the split
+// form does (f32 dK and dV rows to their workspaces, contracted per token by rows_factor_grads).
 #pragma once
 #include "ops/tpa/attention_bwd_wg.cuh"
 
@@ -25,20 +30,22 @@ using attention_tma::kTmaThreads;
 using attention_tma::SwizzleTile;
 
 constexpr int kStages = 3;  // Q, dO, lse, Delta slots
+constexpr int kLag = 2;     // tiles between a tile's dS'^T and its dQ product
+constexpr int kDsBuffers = 2 * kLag;
 // The producer's lanes: 33 arrivals a full phase (one with the copies' bytes, then each lane's after its stores).
 constexpr int kFullArrivals = 33;
 
-// K, V, kStages Q, dO pairs, two dS'^T tiles, kStages lse, Delta pairs, from a 1024-byte boundary.
+// K, V, kStages Q, dO pairs, kDsBuffers dS'^T tiles, kStages lse, Delta pairs, from a 1024-byte boundary.
 template <int HD>
 constexpr size_t smem_bytes() {
-  return size_t(2 * kBig * HD + 2 * kStages * kSmall * HD + 2 * kBig * kSmall) * 2 + 2 * kStages * kSmall * 4 +
-         1024;
+  return size_t(2 * kBig * HD + 2 * kStages * kSmall * HD + kDsBuffers * kBig * kSmall) * 2 +
+         2 * kStages * kSmall * 4 + 1024;
 }
 static_assert(smem_bytes<128>() <= 227 * 1024 - 128, "a block and its mbarriers fit an sm_90 multiprocessor");
 
 // The mbarriers: a full / empty pair per slot, and one per dS'^T buffer (both warpgroups' rows written).
 struct Ring {
-  uint64_t full[kStages], empty[kStages], ds[2];
+  uint64_t full[kStages], empty[kStages], ds[kDsBuffers];
 };
 
 #ifdef LINTAPE_WGMMA
@@ -95,8 +102,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   T* ks = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* vs = ks + KT;
   T* slots = vs + KT;                                     // slot s: Q at slots + 2 s QT, dO after it
-  T* dst = slots + 2 * kStages * QT;                      // buffer b: dS'^T at dst + b DT
-  float* stats = reinterpret_cast<float*>(dst + 2 * DT);  // slot s: lse at stats + 2 s kSmall, Delta after
+  T* dst = slots + 2 * kStages * QT;  // buffer b: dS'^T (tile i: b = i % kDsBuffers) at dst + b DT
+  float* stats = reinterpret_cast<float*>(dst + kDsBuffers * DT);  // slot s: lse at stats + 2 s kSmall, Delta after
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
   if (threadIdx.x == 0) {
     place = atomicAdd(p.ticket, 1);  // as in attention_bwd: every block a turn waits for is running
@@ -104,8 +111,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       mbarrier_init(&ring.full[s], kFullArrivals);
       mbarrier_init(&ring.empty[s], kThreads);
     }
-    mbarrier_init(&ring.ds[0], kThreads);
-    mbarrier_init(&ring.ds[1], kThreads);
+    for (int b = 0; b < kDsBuffers; ++b) mbarrier_init(&ring.ds[b], kThreads);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -121,8 +127,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
   setmaxnreg_inc<kConsumerRegs>();
   const int g = lane >> 2, c = (lane & 3) * 2;
-  for (int e = int(threadIdx.x); e < DT / 8; e += kThreads)  // the dS'^T buffer of tile `last` (see dq_issue)
-    reinterpret_cast<uint4*>(dst + (last & 1) * DT)[e] = make_uint4(0, 0, 0, 0);
+  for (int r = 0; r < kLag; ++r)  // the dS'^T buffers of tiles last.. last + kLag - 1 (see dq_issue)
+    for (int e = int(threadIdx.x); e < DT / 8; e += kThreads)
+      reinterpret_cast<uint4*>(dst + (last + r) % kDsBuffers * DT)[e] = make_uint4(0, 0, 0, 0);
   build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(ks, p.fk, bb, h, k0, KTile{});
   build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(vs, p.fv, bb, h, k0, KTile{});
   fence_proxy_async();
@@ -139,7 +146,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   // dQ / scale of query tile i (this warpgroup's 64 columns), as in attention_bwd_wg: issued and committed, then
   // added to the workspace in its turn once done.
   auto dq_issue = [&](float (&dq)[kBox / 2], int i) {
-    const T* ds = dst + (i & 1) * DT;
+    const T* ds = dst + i % kDsBuffers * DT;
 #pragma unroll
     for (int e = 0; e < kBox / 2; ++e) dq[e] = 0.f;
     wgmma_fence_operand(dq);
@@ -161,38 +168,38 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       for (int j = 0; j < kBox / 8; ++j) atomic_add_vec<2>(row + j * 8, dq + 4 * j + 2 * rr);
     }
   };
-  // dS'^T of tile i (the n-th tile, buffer i & 1, whose earlier phases were tiles n - 2, n - 4, ...) complete;
-  // then tile i + 1's dQ rows, added by every consumer thread before its arrival, are counted.
+  // dS'^T of tile i (the n-th tile; its buffer's earlier phases were the tiles n - kDsBuffers, ...) complete;
+  // then tile i + kLag's dQ rows, added by every consumer thread before its arrival, are counted.
   auto ds_ready = [&](int i, int n) {
-    mbarrier_wait(&ring.ds[i & 1], (n >> 1) & 1);
-    if (threadIdx.x == 0 && n > 0) count_turn(dq_turn + i + 1);
+    mbarrier_wait(&ring.ds[i % kDsBuffers], (n / kDsBuffers) & 1);
+    if (threadIdx.x == 0 && n >= kLag) count_turn(dq_turn + i + kLag);
   };
   int n = 0;  // tiles consumed
   for (int i = last - 1; i >= first; --i, ++n) {
     const int q0 = i * kSmall, s = n % kStages;
     const T* qs = slots + 2 * s * QT;
     const T* dos = qs + QT;
-    T* ds = dst + (i & 1) * DT;
+    T* ds = dst + i % kDsBuffers * DT;
     const float* lse_s = stats + 2 * s * kSmall;
     const float* delta_s = lse_s + kSmall;
-    if (n > 0) ds_ready(i + 1, n - 1);
+    if (n >= kLag) ds_ready(i + kLag, n - kLag);
     mbarrier_wait(&ring.full[s], (n / kStages) & 1);
-    // dQ of tile i + 1 issued first and added while S^T of tile i runs (as in attention_bwd_wg); then the
-    // probabilities, and dP^T with dV's product while dS' waits for the first. dQ at every tile (the first on
-    // the zeroed buffer, not added) and S^T zeroed before it, so that ptxas neither waits nor serialises. Unlike
+    // dQ of tile i + kLag issued first and added while S^T of tile i runs; then the probabilities, and dP^T
+    // with dV's product while dS' waits for the first. dQ at every tile (the first kLag on zeroed buffers, not
+    // added) and S^T zeroed before it, so that ptxas neither waits nor serialises. Unlike
     // attention_bwd_wg, S^T is not live beside dP^T (240 registers, not 255); the other warpgroup's products
     // fill the gap.
     float dq[kBox / 2], st[kSmall / 2], dpt[kSmall / 2];
-    const int seen = n > 0 ? poll_turn(dq_turn + i + 1) : 0;
+    const int seen = n >= kLag ? poll_turn(dq_turn + i + kLag) : 0;
 #pragma unroll
     for (int e = 0; e < kSmall / 2; ++e) st[e] = 0.f;
     wgmma_fence_operand(st);
-    dq_issue(dq, i + 1);
+    dq_issue(dq, i + kLag);
     issue_rows_t<T, HD, false>(st, kw, qs);  // S^T = K Q^T
     wgmma_commit();
     wgmma_wait<1>();
     wgmma_fence_operand(dq);
-    if (n > 0) dq_add(dq, i + 1, seen);
+    if (n >= kLag) dq_add(dq, i + kLag, seen);
     wgmma_wait<0>();
     wgmma_fence_operand(st);
 #pragma unroll
@@ -233,7 +240,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       *reinterpret_cast<uint32_t*>(ds + KTile{}(wrow + g + 8, t) + c) = da[t / 2][2 * (t % 2) + 1];
     }
     fence_proxy_async();  // dS'^T, for the tensor cores of both warpgroups
-    mbarrier_arrive(&ring.ds[i & 1]);
+    mbarrier_arrive(&ring.ds[i % kDsBuffers]);
     wgmma_fence_operand(dk);
     wgmma_fence();
     issue_frags_times<T, HD>(dk, da, qs);  // dK += dS'^T Q
@@ -246,17 +253,21 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   // Issued before the last dQ product and its turn, drained while they run.
   attention_bwd_wg::store_wg_acc_rows<HD>(p.dk_rows, dk, bb - p.b0, p.M, p.H, h, key_a);
   attention_bwd_wg::store_wg_acc_rows<HD>(p.dv_rows, dv, bb - p.b0, p.M, p.H, h, key_a);
-  if (n > 0) {
-    ds_ready(first, n - 1);
-    const int seen = poll_turn(dq_turn + first);
+  // The last kLag tiles' dQ (first + kLag - 1 down to first), then their counts.
+#pragma unroll
+  for (int r = kLag - 1; r >= 0; --r) {
+    if (n - 1 - r < 0) continue;
+    ds_ready(first + r, n - 1 - r);
+    const int seen = poll_turn(dq_turn + first + r);
     float dq[kBox / 2];
-    dq_issue(dq, first);
+    dq_issue(dq, first + r);
     wgmma_wait<0>();
     wgmma_fence_operand(dq);
-    dq_add(dq, first, seen);
-    bar_sync(1, kThreads);  // every consumer thread's rows of the first tile added
-    if (threadIdx.x == 0) count_turn(dq_turn + first);
+    dq_add(dq, first + r, seen);
   }
+  bar_sync(1, kThreads);  // every consumer thread's rows of those tiles added
+  if (threadIdx.x == 0)
+    for (int r = 0; r < kLag && r < n; ++r) count_turn(dq_turn + first + r);
 #endif
 }
 
