@@ -72,7 +72,8 @@ __device__ __forceinline__ void produce(const Params<T>& p, const CUtensorMap* t
     }
     float* st = stats + 2 * s * kSmall;
 #pragma unroll
-    for (int r = lane; r < kSmall; r += 32) {
+    for (int k = 0; k < kSmall / 32; ++k) {
+      const int r = lane + 32 * k;
       const int64_t row = (bb * p.N + q0 + r) * p.H + h;
       const bool ok = q0 + r < p.N;
       st[r] = ok ? p.lse[row] : 0.f;
