@@ -2,8 +2,8 @@
 # The TPA attention backward kernels in one command on the GPU machine: a Release sm_90a build (the CLI and the
 # tests), the backward-kernel and split cases (every backward kernel, both split forms included), the backward
 # benchmark for each name in BENCHES (default "default tma": the default kernel, then LINTAPE_TPA_BWD=NAME; also
-# mma, wgmma, wgmma-split, and wgmma-unordered: the warpgroup kernel with LINTAPE_TPA_BWD_ORDER=0, the turns'
-# cost), the einsum + SDPA peer when PYTHONPATH is set, then at once (no timing runs beside them) the TPA CUDA
+# mma, wgmma, wgmma-split, and wgmma-unordered or tma-unordered: that kernel with LINTAPE_TPA_BWD_ORDER=0, the
+# turns' cost), the einsum + SDPA peer when PYTHONPATH is set, then at once (no timing runs beside them) the TPA CUDA
 # cases with LINTAPE_TPA_BWD=$KERNEL (default tma: every case that takes the default backward takes that one; the
 # launcher cases run all backward kernels anyway), memcheck on the backward-kernel and split cases, racecheck and
 # synccheck on the split case; with NCU=1 Nsight Compute's speed of light of one $KERNEL backward at B 8 H 16
@@ -49,6 +49,7 @@ for name in ${BENCHES:-default tma}; do
   case $name in
     default) bench default ;;
     wgmma-unordered) bench wgmma-unordered LINTAPE_TPA_BWD=wgmma LINTAPE_TPA_BWD_ORDER=0 ;;
+    tma-unordered) bench tma-unordered LINTAPE_TPA_BWD=tma LINTAPE_TPA_BWD_ORDER=0 ;;
     *) bench "$name" LINTAPE_TPA_BWD="$name" ;;
   esac
 done
