@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The TPA attention backward kernels in one command on the GPU machine: a Release sm_90a build (the CLI and the
-# tests), the backward-kernel case (every backward kernel, the split one included), the backward benchmark for
-# each name in BENCHES (default "default wgmma-split": the default kernel, then LINTAPE_TPA_BWD=NAME; also mma,
-# wgmma, and wgmma-unordered: the warpgroup kernel with LINTAPE_TPA_BWD_ORDER=0, the turns' cost), the einsum +
-# SDPA peer when PYTHONPATH is set, then at once (no timing runs beside them) the TPA CUDA cases with
-# LINTAPE_TPA_BWD=wgmma-split (every case that takes the default backward takes the split one; the launcher
-# cases run all backward kernels anyway), memcheck on the backward-kernel and split cases and racecheck on the
-# split case; with NCU=1 Nsight Compute's speed of light of one split backward at B 8 H 16 N 2048; last a table
-# of backward times. Every step has a time limit and runs even when an earlier one failed.
+# tests), the backward-kernel and split cases (every backward kernel, both split forms included), the backward
+# benchmark for each name in BENCHES (default "default tma": the default kernel, then LINTAPE_TPA_BWD=NAME; also
+# mma, wgmma, wgmma-split, and wgmma-unordered or tma-unordered: that kernel with LINTAPE_TPA_BWD_ORDER=0, the
+# turns' cost), the einsum + SDPA peer when PYTHONPATH is set, then at once (no timing runs beside them) the TPA CUDA
+# cases with LINTAPE_TPA_BWD=$KERNEL (default tma: every case that takes the default backward takes that one; the
+# launcher cases run all backward kernels anyway), memcheck on the backward-kernel and split cases, racecheck and
+# synccheck on the split case; with NCU=1 Nsight Compute's speed of light of one $KERNEL backward at B 8 H 16
+# N 2048; last a table of backward times. Every step has a time limit and runs even when an earlier one failed.
 #
 #   scripts/tpa-bwd-check.sh OUTDIR
 set -uo pipefail
@@ -19,6 +19,7 @@ tests=$build/tests/lintape_tests
 cli=$build/lintape
 case='*backward kernels at the tiles*'
 split='*split backward*'
+kernel=${KERNEL:-tma}
 status=0
 step() {  # step NAME SECONDS LOG COMMAND...
   local name=$1 limit=$2 log=$3 rc
@@ -44,10 +45,11 @@ bench() {  # bench NAME VAR=VALUE...
     >>"$out/bench.txt" 2>&1
   echo "bench $name: exit $? at $(date +%T)" | tee -a "$out/summary.txt"
 }
-for name in ${BENCHES:-default wgmma-split}; do
+for name in ${BENCHES:-default tma}; do
   case $name in
     default) bench default ;;
     wgmma-unordered) bench wgmma-unordered LINTAPE_TPA_BWD=wgmma LINTAPE_TPA_BWD_ORDER=0 ;;
+    tma-unordered) bench tma-unordered LINTAPE_TPA_BWD=tma LINTAPE_TPA_BWD_ORDER=0 ;;
     *) bench "$name" LINTAPE_TPA_BWD="$name" ;;
   esac
 done
@@ -55,16 +57,18 @@ if [ -n "${PYTHONPATH:-}" ]; then
   step peer 120 "$out/peer.txt" python3 "$root/bench/peers/tpa_peer.py" --no-decode --attention-ns 2048,8192 \
     --attention-shapes 8x16,16x6
 fi
-step "tpa cases, split backward" 180 "$out/tests.log" env LINTAPE_TPA_BWD=wgmma-split "$tests" -tc='*cuda*tpa*' &
+step "tpa cases, backward $kernel" 180 "$out/tests.log" env LINTAPE_TPA_BWD="$kernel" "$tests" -tc='*cuda*tpa*' &
 step memcheck 180 "$out/sanitizer-memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
   -tc="$case,$split" &
 step racecheck 180 "$out/sanitizer-racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
   -tc="$split" &
+step synccheck 180 "$out/sanitizer-synccheck.log" compute-sanitizer --tool synccheck --error-exitcode 1 "$tests" \
+  -tc="$split" &
 wait
 tail -n 3 "$out"/sanitizer-*.log
 grep -E "test cases|assertions" "$out/tests.log"
-if [ "${NCU:-0}" = 1 ]; then  # the split backward's kernels past the first calls, at B 8 H 16 N 2048, one by one
-  step ncu 60 "$out/ncu.txt" env LINTAPE_TPA_BWD=wgmma-split ncu --clock-control none --section SpeedOfLight \
+if [ "${NCU:-0}" = 1 ]; then  # the backward's kernels past the first calls, at B 8 H 16 N 2048, one by one
+  step ncu 60 "$out/ncu.txt" env LINTAPE_TPA_BWD="$kernel" ncu --clock-control none --section SpeedOfLight \
     --launch-skip 10 --launch-count 14 -k 'regex:attention_delta|build_rows|backward|factor_grads' "$cli" bench \
     tpa-attention --mode bwd --metric speed --n 2048 --reps 1
   grep -E "\)x\(|Duration|Compute \(SM\) Throughput|Memory Throughput" "$out/ncu.txt" | cut -c1-150 | head -n 56

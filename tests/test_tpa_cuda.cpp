@@ -329,13 +329,13 @@ TEST_CASE("cuda tpa attention fused backward keeps no dq, dk or dv" * LT_CUDA_CA
 TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces within their bound" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
+  // Both split forms (the second fed by a TMA producer warp), where the device runs them.
   const std::vector<tpa_cuda::BackwardKernel> ks = tpa_cuda::backward_kernels(gpu().index);
   if (std::find(ks.begin(), ks.end(), tpa_cuda::BackwardKernel::WarpgroupSplit) == ks.end()) return;
   const AttnShape s{2, 320, 320, 4, 6, 2, 2, 128, true};  // the last key tile half full
   const FactorInputs in = attention_inputs(s, DType::BF16, 25);
   tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], true,
                             1.0 / std::sqrt(double(s.D))};
-  a.backward_kernel = tpa_cuda::BackwardKernel::WarpgroupSplit;
   Tensor out = empty({s.B, s.N, s.H, s.D}, DType::BF16, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
   tpa_cuda::attention_forward(a, out, lse);
   const Tensor w = randn({s.B, s.N, s.H, s.D}, DType::F64, Device::cpu(), 8).to(DType::BF16).to(DType::F64);
@@ -343,19 +343,25 @@ TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces w
   o.causal = true;
   const std::vector<Tensor> ref = attention_and_grads(in.cpu, o, Impl::Reference, w);
   const Tensor dout = w.to(DType::BF16).to(gpu());
-  tpa_cuda::FactorGrads fg;
-  Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
-  for (size_t i = 0; i < 6; ++i) *grads[i] = empty(in.gpu[i].shape(), DType::BF16, gpu());
-  reset_peak_memory(gpu());
-  const size_t before = memory_stats(gpu()).in_use;
-  tpa_cuda::attention_backward(a, out, lse, dout, fg);
-  // Beside the gradients: dq, dk and dv in f32 (N H + 2 M H) D floats a batch entry (here the whole batch in one
-  // launch), the bf16 q, Delta, and the turns' counters within 4 KiB; no basis workspaces.
-  const size_t ws = size_t(s.B * (s.N * s.H + 2 * s.M * s.H) * s.D) * 4 + out.nbytes();
-  CHECK(memory_stats(gpu()).peak - before <= ws + size_t(s.B * s.N * s.H) * 4 + 4096);
-  for (size_t i = 0; i < 6; ++i) {
-    CAPTURE(kAttentionNames[i + 1]);
-    CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], DType::BF16);
+  using tpa_cuda::BackwardKernel;
+  for (BackwardKernel k : {BackwardKernel::WarpgroupSplit, BackwardKernel::WarpgroupTma}) {
+    if (std::find(ks.begin(), ks.end(), k) == ks.end()) continue;
+    CAPTURE(int(k));
+    a.backward_kernel = k;
+    tpa_cuda::FactorGrads fg;
+    Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
+    for (size_t i = 0; i < 6; ++i) *grads[i] = empty(in.gpu[i].shape(), DType::BF16, gpu());
+    reset_peak_memory(gpu());
+    const size_t before = memory_stats(gpu()).in_use;
+    tpa_cuda::attention_backward(a, out, lse, dout, fg);
+    // Beside the gradients: dq, dk and dv in f32 (N H + 2 M H) D floats a batch entry (here the whole batch in
+    // one launch), the bf16 q, Delta, and the turns' counters within 4 KiB; no basis workspaces.
+    const size_t ws = size_t(s.B * (s.N * s.H + 2 * s.M * s.H) * s.D) * 4 + out.nbytes();
+    CHECK(memory_stats(gpu()).peak - before <= ws + size_t(s.B * s.N * s.H) * 4 + 4096);
+    for (size_t i = 0; i < 6; ++i) {
+      CAPTURE(kAttentionNames[i + 1]);
+      CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], DType::BF16);
+    }
   }
 #endif
 }

@@ -215,14 +215,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
     }
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------------
 // Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
 // factors into a workspace, then the attention over them.
 
-// x (entries, L, H, HD) 16-bit (K or V of a launch's batch entries, or Q in the output) as a 4-D tensor map read
-// in boxes of 64 columns x kWgKeys (= kWgRows) rows of one head and entry, stored with the 128-byte swizzle;
-// rows past L read as zeros.
-CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16) {
+CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16, int rows) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -233,7 +232,7 @@ CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD
   CUtensorMap map;
   const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(L), cuuint64_t(entries)};
   const cuuint64_t strides[3] = {cuuint64_t(HD) * 2, cuuint64_t(H) * HD * 2, cuuint64_t(L) * H * HD * 2};
-  const cuuint32_t box[4] = {attention_tma::kBox, 1, attention_wg::kWgKeys, 1}, steps[4] = {1, 1, 1, 1};
+  const cuuint32_t box[4] = {attention_tma::kBox, 1, cuuint32_t(rows), 1}, steps[4] = {1, 1, 1, 1};
   const CUresult r = encode(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                             const_cast<void*>(x), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -241,6 +240,8 @@ CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD
   LT_CHECK(r == CUDA_SUCCESS, "[tpa_attention] cuTensorMapEncodeTiled failed: ", int(r));
   return map;
 }
+
+namespace {
 
 template <class T, int HD, ForwardKernel K, bool DOCS>
 void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
@@ -268,10 +269,10 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   CUtensorMap tq{}, tk{}, tv{};
   constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
   if constexpr (tma) {
-    tk = rows_tensor_map(k, chunk, p.M, p.H, HD, bf16);
-    tv = rows_tensor_map(v, chunk, p.M, p.H, HD, bf16);
+    tk = rows_tensor_map(k, chunk, p.M, p.H, HD, bf16, attention_wg::kWgKeys);
+    tv = rows_tensor_map(v, chunk, p.M, p.H, HD, bf16, attention_wg::kWgKeys);
   }
-  if constexpr (persistent) tq = rows_tensor_map(p.out, B, p.N, p.H, HD, bf16);
+  if constexpr (persistent) tq = rows_tensor_map(p.out, B, p.N, p.H, HD, bf16, attention_wg::kWgKeys);
   Pair<T> fq = p.fq;
   if (p.scale < 0) fq.inv_r = -fq.inv_r;  // Q carries the scale's sign (as in the kernels that build it)
   int blocks = sm_count(dev.index);  // the persistent grid: one block an SM

@@ -9,11 +9,12 @@
 // On Hopper (sm_90a builds, D = 128, no documents) the same schedule on warpgroup products
 // (ops/tpa/attention_bwd_wg.cuh), the default there; its split form writes dK and dV to f32 workspaces instead,
 // contracted per token as dQ is (no head turns in the tensor-core kernel; (N + 2 M) H D floats a batch entry).
+// The split form fed by a TMA producer warp (ops/tpa/attention_bwd_tma.cuh) on request.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include "ops/tpa/attention_bwd_wg.cuh"
+#include "ops/tpa/attention_bwd_tma.cuh"
 
 namespace lintape::tpa_cuda {
 
@@ -340,12 +341,14 @@ __global__ void rows_factor_grads(const float* __restrict__ x, const Pair<T> f, 
 // ---------------------------------------------------------------------------------------------------
 // Launcher.
 
-// WG: the warpgroup kernel (attention_bwd_wg.cuh) instead of attention_bwd; SPLIT: its split form.
-template <class T, int HD, bool DOCS, bool WG, bool SPLIT = false>
+// WG: the warpgroup kernel (attention_bwd_wg.cuh) instead of attention_bwd; SPLIT: its split form; TMA: the split
+// form fed by a producer warp (attention_bwd_tma.cuh).
+template <class T, int HD, bool DOCS, bool WG, bool SPLIT = false, bool TMA = false>
 void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
                     FactorGrads& g) {
   static_assert(!WG || (HD == 128 && !DOCS), "the warpgroup kernel: D = 128, no documents");
   static_assert(WG || !SPLIT, "the split form is the warpgroup kernel's");
+  static_assert(SPLIT || !TMA, "the producer warp feeds the split form");
   const Device dev = a.aq.device();
   cudaStream_t st = stream(dev.index);
   Params<T> p = make_params<T>(a);
@@ -378,8 +381,16 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, DType::F32, dev) : Tensor();
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   p.q = static_cast<const T*>(qbuf.data());
+  CUtensorMap tq{}, tdo{};  // TMA: Q of the launch's entries, dO of all
+  if constexpr (TMA) {
+    constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+    tq = rows_tensor_map(qbuf.data(), chunk, p.N, p.H, HD, bf16, kSmall);
+    tdo = rows_tensor_map(dout.data(), B, p.N, p.H, HD, bf16, kSmall);
+  }
   static bool configured = false;
-  if constexpr (WG)
+  if constexpr (TMA)
+    allow_smem(attention_bwd_tma::backward<T, HD>, attention_bwd_tma::smem_bytes<HD>(), configured);
+  else if constexpr (WG)
     allow_smem(attention_bwd_wg::backward<T, HD, SPLIT>, attention_bwd_wg::smem_bytes<HD>(), configured);
   else
     allow_smem(attention_bwd<T, HD, DOCS>, bwd_smem<HD>(), configured);
@@ -401,7 +412,10 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
         p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
-    if constexpr (WG)
+    if constexpr (TMA)
+      attention_bwd_tma::backward<T, HD>
+          <<<grid, attention_tma::kTmaThreads, attention_bwd_tma::smem_bytes<HD>(), st>>>(p, tq, tdo);
+    else if constexpr (WG)
       attention_bwd_wg::backward<T, HD, SPLIT><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
     else
       attention_bwd<T, HD, DOCS><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
@@ -453,14 +467,16 @@ BackwardKernel backward_kernel_from_env() {
   if (e == "mma") return BackwardKernel::MmaSync;
   if (e == "wgmma") return BackwardKernel::Warpgroup;
   if (e == "wgmma-split") return BackwardKernel::WarpgroupSplit;
-  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_BWD is mma, wgmma or wgmma-split; got ", e);
+  if (e == "tma") return BackwardKernel::WarpgroupTma;
+  LT_CHECK(false, "[tpa_attention] LINTAPE_TPA_BWD is mma, wgmma, wgmma-split or tma; got ", e);
   return BackwardKernel::Auto;
 }
 }  // namespace
 
 std::vector<BackwardKernel> backward_kernels(int device) {
   if (!wgmma_compiled() || !is_hopper(device)) return {BackwardKernel::MmaSync};
-  return {BackwardKernel::MmaSync, BackwardKernel::Warpgroup, BackwardKernel::WarpgroupSplit};
+  return {BackwardKernel::MmaSync, BackwardKernel::Warpgroup, BackwardKernel::WarpgroupSplit,
+          BackwardKernel::WarpgroupTma};
 }
 
 void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor& lse, const Tensor& dout,
@@ -472,7 +488,13 @@ void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor&
   if (k == BackwardKernel::MmaSync || a.bq.size(3) != 128 || std::find(ok.begin(), ok.end(), k) == ok.end())
     return backward_dispatch<false>(a, out, lse, dout, g);
   const bool bf16 = a.aq.dtype() == DType::BF16;
-  if (k == BackwardKernel::WarpgroupSplit)
+  // The tensor copies read dO in place: its rows 16-byte aligned, else the same form without them.
+  if (k == BackwardKernel::WarpgroupTma && reinterpret_cast<uintptr_t>(dout.data()) % 16 != 0)
+    k = BackwardKernel::WarpgroupSplit;
+  if (k == BackwardKernel::WarpgroupTma)
+    bf16 ? backward_typed<__nv_bfloat16, 128, false, true, true, true>(a, out, lse, dout, g)
+         : backward_typed<__half, 128, false, true, true, true>(a, out, lse, dout, g);
+  else if (k == BackwardKernel::WarpgroupSplit)
     bf16 ? backward_typed<__nv_bfloat16, 128, false, true, true>(a, out, lse, dout, g)
          : backward_typed<__half, 128, false, true, true>(a, out, lse, dout, g);
   else

@@ -15,6 +15,13 @@
 #include "core/cuda_tma.cuh"
 #include "ops/tpa/attention_wg.cuh"
 
+namespace lintape::tpa_cuda {
+// x (entries, L, H, HD) 16-bit (K or V of a launch's batch entries, Q in the forward's output or the backward's
+// workspace, dO) as a 4-D tensor map read in boxes of 64 columns x `rows` rows of one head and entry, stored with
+// the 128-byte swizzle; rows past L read as zeros. x 16-byte aligned (ops/tpa/attention.cu).
+CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16, int rows);
+}  // namespace lintape::tpa_cuda
+
 namespace lintape::tpa_cuda::attention_tma {
 using namespace attention_parts;
 using attention_wg::kWgKeys;

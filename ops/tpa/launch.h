@@ -69,10 +69,11 @@ std::vector<ForwardKernel> forward_kernels(int device);
 
 // The backward's kernels (ops/tpa/attention_bwd.cu): mma.sync (any tensor-core GPU, every call) and, on Hopper
 // in sm_90a builds, warpgroup products (Warpgroup: D = 128 without documents; other calls run mma.sync), and
-// their split form (WarpgroupSplit: dK and dV through f32 workspaces, contracted per token by a second kernel).
-// Auto: the one LINTAPE_TPA_BWD names (mma, wgmma, wgmma-split), else WarpgroupSplit where the call and the device
-// run it (the fastest of the three at every shape measured on an H100, bench/notes/tpa-hopper.md section 4).
-enum class BackwardKernel { Auto, MmaSync, Warpgroup, WarpgroupSplit };
+// their split form (WarpgroupSplit: dK and dV through f32 workspaces, contracted per token by a second kernel),
+// and that form fed by a TMA producer warp (WarpgroupTma; not yet run on a GPU, bench/notes/tpa-hopper.md
+// section 5). Auto: the one LINTAPE_TPA_BWD names (mma, wgmma, wgmma-split, tma), else WarpgroupSplit where the
+// call and the device run it (the fastest of the first three at every shape measured on an H100, section 4).
+enum class BackwardKernel { Auto, MmaSync, Warpgroup, WarpgroupSplit, WarpgroupTma };
 
 // The kernels attention_backward can run on this device for a call without documents at D = 128 (MmaSync
 // first).
@@ -104,11 +105,11 @@ struct FactorGrads {
 };
 
 // Fills g (every element written) from dout (B, N, H, E) contiguous, the forward's out and lse. k, v never
-// reach global memory, nor (but with WarpgroupSplit) dk, dv: the kernel contracts its f32 dk and dv tiles to the
-// factors (the basis gradients summed over heads in f32); dq is summed over key tiles in f32 and contracted by
-// a second kernel. The sums run in a fixed order: the same inputs give the same bits. Their workspace,
-// (N H + M R_k + M R_v) D floats a batch entry ((N H + 2 M H) D with WarpgroupSplit, whose dk and dv rows take
-// dq's way), covers the batch entries of one launch. The forward's workspace is K and V (2 M H D
+// reach global memory, nor (but with WarpgroupSplit and WarpgroupTma) dk, dv: the kernel contracts its f32 dk and
+// dv tiles to the factors (the basis gradients summed over heads in f32); dq is summed over key tiles in f32 and
+// contracted by a second kernel. The sums run in a fixed order: the same inputs give the same bits. Their
+// workspace, (N H + M R_k + M R_v) D floats a batch entry ((N H + 2 M H) D with the split forms, whose dk and dv
+// rows take dq's way), covers the batch entries of one launch. The forward's workspace is K and V (2 M H D
 // values a batch entry) of a launch.
 void attention_backward(const AttentionArgs& args, const Tensor& out, const Tensor& lse, const Tensor& dout,
                         FactorGrads& g);
