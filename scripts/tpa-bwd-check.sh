@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The TPA attention backward kernels in one command on the GPU machine: a Release sm_90a build (the CLI and the
-# tests), the backward-kernel and split cases (every backward kernel, both split forms included), the backward
-# benchmark for each name in BENCHES (default "default tma": the default kernel, then LINTAPE_TPA_BWD=NAME; also
-# mma, wgmma, wgmma-split, and wgmma-unordered or tma-unordered: that kernel with LINTAPE_TPA_BWD_ORDER=0, the
-# turns' cost), the einsum + SDPA peer when PYTHONPATH is set, then at once (no timing runs beside them) the TPA CUDA
-# cases with LINTAPE_TPA_BWD=$KERNEL (default tma: every case that takes the default backward takes that one; the
-# launcher cases run all backward kernels anyway), memcheck on the backward-kernel and split cases, racecheck and
-# synccheck on the split case; with NCU=1 Nsight Compute's speed of light of one $KERNEL backward at B 8 H 16
-# N 2048; last a table of backward times. Every step has a time limit and runs even when an earlier one failed.
+# The TPA attention backward kernels in one command on the GPU machine: a Release sm_90a build (the CLI and
+# the tests), the backward-kernel and split cases (every backward kernel, both split forms included), the
+# backward benchmark for each name in BENCHES (default "default wgmma-split": the default kernel, tma, then
+# LINTAPE_TPA_BWD=NAME; also mma, wgmma, tma, and wgmma-unordered or tma-unordered: that kernel with
+# LINTAPE_TPA_BWD_ORDER=0, the turns' cost), the einsum + SDPA peer when PYTHONPATH is set, then at once (no
+# timing runs beside them) the TPA CUDA cases with LINTAPE_TPA_BWD=$KERNEL (default tma), memcheck on the
+# backward-kernel and split cases, racecheck and synccheck on the split case; with NCU=1 Nsight Compute's speed
+# of light of one $KERNEL backward at B 8 H 16 N 2048; last a table of backward times. Every step has a time
+# limit and runs even when an earlier one failed.
 #
 #   scripts/tpa-bwd-check.sh OUTDIR
 set -uo pipefail
@@ -21,21 +21,9 @@ case='*backward kernels at the tiles*'
 split='*split backward*'
 kernel=${KERNEL:-tma}
 status=0
-step() {  # step NAME SECONDS LOG COMMAND...
-  local name=$1 limit=$2 log=$3 rc
-  shift 3
-  echo "== $name: $*" >>"$log"
-  timeout "$limit" "$@" >>"$log" 2>&1
-  rc=$?
-  echo "$name: $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)") at $(date +%T)" | tee -a "$out/summary.txt"
-  [ $rc -eq 0 ] || status=1
-}
+source "$root/scripts/gpu-steps.sh"
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/summary.txt"
-step configure 90 "$out/build.log" cmake -S "$root" -B "$build" -G Ninja -DLINTAPE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release
-step build 240 "$out/build.log" cmake --build "$build" -j16 --target lintape_cli lintape_tests ||
-  { tail -n 40 "$out/build.log"; exit 1; }
+build_release "$build" lintape_cli lintape_tests
 step "backward-kernel case" 90 "$out/tests.log" "$tests" -tc="$case,$split"
 bench() {  # bench NAME VAR=VALUE...
   local name=$1
@@ -45,7 +33,7 @@ bench() {  # bench NAME VAR=VALUE...
     >>"$out/bench.txt" 2>&1
   echo "bench $name: exit $? at $(date +%T)" | tee -a "$out/summary.txt"
 }
-for name in ${BENCHES:-default tma}; do
+for name in ${BENCHES:-default wgmma-split}; do
   case $name in
     default) bench default ;;
     wgmma-unordered) bench wgmma-unordered LINTAPE_TPA_BWD=wgmma LINTAPE_TPA_BWD_ORDER=0 ;;

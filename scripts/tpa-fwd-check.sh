@@ -19,20 +19,9 @@ build=${LINTAPE_GPU_BUILD:-$root/build-gpu}
 tests=$build/tests/lintape_tests
 cli=$build/lintape
 status=0
-step() {  # step NAME SECONDS LOG COMMAND...
-  local name=$1 limit=$2 log=$3 rc
-  shift 3
-  echo "== $name: $*" >>"$log"
-  timeout "$limit" "$@" >>"$log" 2>&1
-  rc=$?
-  echo "$name: $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)")" | tee -a "$out/summary.txt"
-  [ $rc -eq 0 ] || status=1
-}
+source "$root/scripts/gpu-steps.sh"
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/summary.txt"
-step configure 120 "$out/build.log" cmake -S "$root" -B "$build" -G Ninja -DLINTAPE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release
-step build 300 "$out/build.log" cmake --build "$build" -j16 || { tail -n 40 "$out/build.log"; exit 1; }
+build_release "$build"
 step "launcher case" 150 "$out/tests.log" "$tests" -tc='*fused forward and six gradients*'
 for k in "${kernels[@]}"; do
   LINTAPE_TPA_FWD=$k step "bench $k" 90 "$out/bench.txt" "$cli" bench tpa-attention --mode fwd --metric speed \

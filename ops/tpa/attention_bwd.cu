@@ -484,7 +484,7 @@ void attention_backward(const AttentionArgs& a, const Tensor& out, const Tensor&
   if (a.starts.defined()) return backward_dispatch<true>(a, out, lse, dout, g);
   BackwardKernel k = a.backward_kernel == BackwardKernel::Auto ? backward_kernel_from_env() : a.backward_kernel;
   const std::vector<BackwardKernel> ok = backward_kernels(a.aq.device().index);
-  if (k == BackwardKernel::Auto) k = BackwardKernel::WarpgroupSplit;  // where it runs: fastest at every shape measured
+  if (k == BackwardKernel::Auto) k = BackwardKernel::WarpgroupTma;  // where it runs: fastest at every shape measured
   if (k == BackwardKernel::MmaSync || a.bq.size(3) != 128 || std::find(ok.begin(), ok.end(), k) == ok.end())
     return backward_dispatch<false>(a, out, lse, dout, g);
   const bool bf16 = a.aq.dtype() == DType::BF16;

@@ -70,9 +70,9 @@ std::vector<ForwardKernel> forward_kernels(int device);
 // The backward's kernels (ops/tpa/attention_bwd.cu): mma.sync (any tensor-core GPU, every call) and, on Hopper
 // in sm_90a builds, warpgroup products (Warpgroup: D = 128 without documents; other calls run mma.sync), and
 // their split form (WarpgroupSplit: dK and dV through f32 workspaces, contracted per token by a second kernel),
-// and that form fed by a TMA producer warp (WarpgroupTma; not yet run on a GPU, bench/notes/tpa-hopper.md
-// section 5). Auto: the one LINTAPE_TPA_BWD names (mma, wgmma, wgmma-split, tma), else WarpgroupSplit where the
-// call and the device run it (the fastest of the first three at every shape measured on an H100, section 4).
+// and that form fed by a TMA producer warp (WarpgroupTma). Auto: the one LINTAPE_TPA_BWD names (mma, wgmma,
+// wgmma-split, tma), else WarpgroupTma where the call and the device run it (WarpgroupSplit where dO's rows are
+// not 16-byte aligned): the fastest at every shape measured (bench/notes/tpa-hopper.md, sections 4 and 5).
 enum class BackwardKernel { Auto, MmaSync, Warpgroup, WarpgroupSplit, WarpgroupTma };
 
 // The kernels attention_backward can run on this device for a call without documents at D = 128 (MmaSync
