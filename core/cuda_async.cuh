@@ -9,6 +9,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Dynamic shared memory `raw` from its first multiple of Align bytes. The offset is added to raw itself, so the
+// compiler still knows the result is shared memory and accesses through it are ld.shared / st.shared; aligning
+// the address through an integer would make each of them a generic access (slower, on the long scoreboard).
+template <int Align>
+__device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
+  return raw + (Align - smem_addr(raw) % Align) % Align;
+}
+
 // 16 bytes global -> shared, bypassing L1; zero-filled when !valid (src is then not read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),

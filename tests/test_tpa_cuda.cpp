@@ -355,8 +355,10 @@ TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces w
     const size_t before = memory_stats(gpu()).in_use;
     tpa_cuda::attention_backward(a, out, lse, dout, fg);
     // Beside the gradients: dq, dk and dv in f32 (N H + 2 M H) D floats a batch entry (here the whole batch in
-    // one launch), the bf16 q, Delta, and the turns' counters within 4 KiB; no basis workspaces.
-    const size_t ws = size_t(s.B * (s.N * s.H + 2 * s.M * s.H) * s.D) * 4 + out.nbytes();
+    // one launch), the bf16 q (and with the producer warp the bf16 k and v rows), Delta, and the turns' counters
+    // within 4 KiB; no basis workspaces.
+    const size_t kv = k == BackwardKernel::WarpgroupTma ? size_t(2 * s.B * s.M * s.H * s.D) * 2 : 0;
+    const size_t ws = size_t(s.B * (s.N * s.H + 2 * s.M * s.H) * s.D) * 4 + out.nbytes() + kv;
     CHECK(memory_stats(gpu()).peak - before <= ws + size_t(s.B * s.N * s.H) * 4 + 4096);
     for (size_t i = 0; i < 6; ++i) {
       CAPTURE(kAttentionNames[i + 1]);

@@ -1,9 +1,11 @@
 // Internal to ops/tpa/attention_bwd.cu: the split warpgroup backward (attention_bwd_wg.cuh with SPLIT) fed by a
 // producer warp, as the TMA forward is (attention_tma.cuh). A block of 384 threads: two consumer warpgroups of
 // 64 keys each (warps 0-7, the products and the schedule of attention_bwd_wg) and a producer warpgroup (warps
-// 8-11). Warp 8 brings each query tile's Q and dO (boxes of 64 columns x kSmall rows by the tensor copy engine,
-// 128-byte swizzle) and its lse and Delta rows (ordinary loads of its 32 lanes) into a ring of kStages slots,
-// each completing on a "full" mbarrier; the consumers give a slot back by arriving on its "empty" one.
+// 8-11). Warp 8 first brings the block's K and V tiles (KV_ROWS: from rows built beforehand, one mbarrier; else
+// the consumers build them from the factors, a chain of global loads in every block's prologue), then each query
+// tile's Q and dO (boxes of 64 columns x kSmall rows by the tensor copy engine, 128-byte swizzle) and its lse
+// and Delta rows (ordinary loads of its 32 lanes) into a ring of kStages slots, each completing on a "full"
+// mbarrier; the consumers give a slot back by arriving on its "empty" one.
 // No block-wide barrier inside the loop: the two consumer warpgroups meet only through dS'^T, whose buffers
 // each complete on an mbarrier of the 256 consumer threads (a warpgroup's dQ product reads both warpgroups'
 // rows). dQ of tile i + kLag is issued at tile i (the split form: i + 1), so a warpgroup waits only for the
@@ -43,9 +45,9 @@ constexpr size_t smem_bytes() {
 }
 static_assert(smem_bytes<128>() <= 227 * 1024 - 128, "a block and its mbarriers fit an sm_90 multiprocessor");
 
-// The mbarriers: a full / empty pair per slot, and one per dS'^T buffer (both warpgroups' rows written).
+// The mbarriers: a full / empty pair per slot, one per dS'^T buffer (both warpgroups' rows written), and K and V.
 struct Ring {
-  uint64_t full[kStages], empty[kStages], ds[kDsBuffers];
+  uint64_t full[kStages], empty[kStages], ds[kDsBuffers], kv;
 };
 
 #ifdef LINTAPE_WGMMA
@@ -84,10 +86,12 @@ __device__ __forceinline__ void produce(const Params<T>& p, const CUtensorMap* t
 }
 #endif
 
-// The grid, the places and the products of attention_bwd_wg::backward (SPLIT); tq and tdo as for produce.
-template <class T, int HD>
+// The grid, the places and the products of attention_bwd_wg::backward (SPLIT); tq and tdo as for produce; tk and
+// tv (KV_ROWS): the K and V rows of the launch's entries, boxes of kBig rows.
+template <class T, int HD, bool KV_ROWS>
 __global__ void __launch_bounds__(kTmaThreads, 1)
-    backward(const Params<T> p, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo) {
+    backward(const Params<T> p, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
+             const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
 #ifndef LINTAPE_WGMMA
   __trap();  // attention_backward picks this kernel only where wgmma was compiled
 #else
@@ -100,7 +104,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   __shared__ Ring ring;
   __shared__ int place;
-  T* ks = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  T* ks = reinterpret_cast<T*>(cuda::smem_aligned<1024>(smem_raw));
   T* vs = ks + KT;
   T* slots = vs + KT;                                     // slot s: Q at slots + 2 s QT, dO after it
   T* dst = slots + 2 * kStages * QT;  // buffer b: dS'^T (tile i: b = i % kDsBuffers) at dst + b DT
@@ -113,6 +117,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       mbarrier_init(&ring.empty[s], kThreads);
     }
     for (int b = 0; b < kDsBuffers; ++b) mbarrier_init(&ring.ds[b], kThreads);
+    mbarrier_init(&ring.kv, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -123,6 +128,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int first = p.causal ? k0 / kSmall : 0, last = q_tiles;
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
+    if (KV_ROWS && warp == 8 && lane == 0) {  // K and V: HD / kBox boxes of kBig rows each, as KTile lays them
+      mbarrier_arrive_expect_tx(&ring.kv, 2 * KT * 2);
+#pragma unroll
+      for (int b = 0; b < HD / kBox; ++b) {
+        tma_load_4d(ks + b * kBig * kBox, &tk, &ring.kv, b * kBox, h, k0, int(bb - p.b0));
+        tma_load_4d(vs + b * kBig * kBox, &tv, &ring.kv, b * kBox, h, k0, int(bb - p.b0));
+      }
+    }
     if (warp == 8) produce<T, HD>(p, &tq, &tdo, slots, stats, ring, bb, h, first, last);
     return;
   }
@@ -131,10 +144,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   for (int r = 0; r < kLag; ++r)  // the dS'^T buffers of tiles last.. last + kLag - 1 (see dq_issue)
     for (int e = int(threadIdx.x); e < DT / 8; e += kThreads)
       reinterpret_cast<uint4*>(dst + (last + r) % kDsBuffers * DT)[e] = make_uint4(0, 0, 0, 0);
-  build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(ks, p.fk, bb, h, k0, KTile{});
-  build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(vs, p.fv, bb, h, k0, KTile{});
+  if constexpr (!KV_ROWS) {
+    build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(ks, p.fk, bb, h, k0, KTile{});
+    build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(vs, p.fv, bb, h, k0, KTile{});
+  }
   fence_proxy_async();
-  bar_sync(1, kThreads);  // K, V and the zeroed buffer: for both warpgroups' tensor cores
+  bar_sync(1, kThreads);  // (K, V and) the zeroed buffers: for both warpgroups' tensor cores
+  if constexpr (KV_ROWS) mbarrier_wait(&ring.kv, 0);
 
   float dk[HD / 2], dv[HD / 2];
 #pragma unroll

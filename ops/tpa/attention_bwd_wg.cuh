@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
   using KTile = SwizzleTile<kBig>;
   using QTile = SwizzleTile<kSmall>;
   extern __shared__ unsigned char smem_raw[];
-  T* ks = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  T* ks = reinterpret_cast<T*>(cuda::smem_aligned<1024>(smem_raw));
   T* vs = ks + KT;
   T* qdo = vs + KT;        // pair s: Q at qdo + 2 s QT, dO after it
   T* dst = qdo + 4 * QT;   // buffer s: dS'^T at dst + s DT

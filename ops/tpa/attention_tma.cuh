@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   constexpr int QG = kWgRows * (HD / 8) / kThreads;
   extern __shared__ unsigned char smem_raw[];
   __shared__ Ring ring;
-  T* qs = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  T* qs = reinterpret_cast<T*>(cuda::smem_aligned<1024>(smem_raw));
   T* kslots = qs + kWgRows * HD;
   T* vslots = kslots + kStages * KT;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
