@@ -374,34 +374,28 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
                 dbv_len = SPLIT ? 0 : int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
                 turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks + 1,
                 ws_len = dq_len + dbk_len + dbv_len + turns, rows_len = SPLIT ? int64_t(p.M) * p.H * HD : 0;
-  // TMA: K and V rows too (M H HD in T each a batch entry), built beforehand and brought in by the producer, unless
-  // LINTAPE_TPA_BWD_KV=build (the blocks build their tiles from the factors).
-  const char* kv_env = std::getenv("LINTAPE_TPA_BWD_KV");
-  const bool kv_rows = TMA && !(kv_env && std::strcmp(kv_env, "build") == 0);
-  const int64_t kv_len = kv_rows ? int64_t(p.M) * p.H * HD : 0;
+  // TMA: K and V rows too (M H HD in T each a batch entry), built beforehand and brought in by the producer.
+  const int64_t kv_len = TMA ? int64_t(p.M) * p.H * HD : 0;
   const int64_t launches = batch_launches(B, (ws_len + 2 * rows_len) * 4 + (dq_len + 2 * kv_len) * 2,
                                           B * dq_len * 2, key_tiles * p.H, dev.index);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * ws_len}, DType::F32, dev);
   Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, DType::F32, dev) : Tensor();
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
-  Tensor kbuf = kv_rows ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
-  Tensor vbuf = kv_rows ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
+  Tensor kbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
+  Tensor vbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
   p.q = static_cast<const T*>(qbuf.data());
   CUtensorMap tq{}, tdo{}, tk{}, tv{};  // TMA: Q, K and V of the launch's entries, dO of all
   if constexpr (TMA) {
     constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
     tq = rows_tensor_map(qbuf.data(), chunk, p.N, p.H, HD, bf16, kSmall);
     tdo = rows_tensor_map(dout.data(), B, p.N, p.H, HD, bf16, kSmall);
-    if (kv_rows) {
-      tk = rows_tensor_map(kbuf.data(), chunk, p.M, p.H, HD, bf16, kBig);
-      tv = rows_tensor_map(vbuf.data(), chunk, p.M, p.H, HD, bf16, kBig);
-    }
+    tk = rows_tensor_map(kbuf.data(), chunk, p.M, p.H, HD, bf16, kBig);
+    tv = rows_tensor_map(vbuf.data(), chunk, p.M, p.H, HD, bf16, kBig);
   }
-  static bool configured = false, configured_kv = false;
+  static bool configured = false;
   if constexpr (TMA) {
-    allow_smem(attention_bwd_tma::backward<T, HD, false>, attention_bwd_tma::smem_bytes<HD>(), configured);
-    allow_smem(attention_bwd_tma::backward<T, HD, true>, attention_bwd_tma::smem_bytes<HD>(), configured_kv);
+    allow_smem(attention_bwd_tma::backward<T, HD>, attention_bwd_tma::smem_bytes<HD>(), configured);
   } else if constexpr (WG) {
     allow_smem(attention_bwd_wg::backward<T, HD, SPLIT>, attention_bwd_wg::smem_bytes<HD>(), configured);
   } else {
@@ -424,7 +418,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
         p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
     LT_CUDA_CHECK_LAUNCH();
-    if (kv_rows) {
+    if constexpr (TMA) {
       const int64_t keys = n * p.M;
       build_rows<T, HD><<<grid_for(keys * (HD / 8), kThreads), kThreads, 0, st>>>(
           p.fk, static_cast<T*>(kbuf.data()), b0 * p.M, keys, p.H);
@@ -434,13 +428,9 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
       LT_CUDA_CHECK_LAUNCH();
     }
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
-    constexpr int tma_threads = attention_tma::kTmaThreads;
-    constexpr size_t tma_smem = attention_bwd_tma::smem_bytes<HD>();
     if constexpr (TMA) {
-      if (kv_rows)
-        attention_bwd_tma::backward<T, HD, true><<<grid, tma_threads, tma_smem, st>>>(p, tq, tdo, tk, tv);
-      else
-        attention_bwd_tma::backward<T, HD, false><<<grid, tma_threads, tma_smem, st>>>(p, tq, tdo, tk, tv);
+      attention_bwd_tma::backward<T, HD><<<grid, attention_tma::kTmaThreads, attention_bwd_tma::smem_bytes<HD>(), st>>>(
+          p, tq, tdo, tk, tv);
     } else if constexpr (WG) {
       attention_bwd_wg::backward<T, HD, SPLIT><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
     } else {

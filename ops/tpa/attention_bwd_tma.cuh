@@ -1,11 +1,12 @@
 // Internal to ops/tpa/attention_bwd.cu: the split warpgroup backward (attention_bwd_wg.cuh with SPLIT) fed by a
 // producer warp, as the TMA forward is (attention_tma.cuh). A block of 384 threads: two consumer warpgroups of
 // 64 keys each (warps 0-7, the products and the schedule of attention_bwd_wg) and a producer warpgroup (warps
-// 8-11). Warp 8 first brings the block's K and V tiles (KV_ROWS: from rows built beforehand, one mbarrier; else
-// the consumers build them from the factors, a chain of global loads in every block's prologue), then each query
-// tile's Q and dO (boxes of 64 columns x kSmall rows by the tensor copy engine, 128-byte swizzle) and its lse
-// and Delta rows (ordinary loads of its 32 lanes) into a ring of kStages slots, each completing on a "full"
-// mbarrier; the consumers give a slot back by arriving on its "empty" one.
+// 8-11). Warp 8 first brings the block's K and V tiles from rows built beforehand by build_rows (on one
+// mbarrier; built by the consumers from the factors, a chain of global loads in a prologue nothing hides with
+// one block an SM, they took about a fifth of the block's time), then each query tile's Q and dO (boxes of 64
+// columns x kSmall rows by the tensor copy engine, 128-byte swizzle) and its lse and Delta rows (ordinary loads
+// of its 32 lanes) into a ring of kStages slots, each completing on a "full" mbarrier; the consumers give a slot
+// back by arriving on its "empty" one.
 // No block-wide barrier inside the loop: the two consumer warpgroups meet only through dS'^T, whose buffers
 // each complete on an mbarrier of the 256 consumer threads (a warpgroup's dQ product reads both warpgroups'
 // rows). dQ of tile i + kLag is issued at tile i (the split form: i + 1), so a warpgroup waits only for the
@@ -87,8 +88,8 @@ __device__ __forceinline__ void produce(const Params<T>& p, const CUtensorMap* t
 #endif
 
 // The grid, the places and the products of attention_bwd_wg::backward (SPLIT); tq and tdo as for produce; tk and
-// tv (KV_ROWS): the K and V rows of the launch's entries, boxes of kBig rows.
-template <class T, int HD, bool KV_ROWS>
+// tv: the K and V rows of the launch's entries, boxes of kBig rows.
+template <class T, int HD>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     backward(const Params<T> p, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
              const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int first = p.causal ? k0 / kSmall : 0, last = q_tiles;
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
-    if (KV_ROWS && warp == 8 && lane == 0) {  // K and V: HD / kBox boxes of kBig rows each, as KTile lays them
+    if (warp == 8 && lane == 0) {  // K and V: HD / kBox boxes of kBig rows each, as KTile lays them
       mbarrier_arrive_expect_tx(&ring.kv, 2 * KT * 2);
 #pragma unroll
       for (int b = 0; b < HD / kBox; ++b) {
@@ -144,13 +145,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   for (int r = 0; r < kLag; ++r)  // the dS'^T buffers of tiles last.. last + kLag - 1 (see dq_issue)
     for (int e = int(threadIdx.x); e < DT / 8; e += kThreads)
       reinterpret_cast<uint4*>(dst + (last + r) % kDsBuffers * DT)[e] = make_uint4(0, 0, 0, 0);
-  if constexpr (!KV_ROWS) {
-    build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(ks, p.fk, bb, h, k0, KTile{});
-    build_global<T, HD, kBig, kBig * (HD / 8) / kThreads, KTile>(vs, p.fv, bb, h, k0, KTile{});
-  }
   fence_proxy_async();
-  bar_sync(1, kThreads);  // (K, V and) the zeroed buffers: for both warpgroups' tensor cores
-  if constexpr (KV_ROWS) mbarrier_wait(&ring.kv, 0);
+  bar_sync(1, kThreads);  // the zeroed buffers: for both warpgroups' tensor cores
+  mbarrier_wait(&ring.kv, 0);
 
   float dk[HD / 2], dv[HD / 2];
 #pragma unroll

@@ -160,7 +160,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   constexpr int QG = kWgRows * (HD / 8) / kThreads;
   extern __shared__ unsigned char smem_raw[];
   __shared__ Ring ring;
-  T* qs = reinterpret_cast<T*>(cuda::smem_aligned<1024>(smem_raw));
+  // Aligned through an integer, so accesses through qs are generic: addressing it as shared memory (as the
+  // backward kernels do) made the non-ping-pong form 8-15% slower at N 8192 on an H200 (bench/notes/tpa-hopper.md
+  // section 6).
+  T* qs = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* kslots = qs + kWgRows * HD;
   T* vslots = kslots + kStages * KT;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
