@@ -2,9 +2,10 @@
 // LRPE; q, k, g silu, and q softmax over the feature dim with k, g silu), floor and % copy. `fal-causal`:
 // causal with cosine LRPE, silu acts and a per-head decay (B = H = 12, D = E = 128, the language model's
 // B = 16, H = 6, N = 2048, and B = 1, H = 8 at N = 8192 and 32768; the model's shape again with rotate LRPE,
-// which runs the chunk sweep), TFLOP/s of the chunked algorithm and % copy, with packed documents under
-// --documents L (the title says docs<L>); and the decoding step (B = 8, H = 12, D = E = 128). "fused" is
-// Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is Impl::Composed.
+// which runs the chunk kernels behind the LRPE family's rotate kernels), TFLOP/s of the chunked algorithm and
+// % copy, with packed documents under --documents L (the title says docs<L>); and the decoding step (B = 8,
+// H = 12, D = E = 128). "fused" is Impl::Fused on CUDA (the op's CPU reference on the CPU); "composed" is
+// Impl::Composed.
 #include <cmath>
 #include "bench/harness.h"
 #include "ops/fal/fal.h"

@@ -209,6 +209,15 @@ std::vector<Row> fal_rows() {
                true, 2, 37, 37, 3, 64, 32});
   c.back().decay = {0.9, 0.99, 0.5};
   c.back().with_s0 = true;
+  // Rotate at D 64 (bf16/f16 on CUDA: the chunk kernels behind the LRPE family's rotate kernels), causal and
+  // noncausal.
+  c.push_back({"rotate silu, decay, S0, offset 2, N 37 D 64", FalLrpe::Rotate, kSilu, kSigmoid, kNone, kSilu, true,
+               2, 37, 37, 3, 64, 32, {3, 32}});
+  c.back().decay = {0.9, 0.99, 0.5};
+  c.back().with_s0 = true;
+  c.back().offset = 2;
+  c.push_back({"rotate softmax feature k, N 37 M 45 D 64", FalLrpe::Rotate, kSilu, kSoftFeature, kRelu, kSilu, false,
+               2, 37, 45, 3, 64, 32, {1, 32}});
   // The small preset's FAL mixer: six heads of D = E = 128 (D' = 256), cosine, silu, per-head decay.
   c.push_back({"small preset head, N 70", FalLrpe::Cosine, kSilu, kSilu, kNone, kSilu, true, 1, 70, 70, 6, 128, 128});
   c.back().theta = {6, 128};

@@ -10,6 +10,7 @@
 #include "core/allocator.h"
 #include "ops/elementwise.h"
 #include "ops/fal/launch.h"
+#include "ops/fal/paths.h"
 #include "core/cuda.h"
 #include "ops/reduce.h"
 #include "ops/shape.h"
@@ -25,6 +26,7 @@ struct StepConfig {
   int64_t D, E;
   ActSpec q, k, v, g;
   bool decay;
+  int64_t theta_cols = 0;  // rotate: theta (H, theta_cols) when > 0, else (1, D/2)
 };
 
 FalOptions step_options(const StepConfig& c, int64_t H, Device dev) {
@@ -36,7 +38,7 @@ FalOptions step_options(const StepConfig& c, int64_t H, Device dev) {
   o.lrpe = c.lrpe;
   o.causal = true;
   if (c.lrpe == FalLrpe::Cosine) o.theta = rates({H, c.D}, dev);
-  if (c.lrpe == FalLrpe::Rotate) o.theta = rates({1, c.D / 2}, dev);
+  if (c.lrpe == FalLrpe::Rotate) o.theta = c.theta_cols > 0 ? rates({H, c.theta_cols}, dev) : rates({1, c.D / 2}, dev);
   if (c.decay) o.decay = from_vector({0.9, 0.99, 0.5}, {H}, DType::F32, dev);
   return o;
 }
@@ -250,7 +252,15 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
     }
   }
 
-  // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states).
+  // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states). The
+  // blocks of the sizes of its outputs, gradients and temporaries are poisoned first: the caching allocator hands
+  // freed blocks of a size on to the next tensors of that size.
+  {
+    std::vector<Tensor> blocks;
+    for (int i = 0; i < 3; ++i)
+      for (const Tensor& t : in) blocks.push_back(poisoned(t.shape(), dt));
+    if (causal) blocks.push_back(poisoned({B, H, P, c.E}, DType::F32));
+  }
   std::vector<Tensor> leaves;
   for (const Tensor& t : in) leaves.push_back(t.detach().requires_grad_());
   Tensor S0_leaf = states ? S0.detach().requires_grad_() : Tensor();
@@ -582,6 +592,112 @@ TEST_CASE("cuda fal causal segments follow the shape" * LT_CUDA_CASE) {
       CHECK(G <= 64);  // each segment keeps a state per (b, h)
     }
   }
+#endif
+}
+
+namespace {
+
+// Rotate on the chunk kernels (bf16/f16): the LRPE family's rotate kernels put q and k through their acts and the
+// rotation, the chunk kernels take the rest. check_fused_sequence runs the launchers (the chunk sweep, which takes
+// rotate itself) and Impl::Fused (this path). theta (1, D/2), (H, E_t < D/2) and (H, 1); softmax over the
+// features on q or k, which the chunk kernels take behind the rotation only.
+const std::vector<StepConfig> kRotateChunkConfigs = {
+    {"rotate D 128 E 128 silu decay", FalLrpe::Rotate, 128, 128, kSilu, kSilu, kNone, kSilu, true},
+    {"rotate D 64 E 64 softmax q, sigmoid k, relu v, theta (H, 20)", FalLrpe::Rotate, 64, 64, kSoft, kSigmoid, kRelu,
+     kSilu, true, 20},
+    {"rotate D 128 E 32 softmax k, relu g, theta (H, 1)", FalLrpe::Rotate, 128, 32, kSilu, kSoft, kNone, kRelu, false,
+     1},
+};
+
+// The path that fal takes for c: the chunk kernels behind the rotation for dt, the sweep for f32.
+void require_rotates_first(const StepConfig& c, bool causal, DType dt) {
+#if LINTAPE_WITH_CUDA
+  FalOptions o = step_options(c, 3, gpu());
+  o.causal = causal;
+  const Tensor q = empty({1, 1, 3, c.D}, dt, gpu()), v = empty({1, 1, 3, c.E}, dt, gpu());
+  REQUIRE(fal_paths::rotates_first(q, v, o));
+  REQUIRE(fal_paths::chunked(q, v, o));
+  const Tensor q32 = empty(q.shape(), DType::F32, gpu()), v32 = empty(v.shape(), DType::F32, gpu());
+  REQUIRE_FALSE(fal_paths::rotates_first(q32, v32, o));
+#else
+  (void)c, (void)causal, (void)dt;
+#endif
+}
+
+}  // namespace
+
+// Odd lengths inside one chunk and across three, with and without S0 and the final state's gradient.
+TEST_CASE("cuda fal rotate causal on the chunk kernels matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  uint64_t seed = 2000;
+  for (const StepConfig& c : kRotateChunkConfigs)
+    for (DType dt : {DType::BF16, DType::F16})
+      for (int64_t N : {23, 161})
+        for (bool with_state : {true, false}) {
+          CAPTURE(c.name);
+          CAPTURE(dtype_name(dt));
+          CAPTURE(N);
+          CAPTURE(with_state);
+          require_rotates_first(c, true, dt);
+          check_fused_sequence(c, true, dt, seed += 10, N, 2, with_state);
+        }
+  check_fused_sequence(kRotateChunkConfigs[0], true, DType::BF16, 2500, 777, 1);  // many chunks and segments
+}
+
+TEST_CASE("cuda fal rotate noncausal on the chunk kernels matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  uint64_t seed = 2100;
+  for (const StepConfig& c : kRotateChunkConfigs)
+    for (DType dt : {DType::BF16, DType::F16})
+      for (const auto& [N, M] : {std::pair<int64_t, int64_t>{23, 31}, {161, 100}}) {
+        CAPTURE(c.name);
+        CAPTURE(dtype_name(dt));
+        CAPTURE(N);
+        CAPTURE(M);
+        require_rotates_first(c, false, dt);
+        check_fused_sequence(c, false, dt, seed += 10, N, 2, true, M);
+      }
+}
+
+// Slices of one projection: read in place by the rotation (q, k) and the chunk kernels (v, g), against contiguous
+// copies and the composed path.
+TEST_CASE("cuda fal rotate on the chunk kernels reads strided slices of one projection" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  for (bool causal : {true, false}) {
+    CAPTURE(causal);
+    const StepConfig& c = kRotateChunkConfigs[1];
+    require_rotates_first(c, causal, DType::BF16);
+    FalOptions o = step_options(c, 3, gpu());
+    o.causal = causal;
+    if (!causal) o.decay = Tensor();
+    const auto [got, in] = check_strided_slices(o, 100, 2200);
+    const Tensor composed = fal(in[0], in[1], in[2], in[3], o, Impl::Composed);
+    CHECK(rel_error(got.to(Device::cpu()).to(DType::F64), composed.to(Device::cpu()).to(DType::F64)) <=
+          tolerance(DType::BF16));
+  }
+}
+
+// What the tape keeps of a rotate call on the chunk kernels: the output, the final state and the chunk states, not
+// q' nor k' (temporaries of the forward, beside the cut's boundary states at its peak).
+TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  const StepConfig& c = kRotateChunkConfigs[0];
+  const int64_t B = 2, N = 300, H = 3, nC = (N + 63) / 64, slack = 8 * 512;
+  std::vector<Tensor> in;
+  uint64_t seed = 2300;
+  for (int64_t w : {c.D, c.D, c.E, c.E})
+    in.push_back(randn({B, N, H, w}, DType::BF16, gpu(), seed++).requires_grad_());
+  const FalOptions o = step_options(c, H, gpu());
+  const int64_t state_bytes = B * H * c.D * c.E * 4, x_bytes = B * N * H * c.D * 2;
+  const int64_t kept = B * N * H * c.E * 2 + state_bytes + B * H * nC * c.D * c.E * 2;  // o, S_final, chunk states
+  const int64_t cut = fal_cuda::chunk_segments({B * H, nC, c.D, c.D, c.E}, cuda::sm_count(gpu().index), true);
+  const int64_t base = int64_t(memory_stats(gpu()).in_use);
+  reset_peak_memory(gpu());
+  const auto res = fal_with_state(in[0], in[1], in[2], in[3], Tensor(), o, Impl::Fused);
+  CHECK(int64_t(memory_stats(gpu()).in_use) - base <= kept + slack);
+  CHECK(int64_t(memory_stats(gpu()).peak) - base <= kept + 2 * x_bytes + (cut - 1) * state_bytes + slack);
+  CHECK(res.first.requires_grad());
 #endif
 }
 

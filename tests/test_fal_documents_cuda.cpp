@@ -5,6 +5,7 @@
 #include <vector>
 #include "fal_documents.h"
 #include "ops/fal/launch.h"
+#include "ops/fal/paths.h"
 
 using namespace lintape;
 using namespace lintape::test;
@@ -32,10 +33,13 @@ FalOptions options(FalLrpe lrpe, bool decay, int64_t H, int64_t D) {
 }
 
 // Rows of 2 x 64 + 33 tokens: one-token documents, documents crossing the 64-token chunks, a chunk that holds
-// several, a row that is one document, and different cuts per row.
+// several, and different cuts per row.
+const std::vector<int64_t> kChunkCu{0, 1, 2, 70, 128, 129, 150, 161, 161 + 64, 161 + 65, 322, 322 + 30, 483};
+
+// The chunk kernels' cases: kChunkCu, and rows that are one document each.
 std::vector<FalDocCase> chunk_cases() {
   const int64_t N = 161;
-  const std::vector<int64_t> cu{0, 1, 2, 70, 128, 129, 150, 161, 161 + 64, 161 + 65, 322, 322 + 30, 483};
+  const std::vector<int64_t>& cu = kChunkCu;
   const std::vector<int64_t> whole{0, 161, 322, 483};
   std::vector<FalDocCase> c;
   c.push_back({"cosine D 128 E 128 decay", options(FalLrpe::Cosine, true, 3, 128), 3, N, 3, 128, 128, cu});
@@ -196,7 +200,33 @@ TEST_CASE("cuda fal documents sweep long rows equal each document alone" * LT_CU
 #endif
 }
 
-// Impl::Fused runs the sweep's calls with documents; for f32 also Auto and Composed (Auto runs Composed for calls
+// Rotate with documents on the chunk kernels (bf16/f16) behind the LRPE family's rotate kernels, whose positions
+// restart at each document start: Impl::Fused and Auto against each document alone.
+TEST_CASE("cuda fal documents rotate on the chunk kernels equals each document alone" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  FalOptions soft = options(FalLrpe::Rotate, false, 3, 64);
+  soft.q = kSoftmax;
+  const FalDocCase cases[] = {
+      {"rotate D 128 E 64 decay", options(FalLrpe::Rotate, true, 3, 128), 3, 161, 3, 128, 64, kChunkCu},
+      {"rotate D 64 E 48 softmax q, no decay, no S0", soft, 3, 161, 3, 64, 48, kChunkCu, false},
+  };
+  uint64_t seed = 900;
+  for (const FalDocCase& c : cases)
+    for (DType dt : {DType::BF16, DType::F16}) {
+      const Tensor q = empty({c.B, c.N, c.H, c.D}, dt, gpu()), v = empty({c.B, c.N, c.H, c.E}, dt, gpu());
+      FalOptions o = c.o;
+      o.theta = o.theta.to(gpu());
+      REQUIRE(fal_paths::rotates_first(q, v, o));
+      for (Impl impl : {Impl::Fused, Impl::Auto}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(int(impl));
+        check_fal_documents(c, dt, gpu(), impl, tolerance(dt), seed += 10);
+      }
+    }
+}
+
+// Impl::Fused runs the sweep's calls with documents (bf16 rotate: the chunk kernels behind the rotation, as above;
+// the launchers run it on the sweep); for f32 also Auto and Composed (Auto runs Composed for calls
 // that record gradients on the sweep).
 TEST_CASE("cuda fal documents sweep fused, auto and composed equal each document alone" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();

@@ -18,24 +18,25 @@
 // the 1-D LRPE puts token s at position offset + s - starts[b, s]; the decay powers are those of the token gaps
 // inside a document. Noncausal mode and md_cosine refuse documents with an error (noncausal sums every key of
 // a row; md_cosine has one grid per row); fal_step ignores them (decoding continues the last document).
-// Documents for another (B, N) or on another device are an error. Fused runs documents on the causal chunk
-// kernels only (bf16/f16, LRPE none or cosine, D 64 or 128, E <= 128, elementwise acts); for the calls that
-// the chunk sweep would run it throws, saying why, and Auto runs Composed for them.
+// Documents for another (B, N) or on another device are an error. Fused runs documents on every causal call it
+// takes.
 //
 // Impl::Fused runs the fused CUDA kernels of fal and fal_with_state for f32/bf16/f16 inputs with LRPE none,
 // cosine or rotate, acts other than softmax over the sequence and D, E <= 256 (D' x E up to 256 x 128); for
 // md_cosine, softmax over the sequence or a larger state it throws, saying why (Composed runs those). Causal
-// bf16/f16 calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts run the chunked
-// tensor-core kernels (bf16/f16 products, f32 accumulation and carried states; the state enters the products in
-// the inputs' dtype, and the backward stores its per-chunk states in it: with f16 inputs a state entry past
-// 65504 overflows, which long sequences without decay can reach; bf16 has f32's range). Noncausal bf16/f16
-// calls with LRPE none or cosine, D 64 or 128, E <= 128 and elementwise acts or softmax over the feature dim
-// on q and k run the noncausal chunk kernels (the same products; kv and dkv summed in f32, read by the row
-// passes in the inputs' dtype, with the same f16 caveat). The others run a chunk sweep (tf32; f32 inputs in
-// split tf32 at f32 accuracy). Impl::Auto (the rule in ops/impl.h) runs Fused for the calls that the chunk
-// kernels take (faster than Composed both ways, and without its intermediates) and for causal calls that record
-// no gradient (every fused causal forward is faster); the sweeps' backwards are slower than the composed ones,
-// and the noncausal sweep's forward no faster.
+// bf16/f16 calls with LRPE none, cosine or rotate, D 64 or 128, E <= 128 and elementwise acts (rotate: also
+// softmax over the feature dim on q and k) run the chunked tensor-core kernels (bf16/f16 products, f32
+// accumulation and carried states; the state enters the products in the inputs' dtype, and the backward
+// stores its per-chunk states in it: with f16 inputs a state entry past 65504 overflows, which long sequences
+// without decay can reach; bf16 has f32's range). Noncausal bf16/f16 calls with LRPE none, cosine or rotate,
+// D 64 or 128, E <= 128 and elementwise acts or softmax over the feature dim on q and k run the noncausal
+// chunk kernels (the same products; kv and dkv summed in f32, read by the row passes in the inputs' dtype,
+// with the same f16 caveat). Rotate reaches them behind the LRPE family's rotate kernels, which write
+// rotate(act(q)) and rotate(act(k)) to temporaries of the forward, made again by the backward. The others run a
+// chunk sweep (tf32; f32 inputs in split tf32 at f32 accuracy). Impl::Auto (the rule in ops/impl.h) runs Fused
+// for the calls that the chunk kernels take (faster than Composed both ways, and without its intermediates) and
+// for causal calls that record no gradient (every fused causal forward is faster); the sweeps' backwards are
+// slower than the composed ones, and the noncausal sweep's forward no faster.
 // fal_step runs its fused kernel for f32/bf16/f16 CUDA inputs.
 #pragma once
 #include <cstdint>

@@ -1,6 +1,7 @@
 // The FAL family's fused path: the kernels of launch.h (the step kernel, ops/fal/step.cu; the sequence kernels,
 // ops/fal/noncausal.cu and ops/fal/causal.cu, and the chunk kernels they dispatch to), forward now and the
-// backward recorded on the tape.
+// backward recorded on the tape. Rotate reaches the chunk kernels through the LRPE family's kernels
+// (ops/lrpe/launch.h), which put q and k through their acts and the rotation first.
 #if LINTAPE_WITH_CUDA
 #include <algorithm>
 #include <array>
@@ -9,6 +10,7 @@
 #include "autograd/tape.h"
 #include "ops/fal/launch.h"
 #include "ops/fal/paths.h"
+#include "ops/lrpe/launch.h"
 
 namespace lintape::fal_paths {
 using autograd::Grads;
@@ -62,6 +64,42 @@ FalStepSpec kernel_spec(const Tensor& q, const FalOptions& o, const char* op) {
 
 bool is_seq_softmax(const ActSpec& a) { return a.act == Act::Softmax && a.dim == ActDim::Sequence; }
 
+// The chunk kernels' codes for q' = rotate(act_q(q)), k' = rotate(act_k(k)): no act on them, no LRPE.
+FalStepSpec after_rotation(FalStepSpec spec) {
+  spec.act_q = spec.act_k = FalStepSpec::kNone;
+  spec.lrpe = FalStepSpec::kNoLrpe;
+  spec.theta = Tensor();
+  return spec;
+}
+
+bool chunk_kernels_take(const Tensor& q, const Tensor& v, bool causal, const FalStepSpec& codes) {
+  return causal ? fal_cuda::causal_chunked(q.dtype(), q.size(3), v.size(3), codes)
+                : fal_cuda::noncausal_chunked(q.dtype(), q.size(3), v.size(3), codes);
+}
+
+// The LRPE family's rotate call that turns x (q or k, with its act) into x' for the chunk kernels: the same
+// theta, positions (offset, restarting at the documents' starts) and act as the FAL sweep's.
+LrpeSpec rotation(const FalStepSpec& spec, const ActSpec& act) {
+  LrpeSpec r;
+  r.kind = LrpeSpec::Rotate;
+  r.theta = spec.theta;
+  r.offset = spec.position;
+  r.starts = spec.starts;
+  r.act = act.act;
+  r.dim = act.dim;
+  return r;
+}
+
+// x as the LRPE kernels read it: in place where they can, else a contiguous copy.
+Tensor rotation_input(const Tensor& x) { return lrpe_cuda::reads_in_place(x) ? x : x.contiguous(); }
+
+// x' = rotate(act(x)) (B, N, H, D), contiguous in x's dtype.
+Tensor rotated(const Tensor& x, const LrpeSpec& r) {
+  Tensor out = empty(x.shape(), x.dtype(), x.device());
+  lrpe_cuda::forward(rotation_input(x), r, out, Tensor());
+  return out;
+}
+
 // Gradients for q, k, v, g (B, N, H, D or E). When the four are consecutive column ranges of one (B, N, W)
 // tensor (one projection split four ways) and the chunk kernels write them, they go to the same columns of
 // one fresh (B, N, W) buffer, so that split's backward hands that buffer on uncopied; else dense tensors.
@@ -113,18 +151,26 @@ const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions
   return nullptr;
 }
 
-bool chunked(const Tensor& q, const Tensor& v, const FalOptions& o) {
-  if (!q.is_cuda()) return false;
-  const FalStepSpec codes = kernel_codes(o);
-  return o.causal ? fal_cuda::causal_chunked(q.dtype(), q.size(3), v.size(3), codes)
-                  : fal_cuda::noncausal_chunked(q.dtype(), q.size(3), v.size(3), codes);
+bool rotates_first(const Tensor& q, const Tensor& v, const FalOptions& o) {
+  if (!q.is_cuda() || o.lrpe != FalLrpe::Rotate || is_seq_softmax(o.q) || is_seq_softmax(o.k)) return false;
+  return chunk_kernels_take(q, v, o.causal, after_rotation(kernel_codes(o)));
 }
 
-// Forward now, backward recorded on the tape (it saves q, k, v, g and kv or S0).
+bool chunked(const Tensor& q, const Tensor& v, const FalOptions& o) {
+  if (!q.is_cuda()) return false;
+  return rotates_first(q, v, o) || chunk_kernels_take(q, v, o.causal, kernel_codes(o));
+}
+
+// Forward now, backward recorded on the tape (it saves q, k, v, g and kv or S0, and the chunk states). With rotate
+// on the chunk kernels (rotates_first), q' and k' are temporaries of the forward, computed again by the backward.
 std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                     const Tensor& S0, const FalOptions& o, const char* op) {
   const Device dev = q.device();
-  const FalStepSpec spec = kernel_spec(q, o, op);
+  const FalStepSpec full = kernel_spec(q, o, op);
+  const bool rotate_first = rotates_first(q, v, o);
+  const FalStepSpec spec = rotate_first ? after_rotation(full) : full;
+  const LrpeSpec rot_q = rotate_first ? rotation(full, o.q) : LrpeSpec(),
+                 rot_k = rotate_first ? rotation(full, o.k) : LrpeSpec();
   const bool causal = o.causal;
   // The launchers take strided views (the chunk kernels read them in place, the sweeps copy them).
   const Tensor qc = q.detach(), kc = k.detach(), vc = v.detach(), gc = g.detach();
@@ -141,25 +187,36 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
                                   ? empty({q.size(0), q.size(2), (q.size(1) + 63) / 64, state_shape[2], v.size(3)},
                                           q.dtype(), dev)
                                   : Tensor();
-  if (causal)
-    fal_cuda::causal_forward(qc, kc, vc, gc, spec, s0, out, state, 0, chunk_states);
-  else
-    fal_cuda::noncausal_forward(qc, kc, vc, gc, spec, state, out);
+  {
+    const Tensor qk[2] = {rotate_first ? rotated(qc, rot_q) : qc, rotate_first ? rotated(kc, rot_k) : kc};
+    if (causal)
+      fal_cuda::causal_forward(qk[0], qk[1], vc, gc, spec, s0, out, state, 0, chunk_states);
+    else
+      fal_cuda::noncausal_forward(qk[0], qk[1], vc, gc, spec, state, out);
+  }
   std::vector<Input> inputs(grad_inputs.begin(), grad_inputs.end());
   std::vector<Tensor> outputs{out};
   if (causal) outputs.push_back(state);
   const Tensor kv = causal ? Tensor() : state;
-  record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, causal, state_shape, chunk_kernels,
-                               chunk_states](const Grads& gin) -> Grads {
+  record(op, inputs, outputs, [qc, kc, vc, gc, s0, kv, spec, rotate_first, rot_q, rot_k, causal, state_shape,
+                               chunk_kernels, chunk_states](const Grads& gin) -> Grads {
     const Device d = qc.device();
     const Tensor dout = gin[0].defined() ? gin[0].contiguous() : zeros(gc.shape(), gc.dtype(), d);
     const Tensor dS = causal && gin.size() > 1 && gin[1].defined() ? gin[1].contiguous() : Tensor();
-    auto [dq, dk, dv, dg] = gradient_buffers({qc, kc, vc, gc}, chunk_kernels);
+    // Rotate first: q' and k' again; the chunk kernels' gradients of q' and k' (dense, as are dv and dg) go
+    // through the rotation's backward into dq and dk, which take q''s and k''s buffers.
+    const Tensor q1 = rotate_first ? rotated(qc, rot_q) : qc, k1 = rotate_first ? rotated(kc, rot_k) : kc;
+    auto [dq, dk, dv, dg] = gradient_buffers({q1, k1, vc, gc}, chunk_kernels && !rotate_first);
     Tensor dS0 = s0.defined() ? empty(state_shape, DType::F32, d) : Tensor();
     if (causal)
-      fal_cuda::causal_backward(qc, kc, vc, gc, spec, s0, dout, dS, dq, dk, dv, dg, dS0, 0, chunk_states);
+      fal_cuda::causal_backward(q1, k1, vc, gc, spec, s0, dout, dS, dq, dk, dv, dg, dS0, 0, chunk_states);
     else
-      fal_cuda::noncausal_backward(qc, kc, vc, gc, spec, kv, dout, dq, dk, dv, dg);
+      fal_cuda::noncausal_backward(q1, k1, vc, gc, spec, kv, dout, dq, dk, dv, dg);
+    if (rotate_first) {
+      lrpe_cuda::backward(rotation_input(qc), dq, rot_q, Tensor(), q1);
+      lrpe_cuda::backward(rotation_input(kc), dk, rot_k, Tensor(), k1);
+      dq = q1, dk = k1;
+    }
     Grads res{dq, dk, dv, dg};
     if (s0.defined()) res.push_back(dS0);
     return res;

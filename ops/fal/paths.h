@@ -38,10 +38,13 @@ Tensor step_composed(Tensor& state, const Tensor& q_t, const Tensor& k_t, const 
 #if LINTAPE_WITH_CUDA
 // fused.cpp. fused_unsupported: why the fused sequence kernels cannot run this call, or nullptr when they can.
 // chunked: true when the call runs the chunk kernels (causal: chunk-parallel; noncausal: ops/fal/noncausal.cuh),
-// whose forward and backward are faster than the composed ones. run_fused: a call that fused_unsupported
-// accepts, with tokens. step_fused: CUDA inputs other than f64.
+// whose forward and backward are faster than the composed ones. rotates_first: true for the rotate calls among
+// them: the LRPE family's rotate kernels put q and k through their acts and the rotation, and the chunk kernels
+// take q' and k' with no act and no LRPE (the same call with LRPE none; f32 and the others run the sweep).
+// run_fused: a call that fused_unsupported accepts, with tokens. step_fused: CUDA inputs other than f64.
 const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions& o);
 bool chunked(const Tensor& q, const Tensor& v, const FalOptions& o);
+bool rotates_first(const Tensor& q, const Tensor& v, const FalOptions& o);
 std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                     const Tensor& S0, const FalOptions& o, const char* op);
 Tensor step_fused(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& g_t,
@@ -52,6 +55,7 @@ inline const char* fused_unsupported(const Tensor&, const Tensor&, const FalOpti
   return "lintape was built without CUDA";
 }
 inline bool chunked(const Tensor&, const Tensor&, const FalOptions&) { return false; }
+inline bool rotates_first(const Tensor&, const Tensor&, const FalOptions&) { return false; }
 #endif
 
 }  // namespace lintape::fal_paths
