@@ -393,14 +393,9 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     tk = rows_tensor_map(kbuf.data(), chunk, p.M, p.H, HD, bf16, kBig);
     tv = rows_tensor_map(vbuf.data(), chunk, p.M, p.H, HD, bf16, kBig);
   }
-  // TMA: the consumers stage dQ for the producer warpgroup's reducer warps unless LINTAPE_TPA_BWD_DQ=consumers.
-  const char* dq_env = std::getenv("LINTAPE_TPA_BWD_DQ");
-  const bool reducer = !(dq_env && std::strcmp(dq_env, "consumers") == 0);
-  static bool configured = false, configured_reducer = false;
+  static bool configured = false;
   if constexpr (TMA) {
-    allow_smem(attention_bwd_tma::backward<T, HD, false>, attention_bwd_tma::smem_bytes<HD, false>(), configured);
-    allow_smem(attention_bwd_tma::backward<T, HD, true>, attention_bwd_tma::smem_bytes<HD, true>(),
-               configured_reducer);
+    allow_smem(attention_bwd_tma::backward<T, HD>, attention_bwd_tma::smem_bytes<HD>(), configured);
   } else if constexpr (WG) {
     allow_smem(attention_bwd_wg::backward<T, HD, SPLIT>, attention_bwd_wg::smem_bytes<HD>(), configured);
   } else {
@@ -434,11 +429,8 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     }
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     if constexpr (TMA) {
-      using namespace attention_bwd_tma;
-      if (reducer)
-        backward<T, HD, true><<<grid, attention_tma::kTmaThreads, smem_bytes<HD, true>(), st>>>(p, tq, tdo, tk, tv);
-      else
-        backward<T, HD, false><<<grid, attention_tma::kTmaThreads, smem_bytes<HD, false>(), st>>>(p, tq, tdo, tk, tv);
+      constexpr size_t smem = attention_bwd_tma::smem_bytes<HD>();
+      attention_bwd_tma::backward<T, HD><<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tq, tdo, tk, tv);
     } else if constexpr (WG) {
       attention_bwd_wg::backward<T, HD, SPLIT><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
     } else {

@@ -16,14 +16,12 @@
 // its warpgroup's arrival there), hence 2 kLag buffers. setmaxnreg moves registers from the producer
 // warpgroup to the consumers.
 //
-// dQ (REDUCER, the default): each consumer thread stores its dQ rows of a tile into one f32 tile in shared
-// memory and arrives on an mbarrier; warps 9-11 wait for it and for the tile's turn, add it to the workspace,
-// give the buffer back and count the turn. Samples of the stalls (bench/notes/tpa-hopper.md section 6) had the
-// consumers spend about a fifth of their time in the turn's wait and behind their own atomics. Without
-// REDUCER: every consumer thread adds its dQ rows of tile i + kLag before it arrives on dS'^T(i)'s mbarrier,
-// so thread 0 counts tile i + kLag once that phase completes (kLag tiles after the adds); the block's last
-// kLag tiles after a named barrier. The block ends as the split form does (f32 dK and dV rows to their
-// workspaces, contracted per token by rows_factor_grads).
+// dQ: each consumer thread stores its dQ rows of a tile into one f32 tile in shared memory and arrives on an
+// mbarrier; warps 9-11 (the reducers) wait for it and for the tile's turn, add it to the workspace, give the
+// buffer back and count the turn. Samples of the stalls (bench/notes/tpa-hopper.md section 6) had the
+// consumers, when they added their own rows in turn, spend about a fifth of their time in the turn's wait and
+// behind their atomics. The block ends as the split form does (f32 dK and dV rows to their workspaces,
+// contracted per token by rows_factor_grads).
 #pragma once
 #include "ops/tpa/attention_bwd_wg.cuh"
 
@@ -31,66 +29,50 @@ namespace lintape::tpa_cuda::attention_bwd_tma {
 using namespace attention_parts;
 using attention_bwd_wg::kWgKeys;
 using attention_tma::kBox;
-using attention_tma::kConsumerRegs;
-using attention_tma::kProducerRegs;
 using attention_tma::kTmaThreads;
 using attention_tma::SwizzleTile;
 
-// Q, dO, lse, Delta slots: three, or two where the dQ tile is staged in shared memory (REDUCER below).
-template <bool REDUCER>
-constexpr int stages() {
-  return REDUCER ? 2 : 3;
-}
-constexpr int kStages = 3;  // the most slots
+constexpr int kStages = 2;  // Q, dO, lse, Delta slots (a third would not leave room for the dQ tile)
 constexpr int kLag = 2;     // tiles between a tile's dS'^T and its dQ product
 constexpr int kDsBuffers = 2 * kLag;
 // The producer's lanes: 33 arrivals a full phase (one with the copies' bytes, then each lane's after its stores).
 constexpr int kFullArrivals = 33;
 
-// The threads that add the staged dQ tiles to the workspace (REDUCER): warps 9-11 of the producer warpgroup.
+// The threads that add the staged dQ tiles to the workspace: warps 9-11 of the producer warpgroup.
 constexpr int kReducers = 96;
-// Registers a thread (setmaxnreg): the reducers' loop needs more than the producer's 24 (it spilled), which the
-// consumers give up (232, no spills).
-template <bool REDUCER>
-constexpr int producer_regs() {
-  return REDUCER ? 40 : kProducerRegs;
-}
-template <bool REDUCER>
-constexpr int consumer_regs() {
-  return REDUCER ? 232 : kConsumerRegs;
-}
-static_assert(2 * 128 * consumer_regs<true>() + 128 * producer_regs<true>() <= 65536, "the register file");
+// Registers a thread (setmaxnreg): the reducers' loop needs more than the forward producer's 24 (it spilled),
+// which the consumers give up (232, no spills).
+constexpr int kBwdProducerRegs = 40, kBwdConsumerRegs = 232;
+static_assert(2 * 128 * kBwdConsumerRegs + 128 * kBwdProducerRegs <= 65536, "the register file");
 
-// K, V, the slots' Q, dO pairs, kDsBuffers dS'^T tiles, the slots' lse, Delta pairs (REDUCER: then the dQ tile,
-// kSmall x HD f32), from a 1024-byte boundary.
-template <int HD, bool REDUCER>
+// K, V, kStages Q, dO pairs, kDsBuffers dS'^T tiles, kStages lse, Delta pairs, the dQ tile (kSmall x HD f32),
+// from a 1024-byte boundary.
+template <int HD>
 constexpr size_t smem_bytes() {
-  constexpr int S = stages<REDUCER>();
-  return size_t(2 * kBig * HD + 2 * S * kSmall * HD + kDsBuffers * kBig * kSmall) * 2 + 2 * S * kSmall * 4 +
-         (REDUCER ? size_t(kSmall) * HD * 4 : 0) + 1024;
+  return size_t(2 * kBig * HD + 2 * kStages * kSmall * HD + kDsBuffers * kBig * kSmall) * 2 +
+         2 * kStages * kSmall * 4 + size_t(kSmall) * HD * 4 + 1024;
 }
-static_assert(smem_bytes<128, false>() <= 227 * 1024 - 128 && smem_bytes<128, true>() <= 227 * 1024 - 128,
-              "a block and its mbarriers fit an sm_90 multiprocessor");
+static_assert(smem_bytes<128>() <= 227 * 1024 - 128, "a block and its mbarriers fit an sm_90 multiprocessor");
 
 // The mbarriers: a full / empty pair per slot, one per dS'^T buffer (both warpgroups' rows written), and K and V.
 struct Ring {
   uint64_t full[kStages], empty[kStages], ds[kDsBuffers], kv;
-  uint64_t dq_full, dq_empty;  // REDUCER: the staged dQ tile written (the consumers) and read (the reducers)
+  uint64_t dq_full, dq_empty;  // the staged dQ tile written (the consumers) and read (the reducers)
 };
 
 #ifdef LINTAPE_WGMMA
-// Warp 8, over the block's query tiles last to first (the n-th into slot n % S): once the slot is free,
+// Warp 8, over the block's query tiles last to first (the n-th into slot n % kStages): once the slot is free,
 // lane 0 copies Q (tq: the launch's built Q, entry bb - b0) and dO (tdo: entry bb) of the tile by TMA, rows
 // past N zero-filled, and each lane stores two lse and two Delta values (0 past N).
-template <class T, int HD, int S>
+template <class T, int HD>
 __device__ __forceinline__ void produce(const Params<T>& p, const CUtensorMap* tq, const CUtensorMap* tdo, T* slots,
                                         float* stats, Ring& ring, int64_t bb, int h, int first, int last) {
   constexpr int QT = kSmall * HD;
   constexpr uint32_t kBoxBytes = kSmall * kBox * 2;
   const int lane = threadIdx.x % 32;
   for (int i = last - 1, n = 0; i >= first; --i, ++n) {
-    const int s = n % S, q0 = i * kSmall;
-    mbarrier_wait(&ring.empty[s], ((n / S) & 1) ^ 1);
+    const int s = n % kStages, q0 = i * kSmall;
+    mbarrier_wait(&ring.empty[s], ((n / kStages) & 1) ^ 1);
     if (lane == 0) {
       mbarrier_arrive_expect_tx(&ring.full[s], 2 * QT * 2);
       unsigned char* dst = reinterpret_cast<unsigned char*>(slots + 2 * s * QT);
@@ -117,7 +99,7 @@ __device__ __forceinline__ void produce(const Params<T>& p, const CUtensorMap* t
 // the consumers' float2 stores (8 rows x 4 column pairs a warp) spread over the banks.
 __device__ __forceinline__ int dq_at(int row, int col, int HD) { return row * HD + (col ^ ((row & 7) << 3)); }
 
-// Warps 9-11 (REDUCER), over the block's dQ tiles in the consumers' order (the tiles last - 1 down to first, the
+// Warps 9-11, over the block's dQ tiles in the consumers' order (the tiles last - 1 down to first, the
 // m-th in phase m): each waits for its tile in shared memory and for its turn, adds it to the f32 workspace
 // (float4 atomics of coalesced rows), gives the buffer back, and, once all 96 have added, counts the turn.
 // The turn's wait and the adds are off the consumers' path: they only wait for the buffer, a tile later.
@@ -143,9 +125,8 @@ __device__ __forceinline__ void reduce_dq(const P& p, const float* dqs, Ring& ri
 #endif
 
 // The grid, the places and the products of attention_bwd_wg::backward (SPLIT); tq and tdo as for produce; tk and
-// tv: the K and V rows of the launch's entries, boxes of kBig rows. REDUCER: the consumers stage each dQ tile in
-// shared memory for the reducer warps (reduce_dq) instead of adding it themselves in its turn.
-template <class T, int HD, bool REDUCER>
+// tv: the K and V rows of the launch's entries, boxes of kBig rows.
+template <class T, int HD>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     backward(const Params<T> p, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
              const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
@@ -164,14 +145,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   T* ks = reinterpret_cast<T*>(cuda::smem_aligned<1024>(smem_raw));
   T* vs = ks + KT;
   T* slots = vs + KT;                                     // slot s: Q at slots + 2 s QT, dO after it
-  constexpr int S = stages<REDUCER>();
-  T* dst = slots + 2 * S * QT;  // buffer b: dS'^T (tile i: b = i % kDsBuffers) at dst + b DT
+  T* dst = slots + 2 * kStages * QT;  // buffer b: dS'^T (tile i: b = i % kDsBuffers) at dst + b DT
   float* stats = reinterpret_cast<float*>(dst + kDsBuffers * DT);  // slot s: lse at stats + 2 s kSmall, Delta after
-  float* dqs = stats + 2 * S * kSmall;  // REDUCER: the staged dQ tile (dq_at)
+  float* dqs = stats + 2 * kStages * kSmall;  // the staged dQ tile (dq_at)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
   if (threadIdx.x == 0) {
     place = atomicAdd(p.ticket, 1);  // as in attention_bwd: every block a turn waits for is running
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&ring.full[s], kFullArrivals);
       mbarrier_init(&ring.empty[s], kThreads);
     }
@@ -189,7 +169,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int first = p.causal ? k0 / kSmall : 0, last = q_tiles;
   int* dq_turn = p.dq_turn + ((bb - p.b0) * p.H + h) * q_tiles;
   if (wg == 2) {
-    setmaxnreg_dec<producer_regs<REDUCER>()>();
+    setmaxnreg_dec<kBwdProducerRegs>();
     if (warp == 8 && lane == 0) {  // K and V: HD / kBox boxes of kBig rows each, as KTile lays them
       mbarrier_arrive_expect_tx(&ring.kv, 2 * KT * 2);
 #pragma unroll
@@ -199,12 +179,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       }
     }
     if (warp == 8)
-      produce<T, HD, S>(p, &tq, &tdo, slots, stats, ring, bb, h, first, last);
-    else if constexpr (REDUCER)
-      if (warp > 8) reduce_dq<HD>(p, dqs, ring, dq_turn, bb, h, kt, first, last);
+      produce<T, HD>(p, &tq, &tdo, slots, stats, ring, bb, h, first, last);
+    else
+      reduce_dq<HD>(p, dqs, ring, dq_turn, bb, h, kt, first, last);
     return;
   }
-  setmaxnreg_inc<consumer_regs<REDUCER>()>();
+  setmaxnreg_inc<kBwdConsumerRegs>();
   const int g = lane >> 2, c = (lane & 3) * 2;
   for (int r = 0; r < kLag; ++r)  // the dS'^T buffers of tiles last.. last + kLag - 1 (see dq_issue)
     for (int e = int(threadIdx.x); e < DT / 8; e += kThreads)
@@ -221,7 +201,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const T* kw = ks + wg * kWgKeys * kBox;           // this warpgroup's rows in each box of K and of V
   const T* vw = vs + wg * kWgKeys * kBox;
   // dQ / scale of query tile i (this warpgroup's 64 columns), as in attention_bwd_wg: issued and committed, then
-  // added to the workspace in its turn once done.
+  // staged for the reducers once done.
   auto dq_issue = [&](float (&dq)[kBox / 2], int i) {
     const T* ds = dst + i % kDsBuffers * DT;
 #pragma unroll
@@ -234,19 +214,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                                wgmma_desc_sw128(ks + wg * kBig * kBox + kk * 16 * kBox, kBig * kBox * 2, 1024));
     wgmma_commit();
   };
-  auto dq_add = [&](const float (&dq)[kBox / 2], int i, int seen) {
-    wait_turn(dq_turn + i, p.ordered ? kt : 0, seen);
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int n = i * kSmall + (warp & 3) * 16 + g + rr * 8;
-      if (n >= p.N) continue;
-      float* row = p.dq + (((bb - p.b0) * p.N + n) * p.H + h) * HD + wg * kBox + c;
-#pragma unroll
-      for (int j = 0; j < kBox / 8; ++j) atomic_add_vec<2>(row + j * 8, dq + 4 * j + 2 * rr);
-    }
-  };
-  // REDUCER: the m-th dQ tile (this warpgroup's columns) into shared memory once the reducers have read the
-  // (m - 1)-th, for them to add in its turn.
+  // The m-th dQ tile (this warpgroup's columns) into shared memory once the reducers have read the (m - 1)-th,
+  // for them to add in its turn.
   auto dq_stage = [&](const float (&dq)[kBox / 2], int m) {
     mbarrier_wait(&ring.dq_empty, (m & 1) ^ 1);
 #pragma unroll
@@ -259,29 +228,24 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     mbarrier_arrive(&ring.dq_full);
   };
-  // dS'^T of tile i (the n-th tile; its buffer's earlier phases were the tiles n - kDsBuffers, ...) complete;
-  // then (unless REDUCER) tile i + kLag's dQ rows, added by every consumer thread before its arrival, are counted.
-  auto ds_ready = [&](int i, int n) {
-    mbarrier_wait(&ring.ds[i % kDsBuffers], (n / kDsBuffers) & 1);
-    if (!REDUCER && threadIdx.x == 0 && n >= kLag) count_turn(dq_turn + i + kLag);
-  };
+  // dS'^T of tile i (the n-th tile; its buffer's earlier phases were the tiles n - kDsBuffers, ...) complete.
+  auto ds_ready = [&](int i, int n) { mbarrier_wait(&ring.ds[i % kDsBuffers], (n / kDsBuffers) & 1); };
   int n = 0;  // tiles consumed
   for (int i = last - 1; i >= first; --i, ++n) {
-    const int q0 = i * kSmall, s = n % S;
+    const int q0 = i * kSmall, s = n % kStages;
     const T* qs = slots + 2 * s * QT;
     const T* dos = qs + QT;
     T* ds = dst + i % kDsBuffers * DT;
     const float* lse_s = stats + 2 * s * kSmall;
     const float* delta_s = lse_s + kSmall;
     if (n >= kLag) ds_ready(i + kLag, n - kLag);
-    mbarrier_wait(&ring.full[s], (n / S) & 1);
-    // dQ of tile i + kLag issued first and added while S^T of tile i runs; then the probabilities, and dP^T
+    mbarrier_wait(&ring.full[s], (n / kStages) & 1);
+    // dQ of tile i + kLag issued first and staged while S^T of tile i runs; then the probabilities, and dP^T
     // with dV's product while dS' waits for the first. dQ at every tile (the first kLag on zeroed buffers, not
     // added) and S^T zeroed before it, so that ptxas neither waits nor serialises. Unlike
     // attention_bwd_wg, S^T is not live beside dP^T (240 registers, not 255); the other warpgroup's products
     // fill the gap.
     float dq[kBox / 2], st[kSmall / 2], dpt[kSmall / 2];
-    const int seen = !REDUCER && n >= kLag ? poll_turn(dq_turn + i + kLag) : 0;
 #pragma unroll
     for (int e = 0; e < kSmall / 2; ++e) st[e] = 0.f;
     wgmma_fence_operand(st);
@@ -290,12 +254,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     wgmma_commit();
     wgmma_wait<1>();
     wgmma_fence_operand(dq);
-    if (n >= kLag) {
-      if constexpr (REDUCER)
-        dq_stage(dq, n - kLag);
-      else
-        dq_add(dq, i + kLag, seen);
-    }
+    if (n >= kLag) dq_stage(dq, n - kLag);
     wgmma_wait<0>();
     wgmma_fence_operand(st);
 #pragma unroll
@@ -349,25 +308,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   // Issued before the last dQ product and its turn, drained while they run.
   attention_bwd_wg::store_wg_acc_rows<HD>(p.dk_rows, dk, bb - p.b0, p.M, p.H, h, key_a);
   attention_bwd_wg::store_wg_acc_rows<HD>(p.dv_rows, dv, bb - p.b0, p.M, p.H, h, key_a);
-  // The last kLag tiles' dQ (first + kLag - 1 down to first; the (n - 1 - r)-th staged), then their counts.
+  // The last kLag tiles' dQ (first + kLag - 1 down to first; the (n - 1 - r)-th staged).
 #pragma unroll
   for (int r = kLag - 1; r >= 0; --r) {
     if (n - 1 - r < 0) continue;
     ds_ready(first + r, n - 1 - r);
-    const int seen = REDUCER ? 0 : poll_turn(dq_turn + first + r);
     float dq[kBox / 2];
     dq_issue(dq, first + r);
     wgmma_wait<0>();
     wgmma_fence_operand(dq);
-    if constexpr (REDUCER)
-      dq_stage(dq, n - 1 - r);
-    else
-      dq_add(dq, first + r, seen);
-  }
-  if constexpr (!REDUCER) {
-    bar_sync(1, kThreads);  // every consumer thread's rows of those tiles added
-    if (threadIdx.x == 0)
-      for (int r = 0; r < kLag && r < n; ++r) count_turn(dq_turn + first + r);
+    dq_stage(dq, n - 1 - r);
   }
 #endif
 }
