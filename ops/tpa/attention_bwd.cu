@@ -7,9 +7,10 @@
 // workspace, key tile by key tile in order, then a second kernel contracts it to aq and bq per token, over
 // all heads at once. The fixed orders (attention_parts' turns) make the gradients the same bits run to run.
 // On Hopper (sm_90a builds, D = 128, no documents) the same schedule on warpgroup products
-// (ops/tpa/attention_bwd_wg.cuh), the default there; its split form writes dK and dV to f32 workspaces instead,
-// contracted per token as dQ is (no head turns in the tensor-core kernel; (N + 2 M) H D floats a batch entry).
-// The split form fed by a TMA producer warp (ops/tpa/attention_bwd_tma.cuh) on request.
+// (ops/tpa/attention_bwd_wg.cuh); its split form writes dK and dV to f32 workspaces instead, contracted per token
+// as dQ is (no head turns in the tensor-core kernel; (N + 2 M) H D floats a batch entry). The default there: the
+// split form fed by a producer warpgroup (ops/tpa/attention_bwd_tma.cuh), with K and V rows built beforehand
+// like Q's (M H D each a batch entry) and dQ staged for reducer warps.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>

@@ -72,7 +72,7 @@ std::vector<ForwardKernel> forward_kernels(int device);
 // their split form (WarpgroupSplit: dK and dV through f32 workspaces, contracted per token by a second kernel),
 // and that form fed by a TMA producer warp (WarpgroupTma). Auto: the one LINTAPE_TPA_BWD names (mma, wgmma,
 // wgmma-split, tma), else WarpgroupTma where the call and the device run it (WarpgroupSplit where dO's rows are
-// not 16-byte aligned): the fastest at every shape measured (bench/notes/tpa-hopper.md, sections 4 and 5).
+// not 16-byte aligned): the fastest at every shape measured (bench/notes/tpa-hopper.md, sections 4 to 6).
 enum class BackwardKernel { Auto, MmaSync, Warpgroup, WarpgroupSplit, WarpgroupTma };
 
 // The kernels attention_backward can run on this device for a call without documents at D = 128 (MmaSync
