@@ -425,6 +425,14 @@ std::pair<Tensor, std::vector<Tensor>> check_strided_slices(const FalOptions& o,
   return {got, copies};
 }
 
+// check_strided_slices, and the composed path on the contiguous copies agrees with the strided call.
+void check_strided_slices_and_composed(const FalOptions& o, int64_t N, uint64_t seed) {
+  const auto [got, in] = check_strided_slices(o, N, seed);
+  const Tensor composed = fal(in[0], in[1], in[2], in[3], o, Impl::Composed);
+  CHECK(rel_error(got.to(Device::cpu()).to(DType::F64), composed.to(Device::cpu()).to(DType::F64)) <=
+        tolerance(DType::BF16));
+}
+
 }  // namespace
 
 TEST_CASE("cuda fal chunked causal reads strided slices of one projection" * LT_CUDA_CASE) {
@@ -483,10 +491,7 @@ TEST_CASE("cuda fal chunked noncausal reads strided slices of one projection" * 
   FalOptions o = step_options(kNoncausalChunkConfigs[1], 3, gpu());
   o.causal = false;
   o.decay = Tensor();
-  const auto [got, in] = check_strided_slices(o, 150, 1600);
-  const Tensor composed = fal(in[0], in[1], in[2], in[3], o, Impl::Composed);
-  CHECK(rel_error(got.to(Device::cpu()).to(DType::F64), composed.to(Device::cpu()).to(DType::F64)) <=
-        tolerance(DType::BF16));
+  check_strided_slices_and_composed(o, 150, 1600);
 }
 
 // No tokens: an empty output, S0 passes through as the final state and dS_final back as dS0, through the op
@@ -670,10 +675,7 @@ TEST_CASE("cuda fal rotate on the chunk kernels reads strided slices of one proj
     FalOptions o = step_options(c, 3, gpu());
     o.causal = causal;
     if (!causal) o.decay = Tensor();
-    const auto [got, in] = check_strided_slices(o, 100, 2200);
-    const Tensor composed = fal(in[0], in[1], in[2], in[3], o, Impl::Composed);
-    CHECK(rel_error(got.to(Device::cpu()).to(DType::F64), composed.to(Device::cpu()).to(DType::F64)) <=
-          tolerance(DType::BF16));
+    check_strided_slices_and_composed(o, 100, 2200);
   }
 }
 
