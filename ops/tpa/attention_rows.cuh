@@ -36,39 +36,49 @@ __global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> 
   const int c8 = int(idx % CH), h0 = int(rest % groups) * kRowHeads, R = j.f.R;
   const int64_t t = j.t0 + w;
   const T* b = j.f.b_at(t) + c8 * 8;
+  // The ranks from R to RB add products 0 x 0 = +0, which leave every sum as it is (a sum that starts at +0 is
+  // never -0): the same bits without a branch per rank.
   float bf[RB][8];
 #pragma unroll
-  for (int r = 0; r < RB; ++r)
-    if (r < R) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(b + r * HD));
-      const uint32_t us[4] = {u.x, u.y, u.z, u.w};
+  for (int r = 0; r < RB; ++r) {
+    const uint4 u = r < R ? __ldg(reinterpret_cast<const uint4*>(b + r * HD)) : make_uint4(0, 0, 0, 0);
+    const uint32_t us[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = unpack2<T>(us[e]);
-        bf[r][2 * e] = f.x;
-        bf[r][2 * e + 1] = f.y;
-      }
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = unpack2<T>(us[e]);
+      bf[r][2 * e] = f.x;
+      bf[r][2 * e + 1] = f.y;
     }
-#pragma unroll 2
-  for (int h = h0; h < min(H, h0 + kRowHeads); ++h) {
+  }
+  // The first RB weights of head h + 1 are loaded before head h's row is stored (the compiler would not move
+  // them across the store); kept in T, each load lands in its own register.
+  const int h1 = min(H, h0 + kRowHeads);
+  T an[RB];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) an[r] = r < R ? j.f.a_at(t, h0)[r] : from_acc<T>(0.f);
+#pragma unroll 1
+  for (int h = h0; h < h1; ++h) {
     const T* a = j.f.a_at(t, h);
-    float acc[8] = {};
+    const T* next = j.f.a_at(t, min(h + 1, h1 - 1));  // the last head reads its own row again
+    float ar[RB], acc[8] = {};
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      ar[r] = to_acc(an[r]);
+      if (r < R) an[r] = next[r];
+    }
 #pragma unroll
     for (int r = 0; r < RB; ++r)
-      if (r < R) {
-        const float ar = to_acc(a[r]);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += ar * bf[r][e];
-      }
+      for (int e = 0; e < 8; ++e) acc[e] += ar[r] * bf[r][e];
     for (int r = RB; r < R; ++r) {
-      const float ar = to_acc(a[r]);
+      const float wr = to_acc(a[r]);
       const uint4 u = __ldg(reinterpret_cast<const uint4*>(b + r * HD));
       const uint32_t us[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float2 f = unpack2<T>(us[e]);
-        acc[2 * e] += ar * f.x;
-        acc[2 * e + 1] += ar * f.y;
+        acc[2 * e] += wr * f.x;
+        acc[2 * e + 1] += wr * f.y;
       }
     }
     uint4 o;
@@ -80,20 +90,21 @@ __global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> 
   }
 }
 
-// The ranks a thread keeps in registers: the largest of the jobs' (up to 8).
-inline int rows_rank_block(int R) { return R <= 2 ? 2 : R <= 4 ? 4 : 8; }
 
-// Launches build_rows_wide over the jobs with x set (q first; k and v together or neither).
+// Launches build_rows_wide over the jobs with x set (q first; k and v together or neither), RB the largest of their
+// ranks rounded up to 2, 4, 6 or 8.
 template <class T, int HD>
 void launch_build_rows(const RowsJob<T>& q, const RowsJob<T>& k, const RowsJob<T>& v, int H, cudaStream_t st) {
   const int jobs = k.x ? 3 : 1, groups = (H + kRowHeads - 1) / kRowHeads;
-  const int rb = rows_rank_block(std::max(q.f.R, k.x ? std::max(k.f.R, v.f.R) : 0));
+  const int r = std::max(q.f.R, k.x ? std::max(k.f.R, v.f.R) : 0), rb = r <= 2 ? 2 : r <= 4 ? 4 : r <= 6 ? 6 : 8;
   const int64_t tokens = k.x ? std::max({q.tokens, k.tokens, v.tokens}) : q.tokens;
   const dim3 grid(unsigned(grid_for(tokens * groups * (HD / 8), kThreads)), unsigned(jobs));
   if (rb == 2)
     build_rows_wide<T, HD, 2><<<grid, kThreads, 0, st>>>(q, k, v, H);
   else if (rb == 4)
     build_rows_wide<T, HD, 4><<<grid, kThreads, 0, st>>>(q, k, v, H);
+  else if (rb == 6)
+    build_rows_wide<T, HD, 6><<<grid, kThreads, 0, st>>>(q, k, v, H);
   else
     build_rows_wide<T, HD, 8><<<grid, kThreads, 0, st>>>(q, k, v, H);
   LT_CUDA_CHECK_LAUNCH();
@@ -208,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const Grad
 // Launches rows_factor_grads_wide over one job (j1.x null) or two.
 template <class T, int HD>
 void launch_factor_grads(const GradsJob<T>& j0, const GradsJob<T>& j1, int H, cudaStream_t st) {
-  const int g = rows_rank_block(std::max(j0.f.R, j1.x ? j1.f.R : 0));
+  const int r = std::max(j0.f.R, j1.x ? j1.f.R : 0), g = r <= 2 ? 2 : r <= 4 ? 4 : 8;
   const int64_t tokens = j1.x ? std::max(j0.tokens, j1.tokens) : j0.tokens;
   const dim3 grid(unsigned(grid_for(tokens, kWarps)), j1.x ? 2u : 1u);
   if (g == 2)
