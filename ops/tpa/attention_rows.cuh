@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> 
   const int c8 = int(idx % CH), h0 = int(rest % groups) * kRowHeads, R = j.f.R;
   const int64_t t = j.t0 + w;
   const T* b = j.f.b_at(t) + c8 * 8;
-  // The ranks from R to RB add products 0 x 0 = +0, which leave every sum as it is (a sum that starts at +0 is
-  // never -0): the same bits without a branch per rank.
+  // The ranks from R to RB add products -0 x +0 = -0, which leave every sum as it is (x + -0 = x, -0 included):
+  // the same bits without a branch per rank.
   float bf[RB][8];
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> 
   const int h1 = min(H, h0 + kRowHeads);
   T an[RB];
 #pragma unroll
-  for (int r = 0; r < RB; ++r) an[r] = r < R ? j.f.a_at(t, h0)[r] : from_acc<T>(0.f);
+  for (int r = 0; r < RB; ++r) an[r] = r < R ? j.f.a_at(t, h0)[r] : from_acc<T>(-0.f);
 #pragma unroll 1
   for (int h = h0; h < h1; ++h) {
     const T* a = j.f.a_at(t, h);
@@ -89,7 +89,6 @@ __global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> 
     *reinterpret_cast<uint4*>(j.x + (w * H + h) * HD + c8 * 8) = o;
   }
 }
-
 
 // Launches build_rows_wide over the jobs with x set (q first; k and v together or neither), RB the largest of their
 // ranks rounded up to 2, 4, 6 or 8.
