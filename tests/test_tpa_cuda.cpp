@@ -244,7 +244,8 @@ TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 
   // Each backward kernel the device runs, named through the launcher: one query tile inside one key tile;
   // N a multiple of no tile (the causal diagonal key tiles of 128 over query tiles of 64, the last of each
   // partial), ranks 16; N != M not causal, ranks 1 and 16; whole tiles; D = 64, which the warpgroup kernel
-  // leaves to mma.sync. Two backward runs on the same inputs give the same bits.
+  // leaves to mma.sync. Two backward runs on the same inputs give the same bits; the row kernels of before
+  // (AttentionArgs::old_rows) give the same bits as the wide ones.
   const AttnShape shapes[] = {{1, 64, 64, 2, 1, 1, 1, 128, true},      {2, 333, 333, 3, 16, 16, 16, 128, true},
                               {1, 200, 523, 4, 1, 16, 1, 128, false},  {2, 256, 256, 2, 6, 2, 2, 128, true},
                               {1, 129, 129, 2, 2, 1, 3, 64, true}};
@@ -266,8 +267,11 @@ TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 
       Tensor out = empty({s.B, s.N, s.H, s.D}, dt, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
       tpa_cuda::attention_forward(a, out, lse);
       const Tensor dout = w.to(dt).to(gpu());
-      std::vector<std::vector<double>> runs[2];
-      for (auto& run : runs) {
+      std::vector<std::vector<double>> runs[3];  // twice the wide row kernels, then the old ones
+      for (int r = 0; r < 3; ++r) {
+        std::vector<std::vector<double>>& run = runs[r];
+        a.old_rows = r == 2;
+        CAPTURE(a.old_rows);
         tpa_cuda::FactorGrads fg{empty(in.gpu[0].shape(), dt, gpu()), empty(in.gpu[1].shape(), dt, gpu()),
                                  empty(in.gpu[2].shape(), dt, gpu()), empty(in.gpu[3].shape(), dt, gpu()),
                                  empty(in.gpu[4].shape(), dt, gpu()), empty(in.gpu[5].shape(), dt, gpu())};
@@ -282,6 +286,7 @@ TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 
         }
       }
       CHECK(runs[0] == runs[1]);
+      CHECK(runs[0] == runs[2]);
     }
 #endif
 }
@@ -344,27 +349,30 @@ TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces w
   const std::vector<Tensor> ref = attention_and_grads(in.cpu, o, Impl::Reference, w);
   const Tensor dout = w.to(DType::BF16).to(gpu());
   using tpa_cuda::BackwardKernel;
-  for (BackwardKernel k : {BackwardKernel::WarpgroupSplit, BackwardKernel::WarpgroupTma}) {
-    if (std::find(ks.begin(), ks.end(), k) == ks.end()) continue;
-    CAPTURE(int(k));
-    a.backward_kernel = k;
-    tpa_cuda::FactorGrads fg;
-    Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
-    for (size_t i = 0; i < 6; ++i) *grads[i] = empty(in.gpu[i].shape(), DType::BF16, gpu());
-    reset_peak_memory(gpu());
-    const size_t before = memory_stats(gpu()).in_use;
-    tpa_cuda::attention_backward(a, out, lse, dout, fg);
-    // Beside the gradients: dq, dk and dv in f32 (N H + 2 M H) D floats a batch entry (here the whole batch in
-    // one launch), the bf16 q (and with the producer warp the bf16 k and v rows), Delta, and the turns' counters
-    // within 4 KiB; no basis workspaces.
-    const size_t kv = k == BackwardKernel::WarpgroupTma ? size_t(2 * s.B * s.M * s.H * s.D) * 2 : 0;
-    const size_t ws = size_t(s.B * (s.N * s.H + 2 * s.M * s.H) * s.D) * 4 + out.nbytes() + kv;
-    CHECK(memory_stats(gpu()).peak - before <= ws + size_t(s.B * s.N * s.H) * 4 + 4096);
-    for (size_t i = 0; i < 6; ++i) {
-      CAPTURE(kAttentionNames[i + 1]);
-      CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], DType::BF16);
+  for (BackwardKernel k : {BackwardKernel::WarpgroupSplit, BackwardKernel::WarpgroupTma})
+    for (bool old_rows : {false, true}) {  // the wide row kernels, then those of before
+      if (std::find(ks.begin(), ks.end(), k) == ks.end()) continue;
+      CAPTURE(int(k));
+      CAPTURE(old_rows);
+      a.backward_kernel = k;
+      a.old_rows = old_rows;
+      tpa_cuda::FactorGrads fg;
+      Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
+      for (size_t i = 0; i < 6; ++i) *grads[i] = empty(in.gpu[i].shape(), DType::BF16, gpu());
+      reset_peak_memory(gpu());
+      const size_t before = memory_stats(gpu()).in_use;
+      tpa_cuda::attention_backward(a, out, lse, dout, fg);
+      // Beside the gradients: dq, dk and dv in f32 (N H + 2 M H) D floats a batch entry (here the whole batch in
+      // one launch), the bf16 q (and with the producer warp the bf16 k and v rows), Delta, and the turns' counters
+      // within 4 KiB; no basis workspaces.
+      const size_t kv = k == BackwardKernel::WarpgroupTma ? size_t(2 * s.B * s.M * s.H * s.D) * 2 : 0;
+      const size_t ws = size_t(s.B * (s.N * s.H + 2 * s.M * s.H) * s.D) * 4 + out.nbytes() + kv;
+      CHECK(memory_stats(gpu()).peak - before <= ws + size_t(s.B * s.N * s.H) * 4 + 4096);
+      for (size_t i = 0; i < 6; ++i) {
+        CAPTURE(kAttentionNames[i + 1]);
+        CHECK_CLOSE_TENSOR(grads[i]->to(Device::cpu()), ref[i + 1], DType::BF16);
+      }
     }
-  }
 #endif
 }
 

@@ -10,12 +10,15 @@
 // (ops/tpa/attention_bwd_wg.cuh); its split form writes dK and dV to f32 workspaces instead, contracted per token
 // as dQ is (no head turns in the tensor-core kernel; (N + 2 M) H D floats a batch entry). The default there: the
 // split form fed by a producer warpgroup (ops/tpa/attention_bwd_tma.cuh), with K and V rows built beforehand
-// like Q's (M H D each a batch entry) and dQ staged for reducer warps.
+// like Q's (M H D each a batch entry) and dQ staged for reducer warps. The rows (Q, K and V in one launch) and
+// the per-token contractions (dQ, then dK and dV in one launch): ops/tpa/attention_rows.cuh;
+// LINTAPE_TPA_BWD_ROWS=old runs build_rows and rows_factor_grads, a launch a pair (the same bits).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include "ops/tpa/attention_bwd_tma.cuh"
+#include "ops/tpa/attention_rows.cuh"
 
 namespace lintape::tpa_cuda {
 
@@ -355,6 +358,8 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   Params<T> p = make_params<T>(a);
   const char* order = std::getenv("LINTAPE_TPA_BWD_ORDER");  // "0": unordered sums, to time the turns
   p.ordered = !(order && std::strcmp(order, "0") == 0);
+  const char* rows_env = std::getenv("LINTAPE_TPA_BWD_ROWS");  // "old": build_rows, rows_factor_grads
+  const bool old_rows = a.old_rows || (rows_env && std::strcmp(rows_env, "old") == 0);
   const int64_t B = a.aq.size(0), rows = B * p.N * p.H;
   Tensor delta = empty({B, p.N, p.H}, DType::F32, dev);
   attention_delta<T><<<grid_for(rows, kThreads / 32), kThreads, 0, st>>>(
@@ -416,17 +421,25 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
       p.dv_rows = p.dk_rows + n * rows_len;
     }
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * ws_len) * 4, st));
-    build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
-        p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
-    LT_CUDA_CHECK_LAUNCH();
-    if constexpr (TMA) {
-      const int64_t keys = n * p.M;
-      build_rows<T, HD><<<grid_for(keys * (HD / 8), kThreads), kThreads, 0, st>>>(
-          p.fk, static_cast<T*>(kbuf.data()), b0 * p.M, keys, p.H);
+    const int64_t keys = n * p.M;
+    if (old_rows) {
+      build_rows<T, HD><<<grid_for(tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
+          p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens, p.H);
       LT_CUDA_CHECK_LAUNCH();
-      build_rows<T, HD><<<grid_for(keys * (HD / 8), kThreads), kThreads, 0, st>>>(
-          p.fv, static_cast<T*>(vbuf.data()), b0 * p.M, keys, p.H);
-      LT_CUDA_CHECK_LAUNCH();
+      if constexpr (TMA) {
+        build_rows<T, HD><<<grid_for(keys * (HD / 8), kThreads), kThreads, 0, st>>>(
+            p.fk, static_cast<T*>(kbuf.data()), b0 * p.M, keys, p.H);
+        LT_CUDA_CHECK_LAUNCH();
+        build_rows<T, HD><<<grid_for(keys * (HD / 8), kThreads), kThreads, 0, st>>>(
+            p.fv, static_cast<T*>(vbuf.data()), b0 * p.M, keys, p.H);
+        LT_CUDA_CHECK_LAUNCH();
+      }
+    } else {  // Q (and with TMA K and V) in one launch
+      using attention_rows::RowsJob;
+      const RowsJob<T> jq{p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens},
+          jk{p.fk, TMA ? static_cast<T*>(kbuf.data()) : nullptr, b0 * p.M, keys},
+          jv{p.fv, TMA ? static_cast<T*>(vbuf.data()) : nullptr, b0 * p.M, keys};
+      attention_rows::launch_build_rows<T, HD>(jq, jk, jv, p.H, st);
     }
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     if constexpr (TMA) {
@@ -438,17 +451,26 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
       attention_bwd<T, HD, DOCS><<<grid, kThreads, bwd_smem<HD>(), st>>>(p);
     }
     LT_CUDA_CHECK_LAUNCH();
-    if constexpr (SPLIT) {  // dK is dK / scale, as dQ
-      const int64_t keys = n * p.M;
-      rows_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
-          p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
-      LT_CUDA_CHECK_LAUNCH();
-      rows_factor_grads<T, HD><<<grid_for(keys, kWarps), kThreads, 0, st>>>(
-          p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys, p.H, p.fk.inv_r * p.scale);
-      LT_CUDA_CHECK_LAUNCH();
-      rows_factor_grads<T, HD><<<grid_for(keys, kWarps), kThreads, 0, st>>>(
-          p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.H, p.fv.inv_r);
-      LT_CUDA_CHECK_LAUNCH();
+    if constexpr (SPLIT) {
+      if (!old_rows) {  // dQ, then dK (dK / scale, as dQ) and dV in one launch
+        using attention_rows::GradsJob;
+        T* const dbq = static_cast<T*>(g.bq.data());
+        const GradsJob<T> jq{p.dq, p.fq, p.daq, dbq, b0 * p.N, tokens, p.fq.inv_r * p.scale},
+            jk{p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys, p.fk.inv_r * p.scale},
+            jv{p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.fv.inv_r};
+        attention_rows::launch_factor_grads<T, HD>(jq, GradsJob<T>{}, p.H, st);
+        attention_rows::launch_factor_grads<T, HD>(jk, jv, p.H, st);
+      } else {  // dK is dK / scale, as dQ
+        rows_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
+            p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
+        LT_CUDA_CHECK_LAUNCH();
+        rows_factor_grads<T, HD><<<grid_for(keys, kWarps), kThreads, 0, st>>>(
+            p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys, p.H, p.fk.inv_r * p.scale);
+        LT_CUDA_CHECK_LAUNCH();
+        rows_factor_grads<T, HD><<<grid_for(keys, kWarps), kThreads, 0, st>>>(
+            p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.H, p.fv.inv_r);
+        LT_CUDA_CHECK_LAUNCH();
+      }
     } else {
       attention_q_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
           p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
