@@ -712,11 +712,15 @@ TEST_CASE("cuda fal rotate on the chunk kernels reads strided slices of one proj
   }
 }
 
-// What the tape keeps of a rotate call on the chunk kernels: the output, the final state and the chunk states, not
-// q' nor k' (temporaries of the forward, beside the cut's boundary states at its peak).
+// What the tape keeps of a rotate call on the chunk kernels: the output, the final state and the chunk states (every
+// chunk's, then the even chunks' only: 3 of 5), not q' nor k' (temporaries of the forward, beside the cut's boundary
+// states at its peak).
 TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
+  struct Restore {
+    ~Restore() { fal_paths::set_saved_states(fal_paths::SavedStates::Auto); }
+  } restore;
   const StepConfig& c = kRotateChunkConfigs[0];
   const int64_t B = 2, N = 300, H = 3, nC = (N + 63) / 64, slack = 8 * 512;
   std::vector<Tensor> in;
@@ -725,14 +729,19 @@ TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CU
     in.push_back(randn({B, N, H, w}, DType::BF16, gpu(), seed++).requires_grad_());
   const FalOptions o = step_options(c, H, gpu());
   const int64_t state_bytes = B * H * c.D * c.E * 4, x_bytes = B * N * H * c.D * 2;
-  const int64_t kept = B * N * H * c.E * 2 + state_bytes + B * H * nC * c.D * c.E * 2;  // o, S_final, chunk states
   const int64_t cut = fal_cuda::chunk_segments({B * H, nC, c.D, c.D, c.E}, cuda::sm_count(gpu().index), true);
-  const int64_t base = int64_t(memory_stats(gpu()).in_use);
-  reset_peak_memory(gpu());
-  const auto res = fal_with_state(in[0], in[1], in[2], in[3], Tensor(), o, Impl::Fused);
-  CHECK(int64_t(memory_stats(gpu()).in_use) - base <= kept + slack);
-  CHECK(int64_t(memory_stats(gpu()).peak) - base <= kept + 2 * x_bytes + (cut - 1) * state_bytes + slack);
-  CHECK(res.first.requires_grad());
+  for (const auto saving : {fal_paths::SavedStates::All, fal_paths::SavedStates::Half}) {
+    const int64_t saved = saving == fal_paths::SavedStates::Half ? (nC + 1) / 2 : nC;
+    CAPTURE(saved);
+    fal_paths::set_saved_states(saving);
+    const int64_t kept = B * N * H * c.E * 2 + state_bytes + B * H * saved * c.D * c.E * 2;  // o, S_final, states
+    const int64_t base = int64_t(memory_stats(gpu()).in_use);
+    reset_peak_memory(gpu());
+    const auto res = fal_with_state(in[0], in[1], in[2], in[3], Tensor(), o, Impl::Fused);
+    CHECK(int64_t(memory_stats(gpu()).in_use) - base <= kept + slack);
+    CHECK(int64_t(memory_stats(gpu()).peak) - base <= kept + 2 * x_bytes + (cut - 1) * state_bytes + slack);
+    CHECK(res.first.requires_grad());
+  }
 #endif
 }
 
