@@ -229,10 +229,26 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   };
   if (a.lrpe == FalStepSpec::kCosine)
     for (int j = threadIdx.x; j < a.D; j += NThr) sm.rates[j] = rate_of(a, h, j);
-  if (advance)
-    advance_state<T, EP, Docs>(a, sm, S, b, h, t0 - kC, log2_lam, halves);
-  else if (Half)
-    load_whole_state(a, sm, S, halves);  // with the first slice's R_(c+1) in one group
+  // The first slice's q and k rows load with v, g and dO; in the Half kernels before S_c is loaded or advanced
+  // (their latency under it), else after the barrier.
+  Raw<kSlice, NThr> qr, kr;
+  Raw<EP, NThr> vr, gr, dr;
+  auto fetch_rows = [&] {
+    fetch_qk(0, qr, kr);
+    fetch(a, v, a.sv_t, t0, 0, a.E, vr);
+    fetch(a, g, a.sg_t, t0, 0, a.E, gr);
+    fetch(a, dout, out_ts, t0, 0, a.E, dr);
+  };
+  if (Half) {
+    fetch_rows();
+    issue_states(0);
+    if (advance) {
+      advance_state<T, EP, Docs>(a, sm, S, b, h, t0 - kC, log2_lam, halves);
+    } else {
+      load_whole_state(a, sm, S, halves);
+      cp_async_commit();
+    }
+  }
   if (Docs) {
     const int st_last = doc_start(a, b, t0 + cl - 1);
     for (int i = threadIdx.x; i < kC; i += NThr) {
@@ -243,18 +259,13 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
     }
   }
   if (a.lrpe == FalStepSpec::kCosine || Docs) __syncthreads();
-  issue_states(0);
-  {  // the first slice's q and k rows load with v, g and dO
-    Raw<kSlice, NThr> qr, kr;
-    Raw<EP, NThr> vr, gr, dr;
-    fetch_qk(0, qr, kr);
-    fetch(a, v, a.sv_t, t0, 0, a.E, vr);
-    fetch(a, g, a.sg_t, t0, 0, a.E, gr);
-    fetch(a, dout, out_ts, t0, 0, a.E, dr);
-    store_qk(0, qr, kr);
-    store_rows<T, EP, NThr>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
-    store_rows<T, EP, NThr>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
+  if (!Half) {
+    issue_states(0);
+    fetch_rows();
   }
+  store_qk(0, qr, kr);
+  store_rows<T, EP, NThr>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
+  store_rows<T, EP, NThr>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
   __syncthreads();
   {
     Acc<1, NS> bsc;
