@@ -68,8 +68,8 @@ struct Args {
   void *out, *dq, *dk, *dv, *dg;
   int64_t sq_b, sq_t, sk_b, sk_t, sv_b, sv_t, sg_b, sg_t;  // batch and token strides (elements); heads at h*D / h*E
   int64_t sdq_b, sdq_t, sdk_b, sdk_t, sdv_b, sdv_t, sdg_b, sdg_t;  // the same for the gradients (backward)
-  void* states;            // (B, H, nC, D', E) in T: S_c, the state entering chunk c (or half_states)
-  bool half_states = false;  // states holds the even chunks' only, (B, H, ceil(nC / 2), D', E) (saved_slot)
+  void* states;            // (B, H, nC, D', E) in T: S_c, the state entering chunk c
+  bool half_states = false;  // states holds the even chunks' S_c only: (B, H, ceil(nC / 2), D', E) (saved_slot)
   void* rstates;           // (B, H, nC, D', E) in T (backward): R_(c+1), the gradient of the state leaving chunk c
   const float* S0;         // (B, H, D', E) f32 or null (zeros)
   float* S_final;          // (B, H, D', E) f32 or null (not written)
