@@ -249,35 +249,71 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
         CHECK_CLOSE_TENSOR(grads2[i].to(Device::cpu()), cpu[i].grad(), dt);
       }
       if (states) CHECK_CLOSE_TENSOR(dS0_2.to(Device::cpu()), S0_ref.grad(), dt);
+      // The forward saving the even chunks' states only (the same values, bit for bit), and the backward
+      // advancing each odd chunk's from the one before.
+      const int64_t nC = (N + 63) / 64, half_chunks = (nC + 1) / 2;
+      const Tensor half = poisoned({B, H, half_chunks, P, c.E}, dt);
+      const Tensor out3 = poisoned(o_ref.shape(), dt), state3 = poisoned({B, H, P, c.E}, DType::F32);
+      fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out3, state3, segments, half);
+      CHECK(rel_error(out3.to(Device::cpu()), out.to(Device::cpu())) == 0.0);
+      CHECK(rel_error(state3.to(Device::cpu()), state.to(Device::cpu())) == 0.0);
+      const Tensor half_cpu = half.to(Device::cpu()), saved_cpu = saved.to(Device::cpu());
+      for (int64_t j = 0; j < half_chunks; ++j) {
+        CAPTURE(j);
+        CHECK(rel_error(half_cpu.narrow(2, j, 1).contiguous(), saved_cpu.narrow(2, 2 * j, 1).contiguous()) == 0.0);
+      }
+      std::vector<Tensor> grads3;
+      for (const Tensor& t : in) grads3.push_back(poisoned(t.shape(), dt));
+      const Tensor dS0_3 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
+      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads3[0], grads3[1], grads3[2],
+                                grads3[3], dS0_3, segments, half);
+      // dk, dv and dS0 read no S_c: the same bits as from every chunk's state.
+      for (size_t i = 0; i < 4; ++i) {
+        CAPTURE(i);
+        CHECK_CLOSE_TENSOR(grads3[i].to(Device::cpu()), cpu[i].grad(), dt);
+        if (i == 1 || i == 2) CHECK(rel_error(grads3[i].to(Device::cpu()), grads2[i].to(Device::cpu())) == 0.0);
+      }
+      if (states) CHECK_CLOSE_TENSOR(dS0_3.to(Device::cpu()), S0_ref.grad(), dt);
+      if (states) CHECK(rel_error(dS0_3.to(Device::cpu()), dS0_2.to(Device::cpu())) == 0.0);
     }
   }
 
-  // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states). The
-  // blocks of the sizes of its outputs, gradients and temporaries are poisoned first: the caching allocator hands
-  // freed blocks of a size on to the next tensors of that size.
-  {
-    std::vector<Tensor> blocks;
-    for (int i = 0; i < 3; ++i)
-      for (const Tensor& t : in) blocks.push_back(poisoned(t.shape(), dt));
-    if (causal) blocks.push_back(poisoned({B, H, P, c.E}, DType::F32));
+  // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states: every
+  // chunk's, then on the chunk kernels the even chunks' only). The blocks of the sizes of its outputs, gradients and
+  // temporaries are poisoned first: the caching allocator hands freed blocks of a size on to the next tensors of
+  // that size.
+  struct RestoreSaving {
+    ~RestoreSaving() { fal_paths::set_saved_states(fal_paths::SavedStates::Auto); }
+  } restore_saving;
+  const bool chunks = causal && fal_paths::chunked(in[0], in[2], o);  // rotate too (rotated first)
+  for (const auto saving : {fal_paths::SavedStates::All, fal_paths::SavedStates::Half}) {
+    if (saving == fal_paths::SavedStates::Half && !chunks) break;
+    CAPTURE(saving == fal_paths::SavedStates::Half ? "half states" : "all states");
+    fal_paths::set_saved_states(saving);
+    {
+      std::vector<Tensor> blocks;
+      for (int i = 0; i < 3; ++i)
+        for (const Tensor& t : in) blocks.push_back(poisoned(t.shape(), dt));
+      if (causal) blocks.push_back(poisoned({B, H, P, c.E}, DType::F32));
+    }
+    std::vector<Tensor> leaves;
+    for (const Tensor& t : in) leaves.push_back(t.detach().requires_grad_());
+    Tensor S0_leaf = states ? S0.detach().requires_grad_() : Tensor();
+    Tensor got, S_got;
+    if (causal)
+      std::tie(got, S_got) = fal_with_state(leaves[0], leaves[1], leaves[2], leaves[3], S0_leaf, o, Impl::Fused);
+    else
+      got = fal(leaves[0], leaves[1], leaves[2], leaves[3], o, Impl::Fused);
+    Tensor loss_got = sum(got.to(DType::F32) * dout.to(DType::F32));
+    if (states) loss_got = loss_got + sum(S_got * dS);
+    backward(loss_got);
+    CHECK_CLOSE_TENSOR(got.to(Device::cpu()), o_ref, dt);
+    for (size_t i = 0; i < 4; ++i) {
+      CAPTURE(i);
+      CHECK_CLOSE_TENSOR(leaves[i].grad().to(Device::cpu()), cpu[i].grad(), dt);
+    }
+    if (states) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
   }
-  std::vector<Tensor> leaves;
-  for (const Tensor& t : in) leaves.push_back(t.detach().requires_grad_());
-  Tensor S0_leaf = states ? S0.detach().requires_grad_() : Tensor();
-  Tensor got, S_got;
-  if (causal)
-    std::tie(got, S_got) = fal_with_state(leaves[0], leaves[1], leaves[2], leaves[3], S0_leaf, o, Impl::Fused);
-  else
-    got = fal(leaves[0], leaves[1], leaves[2], leaves[3], o, Impl::Fused);
-  Tensor loss_got = sum(got.to(DType::F32) * dout.to(DType::F32));
-  if (states) loss_got = loss_got + sum(S_got * dS);
-  backward(loss_got);
-  CHECK_CLOSE_TENSOR(got.to(Device::cpu()), o_ref, dt);
-  for (size_t i = 0; i < 4; ++i) {
-    CAPTURE(i);
-    CHECK_CLOSE_TENSOR(leaves[i].grad().to(Device::cpu()), cpu[i].grad(), dt);
-  }
-  if (states) CHECK_CLOSE_TENSOR(S0_leaf.grad().to(Device::cpu()), S0_ref.grad(), dt);
 #else
   (void)c, (void)causal, (void)dt, (void)seed, (void)n, (void)B, (void)with_state, (void)m, (void)segments;
 #endif
@@ -679,11 +715,15 @@ TEST_CASE("cuda fal rotate on the chunk kernels reads strided slices of one proj
   }
 }
 
-// What the tape keeps of a rotate call on the chunk kernels: the output, the final state and the chunk states, not
-// q' nor k' (temporaries of the forward, beside the cut's boundary states at its peak).
+// What the tape keeps of a rotate call on the chunk kernels: the output, the final state and the chunk states (every
+// chunk's, then the even chunks' only: 3 of 5), not q' nor k' (temporaries of the forward, beside the cut's boundary
+// states at its peak).
 TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
+  struct Restore {
+    ~Restore() { fal_paths::set_saved_states(fal_paths::SavedStates::Auto); }
+  } restore;
   const StepConfig& c = kRotateChunkConfigs[0];
   const int64_t B = 2, N = 300, H = 3, nC = (N + 63) / 64, slack = 8 * 512;
   std::vector<Tensor> in;
@@ -692,14 +732,19 @@ TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CU
     in.push_back(randn({B, N, H, w}, DType::BF16, gpu(), seed++).requires_grad_());
   const FalOptions o = step_options(c, H, gpu());
   const int64_t state_bytes = B * H * c.D * c.E * 4, x_bytes = B * N * H * c.D * 2;
-  const int64_t kept = B * N * H * c.E * 2 + state_bytes + B * H * nC * c.D * c.E * 2;  // o, S_final, chunk states
   const int64_t cut = fal_cuda::chunk_segments({B * H, nC, c.D, c.D, c.E}, cuda::sm_count(gpu().index), true);
-  const int64_t base = int64_t(memory_stats(gpu()).in_use);
-  reset_peak_memory(gpu());
-  const auto res = fal_with_state(in[0], in[1], in[2], in[3], Tensor(), o, Impl::Fused);
-  CHECK(int64_t(memory_stats(gpu()).in_use) - base <= kept + slack);
-  CHECK(int64_t(memory_stats(gpu()).peak) - base <= kept + 2 * x_bytes + (cut - 1) * state_bytes + slack);
-  CHECK(res.first.requires_grad());
+  for (const auto saving : {fal_paths::SavedStates::All, fal_paths::SavedStates::Half}) {
+    const int64_t saved = saving == fal_paths::SavedStates::Half ? (nC + 1) / 2 : nC;
+    CAPTURE(saved);
+    fal_paths::set_saved_states(saving);
+    const int64_t kept = B * N * H * c.E * 2 + state_bytes + B * H * saved * c.D * c.E * 2;  // o, S_final, states
+    const int64_t base = int64_t(memory_stats(gpu()).in_use);
+    reset_peak_memory(gpu());
+    const auto res = fal_with_state(in[0], in[1], in[2], in[3], Tensor(), o, Impl::Fused);
+    CHECK(int64_t(memory_stats(gpu()).in_use) - base <= kept + slack);
+    CHECK(int64_t(memory_stats(gpu()).peak) - base <= kept + 2 * x_bytes + (cut - 1) * state_bytes + slack);
+    CHECK(res.first.requires_grad());
+  }
 #endif
 }
 

@@ -104,7 +104,8 @@ Tensor poisoned(const Shape& shape, DType type) {
 }
 
 // The launchers at a segment cut (0: as the shapes want) against the documents alone; on the chunk kernels
-// (chunks) again with the forward saving every chunk's entering state for the backward, else on the sweep.
+// (chunks) again with the forward saving every chunk's entering state for the backward, and the even chunks'
+// only (the backward advancing the odd chunks' across the chunk before), else on the sweep.
 void check_doc_launchers(const FalDocCase& c, DType dt, int64_t segments, uint64_t seed, bool chunks = true) {
   CAPTURE(c.name);
   CAPTURE(segments);
@@ -118,10 +119,10 @@ void check_doc_launchers(const FalDocCase& c, DType dt, int64_t segments, uint64
   const Tensor S0 = c.with_s0 ? values[4].to(DType::F32).to(gpu()) : Tensor();
   const Tensor dout = ref.w.to(dt).to(gpu()), dS = ref.ws.to(DType::F32).to(gpu());
   const int64_t P = fal_state_rows(c.o.lrpe, c.D), nC = (c.N + 63) / 64;
-  for (bool save : {false, true}) {
-    if (save && !chunks) break;
+  for (int save : {0, 1, 2}) {  // none, every chunk's, the even chunks'
+    if (save > 0 && !chunks) break;
     CAPTURE(save);
-    const Tensor saved = save ? poisoned({c.B, c.H, nC, P, c.E}, dt) : Tensor();
+    const Tensor saved = save > 0 ? poisoned({c.B, c.H, save == 1 ? nC : (nC + 1) / 2, P, c.E}, dt) : Tensor();
     const Tensor out = poisoned({c.B, c.N, c.H, c.E}, dt), state = poisoned({c.B, c.H, P, c.E}, DType::F32);
     fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out, state, segments, saved);
     std::vector<Tensor> grads;
@@ -162,14 +163,22 @@ TEST_CASE("cuda fal documents chunk kernels long rows equal each document alone"
 #endif
 }
 
+// Fused also with the forward saving the even chunks' states only.
 TEST_CASE("cuda fal documents fused and auto equal each document alone" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  struct Restore {
+    ~Restore() { fal_paths::set_saved_states(fal_paths::SavedStates::Auto); }
+  } restore;
   uint64_t seed = 300;
   for (const FalDocCase& c : chunk_cases())
-    for (Impl impl : {Impl::Fused, Impl::Auto}) {
-      CAPTURE(int(impl));
+    for (int run = 0; run < 3; ++run) {  // Fused, Fused with half the states, Auto
+      const Impl impl = run < 2 ? Impl::Fused : Impl::Auto;
+      CAPTURE(run);
+      fal_paths::set_saved_states(run == 1 ? fal_paths::SavedStates::Half : fal_paths::SavedStates::Auto);
       check_fal_documents(c, DType::BF16, gpu(), impl, tolerance(DType::BF16), seed += 10);
     }
+#endif
 }
 
 // The chunk sweep's launchers with documents: f32, rotate, softmax over the features, a D the chunk kernels do

@@ -9,7 +9,8 @@
 // Backward: the sweeps' query pass (dq, dg) reruns 1-3 forward; their key pass (dk, dv) runs them the other way on
 // dS = sum lambda^(t - s) qb_t^T dy_t, from the final state's gradient, which gives dS0. The chunk kernels run 1-2
 // before each of their two state passes, which then write every chunk's state from the segments' entering states;
-// the forward pass is skipped when the forward saved every chunk's state. The segment states, (B, H, G, D', E) or
+// the forward pass is skipped when the forward saved the chunks' states (every chunk's, or the even chunks' that
+// the gradient kernel advances across one chunk). The segment states, (B, H, G, D', E) or
 // (B, H, G - 1, D', E) in f32, are the only extra memory beside the chunk kernels' per-chunk states. Documents
 // (spec.starts) gate both kernels' chunks (chunk.cuh, sweep.cuh) and the scan, which passes no state across a
 // segment that a document start cuts off.
@@ -210,7 +211,12 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     a.out = out.data();  // the state stays in registers: no memory beside the output, S_final and the boundaries
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;
     a.S_final = S_final.data_ptr<float>();
-    if (states.defined()) a.states = states.data();
+    if (states.defined()) {
+      LT_CHECK(states.size(2) == a.nC || states.size(2) == (a.nC + 1) / 2,
+               "[fal] internal: saved chunk states for ", states.size(2), " of ", a.nC, " chunks");
+      a.states = states.data();
+      a.half_states = states.size(2) < a.nC;
+    }
     cudaStream_t st = cuda::stream(dev.index);
     const Tensor boundary = cut_chunks(a, BH, segments, true, dev);
     if (a.G > 1) fill_boundaries(a, BH, false, q.dtype(), st);
@@ -237,11 +243,16 @@ void causal_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Te
     const Tensor qr = chunk_input(q), kr = chunk_input(k), vr = chunk_input(v), gr = chunk_input(g);
     chunk::Args a = over_tokens(chunk_args(qr, kr, vr, gr, spec), q.size(1));
     // S_c and R_(c+1) per chunk in the inputs' dtype: the only memory beside the gradients. S_c comes from the
-    // forward when it saved them (then its state pass is skipped).
+    // forward when it saved them (then its state pass is skipped); when it saved the even chunks' only, the
+    // gradient kernel advances each odd chunk's from the one before.
     const bool saved = fwd_states.defined();
     Tensor states = saved ? fwd_states : empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
     Tensor rstates = empty({BH, a.nC, a.P, a.E}, q.dtype(), dev);
+    if (saved)
+      LT_CHECK(states.size(2) == a.nC || states.size(2) == (a.nC + 1) / 2,
+               "[fal] internal: saved chunk states for ", states.size(2), " of ", a.nC, " chunks");
     a.states = states.data();
+    a.half_states = states.size(2) < a.nC;
     a.rstates = rstates.data();
     set_gradients(a, dout, dq, dk, dv, dg);
     a.S0 = S0.defined() ? S0.data_ptr<float>() : nullptr;

@@ -16,7 +16,9 @@
 // of the token gaps, and R follows the same rules backward. The 1-D LRPE position of row i is offset + t0 + i -
 // st_i.
 // The forward is one kernel per (b, h), sequential over chunks with the whole f32 state in registers; it writes
-// the output and S_final, and every S_c (in T) when the call records its backward. The backward's state kernels
+// the output and S_final, and every S_c (in T) when the call records its backward, or those of the even chunks
+// only (half_states: the gradient kernel of an odd chunk c then computes S_c = lambda^cl S_(c-1) + K^T diag(delta) V
+// over chunk c - 1 from the saved S_(c-1), with the forward's products). The backward's state kernels
 // are sequential over chunks and parallel over (b, h, 64-wide slice of D', 64-wide slice of E): each keeps its f32
 // state tile in registers and writes the state entering every chunk (S_c unless the forward saved them, then
 // R_(c+1)) once, in the inputs' dtype; its gradient kernel is parallel over (chunk, b, h). When B x H leaves SMs
@@ -67,6 +69,7 @@ struct Args {
   int64_t sq_b, sq_t, sk_b, sk_t, sv_b, sv_t, sg_b, sg_t;  // batch and token strides (elements); heads at h*D / h*E
   int64_t sdq_b, sdq_t, sdk_b, sdk_t, sdv_b, sdv_t, sdg_b, sdg_t;  // the same for the gradients (backward)
   void* states;            // (B, H, nC, D', E) in T: S_c, the state entering chunk c
+  bool half_states = false;  // states holds the even chunks' S_c only: (B, H, ceil(nC / 2), D', E) (saved_slot)
   void* rstates;           // (B, H, nC, D', E) in T (backward): R_(c+1), the gradient of the state leaving chunk c
   const float* S0;         // (B, H, D', E) f32 or null (zeros)
   float* S_final;          // (B, H, D', E) f32 or null (not written)
@@ -97,6 +100,11 @@ __device__ __forceinline__ int64_t opaque_index(int64_t x) {
   asm volatile("" : "+l"(x));
   return x;
 }
+
+// The chunks whose entering states a.states holds per (b, h), and the slot of chunk c's (with half_states, of
+// chunk c - 1's for an odd c: the backward's gradient kernel advances it across chunk c - 1).
+__device__ __forceinline__ int64_t saved_chunks(const Args& a) { return a.half_states ? (a.nC + 1) / 2 : a.nC; }
+__device__ __forceinline__ int64_t saved_slot(const Args& a, int64_t c) { return a.half_states ? c / 2 : c; }
 
 // The chunks [c0, c1) that block x of a causal pass walks, and the f32 (D', E) states it starts from and
 // leaves (null: zeros / not written). A pass runs B x H x G blocks, or B x H x (G - 1) when local.

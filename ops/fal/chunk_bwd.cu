@@ -1,5 +1,6 @@
 // Chunk-parallel causal FAL (ops/fal/chunk.cuh): the backward. Both state passes (S_c forward, R_(c+1)
-// reverse), then one block per (chunk, b, h) for dq, dk, dv and dg.
+// reverse), then one block per (chunk, b, h) for dq, dk, dv and dg; with the forward's half states
+// (Args::half_states) an odd chunk's block first advances S_(c-1) across chunk c - 1.
 #include "ops/fal/chunk.cuh"
 
 namespace lintape::fal_cuda::chunk {
@@ -104,8 +105,81 @@ __device__ __forceinline__ void store_raw_grad(const Args& a, const Acc<1, NT>& 
 // registers and give the SM twice the warps to hide the products' latency.
 constexpr int kGradThreads = 512;
 
-// Docs: a.starts is set (a kernel apart, so that the calls without documents keep their registers).
+// A stored state's rows (S: P x E in T) into ss, each slice's in the buffers of its parity, through cp.async (no
+// commit).
+template <class T, int EP>
+__device__ __forceinline__ void load_whole_state(const Args& a, const GradSmem<T, EP>& sm, const T* S, int halves) {
+  for (int slice = 0; slice < a.D / kSlice; ++slice)
+    for (int hf = 0; hf < halves; ++hf)
+      load_state_async<T, EP, kGradThreads>(a, S, (hf == 0 ? 0 : a.D) + slice * kSlice,
+                                            sm.ss + (slice * 2 + hf) * kSlice * GradSmem<T, EP>::ldE);
+}
+
+// With Args::half_states, an odd chunk's S_c from the saved S_(c-1) (S): S_c = lambda^kC S_(c-1) + K^T diag(delta) V
+// over chunk c - 1 (whole; its first token tp) with the forward's products and roundings (K and diag(delta) V in T,
+// f32 accumulation from lambda^kC S_(c-1), the result rounded to T), but from S_(c-1) as saved in T rather than as
+// the forward held it in f32: the result may differ from the forward's S_c in the last place. Into ss, the slices'
+// buffers as issue_states fills them; K passes through ks (slice 0) and qs (slice 1), diag(delta) V through vs,
+// delta through gate_k and the rows' document starts through st, all free until the chunk's own rows load. The
+// LRPE rates must be in rates. Ends at a barrier.
 template <class T, int EP, bool Docs>
+__device__ __forceinline__ void advance_state(const Args& a, const GradSmem<T, EP>& sm, const T* S, int64_t b, int h,
+                                              int64_t tp, float log2_lam, int halves) {
+  constexpr int NThr = kGradThreads, ldE = GradSmem<T, EP>::ldE;
+  const bool two = a.D > kSlice;  // two angle slices
+  load_whole_state(a, sm, S, halves);
+  cp_async_commit();
+  const T* k = at_head<T>(a.k, b, a.sk_b, h, a.D);
+  Raw<kSlice, NThr> k0, k1;
+  Raw<EP, NThr> vr;
+  fetch(a, k, a.sk_t, tp, 0, a.D, k0);
+  if (two) fetch(a, k, a.sk_t, tp, kSlice, a.D, k1);
+  fetch(a, at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, tp, 0, a.E, vr);
+  const int st_last = Docs ? doc_start(a, b, tp + kC - 1) : 0;
+  for (int i = threadIdx.x; i < kC; i += NThr) {
+    if (Docs) sm.st[i] = doc_start(a, b, tp + i);
+    sm.gate_k[i] = tp + i >= st_last ? decay_pow(log2_lam, kC - 1 - i) : 0.0f;
+  }
+  __syncthreads();
+  const int* doc = Docs ? sm.st : nullptr;
+  store_encoded<T, NThr, 4>(a, k0, a.act_k, sm.ks, sm.ks + kC * kLdS, nullptr, 0, nullptr, nullptr, h, tp, 0, sm.rates,
+                            doc);
+  if (two)
+    store_encoded<T, NThr, 4>(a, k1, a.act_k, sm.qs, sm.qs + kC * kLdS, nullptr, 0, nullptr, nullptr, h, tp, 1,
+                              sm.rates, doc);
+  store_rows<T, EP, NThr>(a, vr, nullptr, a.act_v, tp, 0, sm.gate_k, sm.vs);
+  const float carry = !Docs || enters(st_last, tp) ? decay_pow(log2_lam, kC) : 0.0f;
+  cp_async_wait_all();
+  __syncthreads();
+  // Warp tiles of 16 rows x 64 columns of each (slice, half)'s kSlice x EP buffer.
+  constexpr int kTiles = kSlice / 16 * (EP / 64);
+  const int tiles = (two ? 2 : 1) * halves * kTiles;
+  for (int tile = int(threadIdx.x >> 5); tile < tiles; tile += NThr / 32) {
+    const int part = tile / kTiles, slice = part / halves, hf = part % halves;
+    const int m0 = 16 * (tile % kTiles % (kSlice / 16)), n0 = 64 * (tile % kTiles / (kSlice / 16));
+    T* s = sm.ss + (slice * 2 + hf) * kSlice * ldE;
+    Acc<1, 8> acc;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        load2(s + (m0 + acc.row(0, r)) * ldE + n0 + acc.col(n, r), acc.x[0][n][r], acc.x[0][n][r + 1]);
+        acc.x[0][n][r] *= carry;
+        acc.x[0][n][r + 1] *= carry;
+      }
+    warp_mma<T, true, true>(acc, (slice == 0 ? sm.ks : sm.qs) + hf * kC * kLdS, kLdS, m0, sm.vs, ldE, n0, kC);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2)
+        store2(s + (m0 + acc.row(0, r)) * ldE + n0 + acc.col(n, r), acc.x[0][n][r], acc.x[0][n][r + 1]);
+  }
+  __syncthreads();
+}
+
+// Docs: a.starts is set (a kernel apart, so that the calls without documents keep their registers). Half:
+// a.half_states (a kernel apart too).
+template <class T, int EP, bool Docs, bool Half>
 __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   constexpr int NThr = kGradThreads, kParts = NThr / 128;
   using Smem = GradSmem<T, EP>;
@@ -126,15 +200,17 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   const T* v = at_head<T>(a.v, b, a.sv_b, h, a.E);
   const T* g = at_head<T>(a.g, b, a.sg_b, h, a.E);
   const T* dout = static_cast<const T*>(a.dout) + b * a.N * out_ts + h * a.E;
-  const T* S = static_cast<const T*>(a.states) + (bh * a.nC + c) * PE;
+  const T* S = static_cast<const T*>(a.states) + (bh * (Half ? (a.nC + 1) / 2 : a.nC) + (Half ? c / 2 : c)) * PE;
+  const bool advance = Half && (c & 1);  // S holds S_(c-1): advance_state makes S_c of it
   const T* R = static_cast<const T*>(a.rstates) + (bh * a.nC + c) * PE;
 
   const int slices = a.D / kSlice;
-  // The S_c and R_(c+1) rows of a slice into the buffers of its parity, one cp.async group.
+  // The S_c and R_(c+1) rows of a slice into the buffers of its parity, one cp.async group. Half: S_c is whole in
+  // ss by then (loaded or advanced first; S is not held across the slices' loop).
   auto issue_states = [&](int slice) {
     for (int hf = 0; hf < halves; ++hf) {
       const int p0 = (hf == 0 ? 0 : a.D) + slice * kSlice, buf = (slice & 1) * 2 + hf;
-      load_state_async<T, EP, NThr>(a, S, p0, sm.ss + buf * kSlice * ldE);
+      if (!Half) load_state_async<T, EP, NThr>(a, S, p0, sm.ss + buf * kSlice * ldE);
       load_state_async<T, EP, NThr>(a, R, p0, sm.rs + buf * kSlice * ldE);
     }
     cp_async_commit();
@@ -153,6 +229,26 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
   };
   if (a.lrpe == FalStepSpec::kCosine)
     for (int j = threadIdx.x; j < a.D; j += NThr) sm.rates[j] = rate_of(a, h, j);
+  // The first slice's q and k rows load with v, g and dO; in the Half kernels before S_c is loaded or advanced
+  // (their latency under it), else after the barrier.
+  Raw<kSlice, NThr> qr, kr;
+  Raw<EP, NThr> vr, gr, dr;
+  auto fetch_rows = [&] {
+    fetch_qk(0, qr, kr);
+    fetch(a, v, a.sv_t, t0, 0, a.E, vr);
+    fetch(a, g, a.sg_t, t0, 0, a.E, gr);
+    fetch(a, dout, out_ts, t0, 0, a.E, dr);
+  };
+  if (Half) {
+    fetch_rows();
+    issue_states(0);
+    if (advance) {
+      advance_state<T, EP, Docs>(a, sm, S, b, h, t0 - kC, log2_lam, halves);
+    } else {
+      load_whole_state(a, sm, S, halves);
+      cp_async_commit();
+    }
+  }
   if (Docs) {
     const int st_last = doc_start(a, b, t0 + cl - 1);
     for (int i = threadIdx.x; i < kC; i += NThr) {
@@ -163,18 +259,13 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
     }
   }
   if (a.lrpe == FalStepSpec::kCosine || Docs) __syncthreads();
-  issue_states(0);
-  {  // the first slice's q and k rows load with v, g and dO
-    Raw<kSlice, NThr> qr, kr;
-    Raw<EP, NThr> vr, gr, dr;
-    fetch_qk(0, qr, kr);
-    fetch(a, v, a.sv_t, t0, 0, a.E, vr);
-    fetch(a, g, a.sg_t, t0, 0, a.E, gr);
-    fetch(a, dout, out_ts, t0, 0, a.E, dr);
-    store_qk(0, qr, kr);
-    store_rows<T, EP, NThr>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
-    store_rows<T, EP, NThr>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
+  if (!Half) {
+    issue_states(0);
+    fetch_rows();
   }
+  store_qk(0, qr, kr);
+  store_rows<T, EP, NThr>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm.vs);
+  store_rows<T, EP, NThr>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm.ys);
   __syncthreads();
   {
     Acc<1, NS> bsc;
@@ -317,7 +408,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) grad_kernel(Args a) {
 template <class T, int EP>
 void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
   const size_t smem = GradSmem<T, EP>::bytes();
-  auto kernel = a.starts ? grad_kernel<T, EP, true> : grad_kernel<T, EP, false>;
+  auto kernel = a.starts ? (a.half_states ? grad_kernel<T, EP, true, true> : grad_kernel<T, EP, true, false>)
+                         : (a.half_states ? grad_kernel<T, EP, false, true> : grad_kernel<T, EP, false, false>);
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();

@@ -231,8 +231,9 @@ __device__ __forceinline__ void store_values(const Args& a, const Raw<EP, kFused
 }
 
 // Local: the local pass of a cut sequence (a.local): only K, diag(delta) V and the state update, each segment's
-// sum from zero into its boundary slot. Save (not local): every chunk's entering state S_c is saved to a.states in T
-// for the backward, which then skips its forward state pass (a kernel apart: the stores take registers). Docs:
+// sum from zero into its boundary slot. Save (not local): every chunk's entering state S_c (or the even chunks',
+// Args::half_states) is saved to a.states in T for the backward, which then skips its forward state pass (a kernel
+// apart: the stores take registers). Docs:
 // a.starts is set (a kernel apart too, so that the calls without documents keep their registers).
 template <class T, int EP, int Slices, bool Local, bool Save, bool Docs>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a) {
@@ -330,10 +331,13 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_forward_kernel(Args a)
             store2(sm.ss + state_row(s, r) * ldE + s_n0 + st[s].col(n, r), st[s].x[0][n][r], st[s].x[0][n][r + 1]);
     __syncthreads();
     if (c + 1 < w.c1) stage_chunk(t0 + kC);
-    if (Save)  // S_c to memory while the products run; the next chunk's first barrier guards ss
+    // S_c to memory while the products run (with half_states, the even chunks' only); the next chunk's first
+    // barrier guards ss.
+    if (Save && !(a.half_states && (c & 1)))
       save_state<T, EP, ldE>(a, sm.ss,
                              static_cast<T*>(a.states) +
-                                 ((int64_t(opaque(int(b))) * a.H + opaque(h)) * a.nC + c) * int64_t(a.P) * a.E);
+                                 ((int64_t(opaque(int(b))) * a.H + opaque(h)) * saved_chunks(a) + saved_slot(a, c)) *
+                                     int64_t(a.P) * a.E);
 
     // B. The scores, then the state update (the old state is in shared memory), then Y, so that at most two
     // accumulators are live beside the state.

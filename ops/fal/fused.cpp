@@ -125,18 +125,24 @@ std::array<Tensor, 4> gradient_buffers(const std::array<Tensor, 4>& x, bool chun
   return g;
 }
 
-// Whether a causal forward on the chunk kernels that records its backward saves every chunk's entering state
-// (so that the backward skips its forward state pass): yes unless LINTAPE_FAL_SAVE_STATES=0, which keeps the
-// forward's memory at the output and the final state (the backward then computes them).
-bool save_chunk_states() {
-  static const bool on = [] {
+SavedStates saved_states_override = SavedStates::Auto;
+
+// Which chunk states a causal forward on the chunk kernels that records its backward saves (so that the backward
+// skips its forward state pass): set_saved_states, else LINTAPE_FAL_SAVE_STATES: 0 none (the forward's memory
+// stays the output and the final state; the backward computes them), half the even chunks' (the backward
+// advances each odd chunk's from the one before), anything else or unset every chunk's.
+SavedStates saved_states() {
+  static const SavedStates env = [] {
     const char* v = std::getenv("LINTAPE_FAL_SAVE_STATES");
-    return !(v && std::string(v) == "0");
+    const std::string s = v ? v : "";
+    return s == "0" ? SavedStates::None : s == "half" ? SavedStates::Half : SavedStates::All;
   }();
-  return on;
+  return saved_states_override == SavedStates::Auto ? env : saved_states_override;
 }
 
 }  // namespace
+
+void set_saved_states(SavedStates s) { saved_states_override = s; }
 
 const char* fused_unsupported(const Tensor& q, const Tensor& v, const FalOptions& o) {
   if (!q.is_cuda()) return "the fused kernels run on CUDA";
@@ -181,12 +187,14 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
   std::vector<Tensor> grad_inputs{q, k, v, g};
   if (S0.defined()) grad_inputs.push_back(S0);
   const bool chunk_kernels = chunked(q, v, o);
-  // The chunk states (B, H, ceil(N / 64), D', E), saved for the backward when it is recorded.
-  const Tensor chunk_states = causal && chunk_kernels && q.size(1) > 0 && save_chunk_states() &&
-                                      autograd::needs_grad(grad_inputs)
-                                  ? empty({q.size(0), q.size(2), (q.size(1) + 63) / 64, state_shape[2], v.size(3)},
-                                          q.dtype(), dev)
-                                  : Tensor();
+  // The chunk states (B, H, ceil(N / 64), D', E), or the even chunks' (B, H, ceil(N / 128), D', E), saved for the
+  // backward when it is recorded.
+  const SavedStates saving = saved_states();
+  const int64_t saved_chunks = saving == SavedStates::Half ? (q.size(1) + 127) / 128 : (q.size(1) + 63) / 64;
+  const Tensor chunk_states =
+      causal && chunk_kernels && q.size(1) > 0 && saving != SavedStates::None && autograd::needs_grad(grad_inputs)
+          ? empty({q.size(0), q.size(2), saved_chunks, state_shape[2], v.size(3)}, q.dtype(), dev)
+          : Tensor();
   {
     const Tensor qk[2] = {rotate_first ? rotated(qc, rot_q) : qc, rotate_first ? rotated(kc, rot_k) : kc};
     if (causal)

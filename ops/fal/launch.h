@@ -113,7 +113,8 @@ void set_state_pass_kernel(StatePassKernel kernel);
 // (zeros); writes out and S_final (B, H, D', E) f32. segments: 0 cuts the sequence as the shapes want (see
 // causal_segments and chunk_segments); tests pass a count to run a given cut. states (chunk kernels only, see
 // causal_chunked; else undefined): (B, H, nC, D', E) in the inputs' dtype, nC = ceil(N / 64), receives the state
-// entering every 64-token chunk for causal_backward.
+// entering every 64-token chunk for causal_backward; (B, H, ceil(nC / 2), D', E) those entering the even chunks
+// (the backward then advances each odd chunk's from the one before: half the memory, a little more time).
 void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const FalStepSpec& spec,
                     const Tensor& S0, const Tensor& out, const Tensor& S_final, int64_t segments = 0,
                     const Tensor& states = Tensor());

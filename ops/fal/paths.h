@@ -49,6 +49,12 @@ std::pair<Tensor, Tensor> run_fused(const Tensor& q, const Tensor& k, const Tens
                                     const Tensor& S0, const FalOptions& o, const char* op);
 Tensor step_fused(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& g_t,
                   const FalOptions& o);
+// Which chunk states run_fused's causal forward on the chunk kernels saves for its recorded backward: every
+// chunk's (All), the even chunks' (Half: half the memory; the backward advances each odd chunk's from the one
+// before) or none (the backward computes them). Auto: LINTAPE_FAL_SAVE_STATES (0: None, half: Half, else All).
+// For tests; process-wide, not thread-safe.
+enum class SavedStates { Auto, All, Half, None };
+void set_saved_states(SavedStates s);
 #else
 // Without CUDA the fused kernels take no call.
 inline const char* fused_unsupported(const Tensor&, const Tensor&, const FalOptions&) {
