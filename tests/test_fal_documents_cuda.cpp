@@ -163,7 +163,7 @@ TEST_CASE("cuda fal documents chunk kernels long rows equal each document alone"
 #endif
 }
 
-// Fused also with the forward saving the even chunks' states only.
+// Fused with the forward saving every chunk's state, then the even chunks' only (the default), then Auto.
 TEST_CASE("cuda fal documents fused and auto equal each document alone" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
@@ -172,10 +172,12 @@ TEST_CASE("cuda fal documents fused and auto equal each document alone" * LT_CUD
   } restore;
   uint64_t seed = 300;
   for (const FalDocCase& c : chunk_cases())
-    for (int run = 0; run < 3; ++run) {  // Fused, Fused with half the states, Auto
+    for (int run = 0; run < 3; ++run) {  // Fused with every state, Fused with half the states, Auto
       const Impl impl = run < 2 ? Impl::Fused : Impl::Auto;
       CAPTURE(run);
-      fal_paths::set_saved_states(run == 1 ? fal_paths::SavedStates::Half : fal_paths::SavedStates::Auto);
+      fal_paths::set_saved_states(run == 0   ? fal_paths::SavedStates::All
+                                  : run == 1 ? fal_paths::SavedStates::Half
+                                             : fal_paths::SavedStates::Auto);
       check_fal_documents(c, DType::BF16, gpu(), impl, tolerance(DType::BF16), seed += 10);
     }
 #endif

@@ -129,13 +129,14 @@ SavedStates saved_states_override = SavedStates::Auto;
 
 // Which chunk states a causal forward on the chunk kernels that records its backward saves (so that the backward
 // skips its forward state pass): set_saved_states, else LINTAPE_FAL_SAVE_STATES: 0 none (the forward's memory
-// stays the output and the final state; the backward computes them), half the even chunks' (the backward
-// advances each odd chunk's from the one before), anything else or unset every chunk's.
+// stays the output and the final state; the backward computes them), all every chunk's, anything else or unset
+// the even chunks' (the backward advances each odd chunk's from the one before: half the memory of all, at the
+// same training speed).
 SavedStates saved_states() {
   static const SavedStates env = [] {
     const char* v = std::getenv("LINTAPE_FAL_SAVE_STATES");
     const std::string s = v ? v : "";
-    return s == "0" ? SavedStates::None : s == "half" ? SavedStates::Half : SavedStates::All;
+    return s == "0" ? SavedStates::None : s == "all" ? SavedStates::All : SavedStates::Half;
   }();
   return saved_states_override == SavedStates::Auto ? env : saved_states_override;
 }

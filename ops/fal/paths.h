@@ -51,7 +51,7 @@ Tensor step_fused(Tensor& state, const Tensor& q_t, const Tensor& k_t, const Ten
                   const FalOptions& o);
 // Which chunk states run_fused's causal forward on the chunk kernels saves for its recorded backward: every
 // chunk's (All), the even chunks' (Half: half the memory; the backward advances each odd chunk's from the one
-// before) or none (the backward computes them). Auto: LINTAPE_FAL_SAVE_STATES (0: None, half: Half, else All).
+// before) or none (the backward computes them). Auto: LINTAPE_FAL_SAVE_STATES (0: None, all: All, else Half).
 // For tests; process-wide, not thread-safe.
 enum class SavedStates { Auto, All, Half, None };
 void set_saved_states(SavedStates s);
