@@ -591,6 +591,20 @@ TEST_CASE("cuda lrpe fused reads a token-strided view in place" * LT_CUDA_CASE) 
         const Result got = launch(c.spec, x.detach(), theta, dout);
         CHECK(mismatches(got.out, ref.out) == 0);
         CHECK(mismatches(got.dx, ref.dx) == 0);
+        // dx written where it lies: the same heads of a wider, poisoned gradient; the other heads keep the poison.
+        if (!c.spec.seq_softmax()) {
+          LrpeSpec spec = c.spec;
+          spec.theta = theta;
+          Tensor dwide = empty(wide.shape(), dt, gpu());
+          poison_(dwide);
+          lrpe_cuda::backward(x.detach(), dout, spec, Tensor(), dwide.narrow(2, h0, H));
+          CHECK(mismatches(dwide.narrow(2, h0, H), ref.dx) == 0);
+          int64_t written_outside = 0;
+          for (int64_t h = 0; h < 10; ++h)
+            if (h < h0 || h >= h0 + H)
+              for (float v : dwide.narrow(2, h, 1).to(Device::cpu()).to_vector<float>()) written_outside += !std::isnan(v);
+          CHECK(written_outside == 0);
+        }
 #endif
       }
   // A view off the 16-byte grid: the op copies it; the launchers read it with narrower vectors.

@@ -38,7 +38,8 @@ enum ActClass : int { kNoAct, kElementwise, kFeature, kSequence, kAnyAct };
 // The layout and the angle rule, passed by value to every kernel.
 struct Geo {
   int64_t B, N, H, D;
-  int64_t x_batch, x_tok, x_head;  // x's strides (x may be a view; out, dout, dx are contiguous)
+  int64_t x_batch, x_tok, x_head;  // x's strides (x may be a view; out and dout are contiguous)
+  int64_t dx_batch, dx_tok, dx_head;  // dx's strides (the backward's dx may be a view too)
   int64_t A;         // angle width: D for the cosine kinds, D/2 for rotate
   int64_t half;      // offset of x's second half for rotate (D/2)
   int64_t out_row;   // 2D for the cosine kinds, D for rotate

@@ -47,8 +47,8 @@ namespace lrpe_cuda {
 // log-sum-exp in the row of its first token (the other rows are left as they were).
 void forward(const Tensor& x, const LrpeSpec& spec, const Tensor& out, const Tensor& stats);
 
-// dx (B, N, H, D) contiguous from dout (the shape of out, contiguous) and x (as for forward); stats as
-// forward wrote them.
+// dx (B, N, H, D) from dout (the shape of out, contiguous) and x (as for forward); stats as forward wrote
+// them. dx may be a view with packed features and any other strides (a slice of a wider gradient).
 void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const Tensor& stats, const Tensor& dx);
 
 // Whether forward and backward should read x where it lies: x is contiguous, or a view with packed

@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, backward_blocks<NV, ROT, CLS, DOCS>(
               for (int e = 0; e < VEC; ++e) gr[i][p][e] = act_backward<A.value>(v[i][p][e], gr[i][p][e]);
         });
       }
-      T* drow = dx + r * g.D;
+      T* drow = dx + b * g.dx_batch + t * g.dx_tok + h * g.dx_head;
 #pragma unroll
       for (int i = 0; i < NV; ++i)
 #pragma unroll
@@ -337,6 +337,14 @@ void set_x_strides(Geo& g, const Tensor& x) {
   g.x_batch = g.B > 1 ? st[0] : 0;
   g.x_tok = g.N > 1 ? st[1] : 0;
   g.x_head = g.H > 1 ? st[2] : 0;
+}
+
+// dx's likewise (the backward writes dx where it lies).
+void set_dx_strides(Geo& g, const Tensor& dx) {
+  const Shape& st = dx.strides();
+  g.dx_batch = g.B > 1 ? st[0] : 0;
+  g.dx_tok = g.N > 1 ? st[1] : 0;
+  g.dx_head = g.H > 1 ? st[2] : 0;
 }
 
 // The widest vector (16 bytes at most) that divides every width (and stride) and keeps every pointer
@@ -599,11 +607,17 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
   check_x(x, op);
   const Device dev = x.device();
   check_tensor(dout, spec.out_shape(x.shape()), x.dtype(), dev, op, "dout");
-  check_tensor(dx, x.shape(), x.dtype(), dev, op, "dx");
+  LT_CHECK(dx.defined() && dx.shape() == x.shape() && dx.dtype() == x.dtype() && dx.device() == dev && packed(dx),
+           "[", op, "] dx must be ", shape_str(x.shape()), " ", dtype_name(x.dtype()), " on ", dev.name(),
+           " with packed features (stride 1); got ",
+           dx.defined() ? str(shape_str(dx.shape()), " strides ", shape_str(dx.strides()), " ", dtype_name(dx.dtype()),
+                              " on ", dx.device().name())
+                        : std::string("an undefined tensor"));
   check_starts(spec, x, op);
   check_stats(spec, x, stats, op);
   Geo g = make_geo(x.shape(), spec);
   set_x_strides(g, x);
+  set_dx_strides(g, dx);
   if (x.numel() == 0) return;
   const int sms = sm_count(dev.index);
   cudaStream_t st = stream(dev.index);
@@ -614,7 +628,7 @@ void backward(const Tensor& x, const Tensor& dout, const LrpeSpec& spec, const T
       const T* xp = static_cast<const T*>(x.data());
       const T* dp = static_cast<const T*>(dout.data());
       T* dxp = static_cast<T*>(dx.data());
-      const int vec = pick_vec<T>({g.A, g.x_batch, g.x_tok, g.x_head}, {xp, dp, dxp});
+      const int vec = pick_vec<T>({g.A, g.x_batch, g.x_tok, g.x_head, g.dx_batch, g.dx_tok, g.dx_head}, {xp, dp, dxp});
       Tensor q;
       if (spec.seq_softmax()) {
         g.lse = stats.data_ptr<float>();
