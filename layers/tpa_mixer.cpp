@@ -31,53 +31,50 @@ TpaMixer::TpaMixer(int64_t width, int64_t heads, int64_t head_dim, int64_t rank_
   register_buffer("theta", theta);
 }
 
-std::array<Tensor, 6> TpaMixer::factors(const Tensor& x, int64_t position, const Documents& docs) const {
-  const int64_t B = x.size(0), N = x.size(1), R = rank_q + rank_k + rank_v, D = head_dim, Ra = heads * R;
+Tensor TpaMixer::projection(const Tensor& x) const {
+  const int64_t R = rank_q + rank_k + rank_v, D = head_dim, Ra = heads * R;
   // One product for both projections, its rows [b; a; zero padding]: every token's row, and in it each
   // factor's basis rows, start 16-byte aligned, so the fused ops read the factors in place (views).
   const int64_t per16 = 16 / int64_t(dtype_size(x.dtype())), pad = (per16 - (R * D + Ra) % per16) % per16;
   std::vector<Tensor> rows{weight_as(b.weight, x), weight_as(a.weight, x)};
-  std::vector<int64_t> widths{rank_q * D, rank_k * D, rank_v * D, Ra};
-  if (pad > 0) {
-    rows.push_back(zeros({pad, x.size(2)}, x.dtype(), x.device()));
-    widths.push_back(pad);
-  }
-  const std::vector<Tensor> y = split(matmul(x, cat(rows, 0), false, true), widths, -1);
-  const std::vector<Tensor> as = split(y[3].view({B, N, heads, R}), {rank_q, rank_k, rank_v}, 3);
-  LrpeOptions at;
-  at.offset = position;
-  at.documents = docs;
-  const Impl rotate_impl = impl == Impl::Composed ? Impl::Composed : Impl::Auto;
-  const Tensor bq = lrpe_rotate(y[0].view({B, N, rank_q, D}), theta, at, rotate_impl);
-  return {as[0], bq, as[1], y[1].view({B, N, rank_k, D}), as[2], y[2].view({B, N, rank_v, D})};
+  if (pad > 0) rows.push_back(zeros({pad, x.size(2)}, x.dtype(), x.device()));
+  return matmul(x, cat(rows, 0), false, true);
+}
+
+std::array<Tensor, 6> TpaMixer::factors(const Tensor& y, int64_t position, const Documents& docs) const {
+  return tpa_factors(y, heads, rank_q, rank_k, rank_v, head_dim, head_dim, theta, position, docs,
+                     impl == Impl::Composed ? Impl::Composed : Impl::Auto);
+}
+
+Tensor TpaMixer::unrotated_bk(const Tensor& y) const {
+  return y.narrow(2, rank_q * head_dim, rank_k * head_dim).view({y.size(0), y.size(1), rank_k, head_dim});
 }
 
 // Causal attention over the tokens of x alone (B, N) and the output projection.
 Tensor TpaMixer::attend(const std::array<Tensor, 6>& f, const Documents& docs) const {
   const auto& [aq, bq, ak, bk, av, bv] = f;
-  LrpeOptions at;
-  at.documents = docs;
-  const Tensor bk_rotated = lrpe_rotate(bk, theta, at, impl == Impl::Composed ? Impl::Composed : Impl::Auto);
   TpaOptions o;
   o.causal = true;
   o.documents = docs;
-  const Tensor mixed = tpa_attention(aq, bq, ak, bk_rotated, av, bv, o, impl);
+  const Tensor mixed = tpa_attention(aq, bq, ak, bk, av, bv, o, impl);
   return out.forward(mixed.reshape({aq.size(0), aq.size(1), heads * head_dim}));
 }
 
 Tensor TpaMixer::forward(const Tensor& x, const Documents& docs) const {
   LT_CHECK(x.dim() == 3, "[TpaMixer] x must be (B, N, C); got ", shape_str(x.shape()));
-  return attend(factors(x, 0, docs), docs);
+  return attend(factors(projection(x), 0, docs), docs);
 }
 
 Tensor TpaMixer::prefill(const Tensor& x, TpaCache& cache) const {
   LT_CHECK(x.dim() == 3, "[TpaMixer] prefill takes x (B, N, C); got ", shape_str(x.shape()));
   LT_CHECK(cache.max_length() == 0, "[TpaMixer] prefill starts a sequence: the cache must be empty; it holds ",
            cache.max_length(), " tokens");
-  const std::array<Tensor, 6> f = factors(x, 0);
+  const Tensor y = projection(x);
+  const std::array<Tensor, 6> f = factors(y, 0);
+  const Tensor bk = unrotated_bk(y);
   // The cache takes one token per append and rotates bk itself, at each token's position.
   for (int64_t t = 0; t < x.size(1); ++t)
-    cache.append(f[2].narrow(1, t, 1), f[3].narrow(1, t, 1), f[4].narrow(1, t, 1), f[5].narrow(1, t, 1));
+    cache.append(f[2].narrow(1, t, 1), bk.narrow(1, t, 1), f[4].narrow(1, t, 1), f[5].narrow(1, t, 1));
   return attend(f);
 }
 
@@ -100,8 +97,9 @@ TpaCache TpaMixer::make_cache(int64_t batch, DType dtype) const {
 Tensor TpaMixer::step(const Tensor& x_t, TpaCache& cache) const {
   LT_CHECK(x_t.dim() == 3 && x_t.size(1) == 1, "[TpaMixer] a decoding step takes x_t (B, 1, C); got ",
            shape_str(x_t.shape()));
-  const auto [aq, bq, ak, bk, av, bv] = factors(x_t, cache.max_length());
-  cache.append(ak, bk, av, bv);
+  const Tensor y = projection(x_t);
+  const auto [aq, bq, ak, bk, av, bv] = factors(y, cache.max_length());
+  cache.append(ak, unrotated_bk(y), av, bv);
   const Tensor mixed = tpa_decode(aq, bq, cache);
   return out.forward(mixed.reshape({x_t.size(0), 1, heads * head_dim}));
 }

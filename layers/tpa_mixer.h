@@ -42,9 +42,13 @@ class TpaMixer : public Mixer {
   int64_t heads, head_dim, rank_q, rank_k, rank_v;
 
  private:
-  // The factors of x (B, N, C): aq, bq (rotated from `position`, restarting at each document's start),
-  // ak, bk (not rotated), av, bv.
-  std::array<Tensor, 6> factors(const Tensor& x, int64_t position, const Documents& docs = {}) const;
+  // Both projections of x (B, N, C) in one product: each token's row in tpa_factors' layout (ops/tpa/tpa.h).
+  Tensor projection(const Tensor& x) const;
+  // The factors of the projection y: aq, bq and bk rotated from `position` (restarting at each document's
+  // start), ak, av, bv.
+  std::array<Tensor, 6> factors(const Tensor& y, int64_t position, const Documents& docs = {}) const;
+  // bk as projected, before the rotation (a TpaCache rotates the rows it appends).
+  Tensor unrotated_bk(const Tensor& y) const;
   // Causal over these tokens (within each document), then out.
   Tensor attend(const std::array<Tensor, 6>& factors, const Documents& docs = {}) const;
 };

@@ -5,7 +5,9 @@
 #include <vector>
 #include "core/allocator.h"
 #include "helpers.h"
+#include "ops/elementwise.h"
 #include "ops/lrpe/lrpe.h"
+#include "ops/reduce.h"
 #include "ops/shape.h"
 #include "ops/tpa/tpa.h"
 
@@ -196,6 +198,47 @@ TEST_CASE("gradcheck tpa_attention reference") {
       CHECK_GRADCHECK(fn, in);
     }
   }
+}
+
+TEST_CASE("tpa_factors reads the projection's layout and passes gradients back to it") {
+  // W = (3 + 2) 4 + 2 4 + 2 (3 + 2 + 2) + 1 padding column; theta (1, 2).
+  const int64_t B = 2, N = 5, H = 2, D = 4, W = 5 * D + 2 * D + H * 7 + 1;
+  const Tensor y = randn({B, N, W}, DType::F64, Device::cpu(), 3).requires_grad_();
+  const Tensor theta = lrpe_theta(1, D / 2);
+  const auto f = tpa_factors(y, H, 3, 2, 2, D, D, theta, 7);
+  const Tensor yd = y.detach();
+  auto values = [](const Tensor& t) { return t.contiguous().to_vector<double>(); };
+  auto same = [&](const Tensor& a, const Tensor& b) { return a.shape() == b.shape() && values(a) == values(b); };
+  LrpeOptions at;
+  at.offset = 7;
+  const Tensor a = yd.narrow(2, 7 * D, H * 7).reshape({B, N, H, 7});
+  CHECK(same(f[0], a.narrow(3, 0, 3)));
+  CHECK(same(f[1], lrpe_rotate(yd.narrow(2, 0, 3 * D).reshape({B, N, 3, D}), theta, at)));
+  CHECK(same(f[2], a.narrow(3, 3, 2)));
+  CHECK(same(f[3], lrpe_rotate(yd.narrow(2, 3 * D, 2 * D).reshape({B, N, 2, D}), theta, at)));
+  CHECK(same(f[4], a.narrow(3, 5, 2)));
+  CHECK(same(f[5], yd.narrow(2, 5 * D, 2 * D).reshape({B, N, 2, D})));
+  // Every factor's gradient lands in its own columns; the padding's is zero.
+  backward(sum(f[0]) + sum(f[1]) + sum(f[2]) + sum(f[3]) + sum(f[4]) + sum(f[5]));
+  const Tensor g = y.grad();
+  CHECK(same(g.narrow(2, 5 * D, 2 * D + H * 7), ones({B, N, 2 * D + H * 7}, DType::F64)));
+  CHECK(same(g.narrow(2, W - 1, 1), zeros({B, N, 1}, DType::F64)));
+  CHECK(!same(g.narrow(2, 0, 5 * D), zeros({B, N, 5 * D}, DType::F64)));
+  auto fn = [&](const std::vector<Tensor>& in) {
+    const auto h = tpa_factors(in[0], H, 3, 2, 2, D, D, theta, 7);
+    return sum(h[1] * h[1]) + sum(h[3] * sum(h[0].narrow(3, 0, 2), {3}, true)) + sum(h[5] * h[5]);
+  };
+  CHECK_GRADCHECK(fn, std::vector<Tensor>{randn({1, 3, W}, DType::F64, Device::cpu(), 4).requires_grad_()});
+
+  check_throws_containing([&] { tpa_factors(y.detach().narrow(2, 0, W - 2), H, 3, 2, 2, D, D, theta); },
+                          {"[tpa_factors]", "hold 41 values", "= 42"});
+  check_throws_containing([&] { tpa_factors(y.detach(), H, 3, 2, 2, D, D, lrpe_theta(2, D / 2)); },
+                          {"[tpa_factors]", "theta must be (1, head_dim / 2)"});
+  check_throws_containing([&] { tpa_factors(y.detach(), H, 0, 2, 2, D, D, theta); }, {"[tpa_factors]", "positive"});
+  check_throws_containing([&] { tpa_factors(y.detach().reshape({B * N, W}), H, 3, 2, 2, D, D, theta); },
+                          {"[tpa_factors]", "(B, N, W)"});
+  check_throws_containing([&] { tpa_factors(y.detach(), H, 3, 2, 2, D, D, theta, 0, {}, Impl::Fused); },
+                          {"[tpa_factors]", "Impl::Fused"});
 }
 
 TEST_CASE("bad input tpa") {

@@ -2,11 +2,13 @@
 // split counts, dtypes and cache lengths, for the general and the tensor-core kernel; a TpaCache read in
 // place; peak memory.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 #include "core/allocator.h"
 #include "helpers.h"
 #include "tpa_helpers.h"
+#include "ops/lrpe/lrpe.h"
 #include "ops/shape.h"
 #include "ops/tpa/tpa.h"
 #include "ops/tpa/launch.h"
@@ -209,6 +211,69 @@ TEST_CASE("cuda tpa attention fused reads views of wider projections in place" *
   const size_t before = memory_stats(gpu()).in_use;
   const Tensor out = tpa_attention(views[0], views[1], views[2], views[3], views[4], views[5], o, Impl::Fused);
   CHECK(memory_stats(gpu()).peak - before <= 3 * out.nbytes() + size_t(B * N * H) * 4 + 4096);
+}
+
+namespace {
+// tpa_factors' six outputs (on the CPU) and y's gradient for upstream gradients ws on the outputs in `used`
+// (the others get none); `old_path`: the mixer's former split, views and lrpe_rotate (its fused kernel) instead.
+std::vector<Tensor> factors_and_grad(const Tensor& y0, const Tensor& theta, int64_t offset, const Documents& docs,
+                                     const std::vector<Tensor>& ws, const std::vector<size_t>& used, bool old_path) {
+  const int64_t B = y0.size(0), N = y0.size(1), H = 3, Rq = 6, Rk = 2, Rv = 2, D = 64, R = Rq + Rk + Rv;
+  const Tensor y = y0.detach().requires_grad_();
+  std::array<Tensor, 6> f;
+  if (old_path) {
+    const std::vector<Tensor> parts = split(y, {Rq * D, Rk * D, Rv * D, H * R, y.size(2) - R * D - H * R}, -1);
+    const std::vector<Tensor> as = split(parts[3].view({B, N, H, R}), {Rq, Rk, Rv}, 3);
+    LrpeOptions at;
+    at.offset = offset;
+    at.documents = docs;
+    f = {as[0], lrpe_rotate(parts[0].view({B, N, Rq, D}), theta, at), as[1],
+         lrpe_rotate(parts[1].view({B, N, Rk, D}), theta, at), as[2], parts[2].view({B, N, Rv, D})};
+  } else {
+    f = tpa_factors(y, H, Rq, Rk, Rv, D, D, theta, offset, docs, Impl::Fused);
+  }
+  std::vector<Tensor> outs, grads, r;
+  for (size_t i : used) {
+    outs.push_back(f[i]);
+    grads.push_back(ws[i].to(y.device()).to(y.dtype()));
+  }
+  backward(outs, grads);
+  for (const Tensor& t : f) r.push_back(t.detach().to(Device::cpu()));
+  r.push_back(y.grad().to(Device::cpu()));
+  return r;
+}
+}  // namespace
+
+// The TPA mixer's factors: one rotate launch for bq and bk and y's gradient written in one buffer give the
+// bits of split, views and lrpe_rotate (offset, documents, padding, factors without a gradient).
+TEST_CASE("cuda tpa factors of one projection equal split and lrpe_rotate" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  const int64_t B = 2, N = 77, H = 3, D = 64, W = 10 * D + H * 10 + 2;  // 2 columns of padding
+  uint64_t seed = 700;
+  const Tensor theta = lrpe_theta(1, D / 2, 10000.0, gpu());
+  const Documents docs = Documents::from_cu_seqlens({0, 30, 77, 154}, B, N, gpu());
+  const Shape shapes[] = {{B, N, H, 6}, {B, N, 6, D}, {B, N, H, 2}, {B, N, 2, D}, {B, N, H, 2}, {B, N, 2, D}};
+  for (DType dt : {DType::BF16, DType::F32})
+    for (int run = 0; run < 3; ++run) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(run);
+      const Tensor y = randn({B, N, W}, dt, gpu(), seed++);
+      std::vector<Tensor> ws;
+      for (const Shape& sh : shapes) ws.push_back(randn(sh, DType::F32, Device::cpu(), seed++));
+      const int64_t offset = run == 1 ? 5 : 0;
+      const Documents d = run == 2 ? docs : Documents();
+      const std::vector<size_t> used = run == 1 ? std::vector<size_t>{0, 3, 5} : std::vector<size_t>{0, 1, 2, 3, 4, 5};
+      const std::vector<Tensor> want = factors_and_grad(y, theta, offset, d, ws, used, true);
+      const std::vector<Tensor> got = factors_and_grad(y, theta, offset, d, ws, used, false);
+      for (size_t i = 0; i < want.size(); ++i) {
+        CAPTURE(i);
+        CHECK(got[i].shape() == want[i].shape());
+        CHECK(got[i].to_vector<double>() == want[i].to_vector<double>());
+      }
+      // The padding's gradient is zero, and so are the columns of a factor without a gradient.
+      const std::vector<double> pad = got[6].narrow(2, W - 2, 2).contiguous().to_vector<double>();
+      CHECK(std::all_of(pad.begin(), pad.end(), [](double v) { return v == 0.0; }));
+    }
 }
 
 TEST_CASE("cuda tpa attention fused backward gives the same bits run to run" * LT_CUDA_CASE) {

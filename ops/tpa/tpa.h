@@ -11,6 +11,7 @@
 // lrpe_rotate (bq viewed as (B, N, R_q, D) with a one-row theta (1, D/2)). TpaCache applies it to bk
 // at append when given a theta, at each token's position.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <vector>
 #include "../../core/tensor.h"
@@ -38,6 +39,17 @@ struct TpaOptions {
 // ops/impl.h) runs Fused wherever it applies: faster than Composed both ways at every measured shape.
 Tensor tpa_attention(const Tensor& aq, const Tensor& bq, const Tensor& ak, const Tensor& bk, const Tensor& av,
                      const Tensor& bv, const TpaOptions& options = {}, Impl impl = Impl::Auto);
+
+// The TPA mixer's factors out of its one projection y (B, N, W): each token's row is [bq (R_q D) | bk (R_k D) |
+// bv (R_v E) | for each head [aq (R_q) ak (R_k) av (R_v)] | padding]. Returns {aq, bq, ak, bk, av, bv} for
+// tpa_attention with the rotary embedding (lrpe_rotate with theta (1, D/2), token s at offset + s, positions
+// restarting at each document) applied to bq and bk; aq, ak, av and bv are views of y. Recorded by autograd.
+// On CUDA (Impl::Auto or Fused, f32/bf16/f16) bq and bk are rotated in one launch into one new buffer and the
+// backward writes y's gradient in one pass of copies (the inverse rotation straight into its columns); on the
+// CPU and with Impl::Composed: split, views and lrpe_rotate. Both give the same bits.
+std::array<Tensor, 6> tpa_factors(const Tensor& y, int64_t heads, int64_t rank_q, int64_t rank_k, int64_t rank_v,
+                                  int64_t head_dim, int64_t value_dim, const Tensor& theta, int64_t offset = 0,
+                                  const Documents& documents = {}, Impl impl = Impl::Auto);
 
 // A factor cache for decoding: B sequences, each with its own length, stored as (B, capacity, H, R_k),
 // (B, capacity, R_k, D), (B, capacity, H, R_v), (B, capacity, R_v, E) buffers. Capacity grows by whole
