@@ -303,6 +303,41 @@ TEST_CASE("cuda tpa attention fused backward gives the same bits run to run" * L
   }
 }
 
+// Every forward kernel the device runs (the persistent ones on five blocks) with the wide row kernels and with
+// those of before (AttentionArgs::old_rows): the same output and log-sum-exp, bit for bit, both written whole.
+TEST_CASE("cuda tpa attention forward: the wide row kernels give the bits of build_rows" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  const AttnShape shapes[] = {{2, 333, 333, 3, 16, 16, 16, 128, true}, {2, 256, 256, 6, 6, 2, 2, 128, true},
+                              {1, 200, 523, 4, 1, 1, 1, 128, false}, {1, 129, 129, 2, 2, 1, 3, 64, true}};
+  for (const AttnShape& s : shapes)
+    for (tpa_cuda::ForwardKernel k : tpa_cuda::forward_kernels(gpu().index)) {
+      CAPTURE(s.N);
+      CAPTURE(s.Rq);
+      CAPTURE(int(k));
+      const FactorInputs in = attention_inputs(s, DType::BF16, uint64_t(s.N + 5));
+      tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
+                                1.0 / std::sqrt(double(s.D))};
+      a.forward_kernel = k;
+      a.persistent_blocks = 5;
+      std::vector<double> outs[2], lses[2];
+      for (int r = 0; r < 2; ++r) {
+        a.old_rows = r == 1;
+        Tensor out = empty({s.B, s.N, s.H, s.D}, DType::BF16, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
+        poison_(out);
+        poison_(lse);
+        tpa_cuda::attention_forward(a, out, lse);
+        CHECK(all_finite(out));
+        CHECK(all_finite(lse));
+        outs[r] = out.to(Device::cpu()).to_vector<double>();
+        lses[r] = lse.to(Device::cpu()).to_vector<double>();
+      }
+      CHECK(outs[0] == outs[1]);
+      CHECK(lses[0] == lses[1]);
+    }
+#endif
+}
+
 TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 16, same bits" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA

@@ -16,7 +16,9 @@
 #include <cudaTypedefs.h>
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include "ops/tpa/attention_parts.cuh"
+#include "ops/tpa/attention_rows.cuh"
 #include "ops/tpa/attention_tma.cuh"
 
 namespace lintape::tpa_cuda {
@@ -289,22 +291,32 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     smem = fwd_smem<HD>();
     allow_smem(attention_fwd<T, HD, DOCS>, smem, configured);
   }
+  const char* rows_env = std::getenv("LINTAPE_TPA_FWD_ROWS");  // "old": one build_rows launch a factor
+  const bool old_rows = a.old_rows || (rows_env && std::strcmp(rows_env, "old") == 0);
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.M;
     p.b0 = b0;
-    const unsigned build_blocks = grid_for(tokens * (HD / 8), kThreads);
-    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fk, k, b0 * p.M, tokens, p.H);
-    LT_CUDA_CHECK_LAUNCH();
-    build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fv, v, b0 * p.M, tokens, p.H);
-    LT_CUDA_CHECK_LAUNCH();
+    // K and V rows (and for the persistent kernels Q's, into the output's rows of these entries, read back by TMA).
+    T* q_rows = persistent ? p.out + b0 * p.N * p.H * HD : nullptr;
+    if (old_rows) {
+      const unsigned build_blocks = grid_for(tokens * (HD / 8), kThreads);
+      build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fk, k, b0 * p.M, tokens, p.H);
+      LT_CUDA_CHECK_LAUNCH();
+      build_rows<T, HD><<<build_blocks, kThreads, 0, st>>>(p.fv, v, b0 * p.M, tokens, p.H);
+      LT_CUDA_CHECK_LAUNCH();
+      if (q_rows) {
+        build_rows<T, HD><<<grid_for(n * p.N * (HD / 8), kThreads), kThreads, 0, st>>>(fq, q_rows, b0 * p.N, n * p.N,
+                                                                                      p.H);
+        LT_CUDA_CHECK_LAUNCH();
+      }
+    } else {
+      using attention_rows::RowsJob;
+      attention_rows::launch_build_rows<T, HD>(RowsJob<T>{fq, q_rows, b0 * p.N, q_rows ? n * p.N : 0},
+                                               RowsJob<T>{p.fk, k, b0 * p.M, tokens},
+                                               RowsJob<T>{p.fv, v, b0 * p.M, tokens}, p.H, st);
+    }
     const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
     const int items = int(query_tiles * p.H * n);
-    if constexpr (persistent) {  // Q into the output's rows of these entries, read back by TMA
-      const int64_t q_tokens = n * p.N;
-      build_rows<T, HD><<<grid_for(q_tokens * (HD / 8), kThreads), kThreads, 0, st>>>(
-          fq, p.out + b0 * p.N * p.H * HD, b0 * p.N, q_tokens, p.H);
-      LT_CUDA_CHECK_LAUNCH();
-    }
     if constexpr (tma)
       attention_tma::forward<T, HD, pingpong, persistent>
           <<<persistent ? std::min(items, blocks) : items, attention_tma::kTmaThreads, smem, st>>>(p, tq, tk, tv,

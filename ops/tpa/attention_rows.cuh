@@ -1,10 +1,10 @@
-// Internal to ops/tpa/attention_bwd.cu: the backward's bandwidth kernels around its main kernel, organised for
-// bandwidth. build_rows_wide builds the Q, K and V rows of a launch's batch entries in one launch (a thread per
+// Internal to ops/tpa/attention.cu and attention_bwd.cu: the bandwidth kernels around the main kernels, organised
+// for bandwidth. build_rows_wide builds the Q, K and V rows of a launch's batch entries in one launch (a thread per
 // (token, 8 heads, 16-byte chunk), its basis chunks in registers across the heads);
 // rows_factor_grads_wide contracts f32 gradient rows to their factors up to 8 ranks a pass (dQ's 6 ranks in
 // one read of dQ), dK and dV in one launch. Both give the same bits as build_rows and rows_factor_grads
 // (attention_parts.cuh, attention_bwd.cu): the same f32 products summed in the same order.
-// LINTAPE_TPA_BWD_ROWS=old (or AttentionArgs::old_rows) runs those instead.
+// LINTAPE_TPA_FWD_ROWS=old / LINTAPE_TPA_BWD_ROWS=old (or AttentionArgs::old_rows) runs those instead.
 #pragma once
 #include "ops/tpa/attention_parts.cuh"
 
@@ -21,15 +21,16 @@ struct RowsJob {
 
 constexpr int kRowHeads = 8;  // the heads of a thread
 
-// x[t, h] = inv_r sum_r a[t, h, r] b[t, r] in f32, rounded once, for job blockIdx.y (q, k, v). A thread per
+// x[t, h] = inv_r sum_r a[t, h, r] b[t, r] in f32, rounded once, for job first + blockIdx.y (q, k, v). A thread per
 // (token, group of kRowHeads heads, 8 columns): the basis chunks of its first RB ranks are read once, kept in f32
 // registers across its heads (ranks past RB come from L1 head by head, as in build_rows); a warp writes two
 // heads' rows (HD = 128) or four (64) at a time. The products and their order are build_rows': the same bits.
 template <class T, int HD, int RB>
 __global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> q, const RowsJob<T> k,
-                                                           const RowsJob<T> v, int H) {
+                                                           const RowsJob<T> v, int H, int first) {
   constexpr int CH = HD / 8;
-  const RowsJob<T> j = blockIdx.y == 0 ? q : blockIdx.y == 1 ? k : v;
+  const int job = first + int(blockIdx.y);
+  const RowsJob<T> j = job == 0 ? q : job == 1 ? k : v;
   const int groups = (H + kRowHeads - 1) / kRowHeads;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x, rest = idx / CH, w = rest / groups;
   if (w >= j.tokens) return;
@@ -90,22 +91,24 @@ __global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> 
   }
 }
 
-// Launches build_rows_wide over the jobs with x set (q first; k and v together or neither), RB the largest of their
+// Launches build_rows_wide over the jobs with x set (q, k and v; q alone; or k and v), RB the largest of their
 // ranks rounded up to 2, 4, 6 or 8.
 template <class T, int HD>
 void launch_build_rows(const RowsJob<T>& q, const RowsJob<T>& k, const RowsJob<T>& v, int H, cudaStream_t st) {
-  const int jobs = k.x ? 3 : 1, groups = (H + kRowHeads - 1) / kRowHeads;
-  const int r = std::max(q.f.R, k.x ? std::max(k.f.R, v.f.R) : 0), rb = r <= 2 ? 2 : r <= 4 ? 4 : r <= 6 ? 6 : 8;
-  const int64_t tokens = k.x ? std::max({q.tokens, k.tokens, v.tokens}) : q.tokens;
+  const int first = q.x ? 0 : 1, jobs = (k.x ? 3 : 1) - first, groups = (H + kRowHeads - 1) / kRowHeads;
+  const int r = std::max(q.x ? q.f.R : 0, k.x ? std::max(k.f.R, v.f.R) : 0);
+  const int rb = r <= 2 ? 2 : r <= 4 ? 4 : r <= 6 ? 6 : 8;
+  const int64_t tokens = std::max(q.x ? q.tokens : 0, k.x ? std::max(k.tokens, v.tokens) : 0);
+  if (jobs <= 0 || tokens == 0) return;
   const dim3 grid(unsigned(grid_for(tokens * groups * (HD / 8), kThreads)), unsigned(jobs));
   if (rb == 2)
-    build_rows_wide<T, HD, 2><<<grid, kThreads, 0, st>>>(q, k, v, H);
+    build_rows_wide<T, HD, 2><<<grid, kThreads, 0, st>>>(q, k, v, H, first);
   else if (rb == 4)
-    build_rows_wide<T, HD, 4><<<grid, kThreads, 0, st>>>(q, k, v, H);
+    build_rows_wide<T, HD, 4><<<grid, kThreads, 0, st>>>(q, k, v, H, first);
   else if (rb == 6)
-    build_rows_wide<T, HD, 6><<<grid, kThreads, 0, st>>>(q, k, v, H);
+    build_rows_wide<T, HD, 6><<<grid, kThreads, 0, st>>>(q, k, v, H, first);
   else
-    build_rows_wide<T, HD, 8><<<grid, kThreads, 0, st>>>(q, k, v, H);
+    build_rows_wide<T, HD, 8><<<grid, kThreads, 0, st>>>(q, k, v, H, first);
   LT_CUDA_CHECK_LAUNCH();
 }
 

@@ -86,8 +86,9 @@ struct AttentionArgs {
   ForwardKernel forward_kernel = ForwardKernel::Auto;
   BackwardKernel backward_kernel = BackwardKernel::Auto;
   int persistent_blocks = 0;  // > 0: the persistent kernels' grid at most this (tests: several items a block)
-  // The backward's row kernels of before (three build_rows, a rows_factor_grads a pair) instead of the wide ones
-  // (ops/tpa/attention_rows.cuh); the same bits. LINTAPE_TPA_BWD_ROWS=old sets it for every call.
+  // The row kernels of before (a build_rows launch a factor; in the backward a rows_factor_grads a pair) instead of
+  // the wide ones (ops/tpa/attention_rows.cuh); the same bits. LINTAPE_TPA_FWD_ROWS=old / LINTAPE_TPA_BWD_ROWS=old
+  // set it for every forward / backward call.
   bool old_rows = false;
   // Documents (N == M): starts (B, N) int32 contiguous on the factors' device (ops/documents.h); query n sees
   // key m iff starts[n] <= m <= n (causal) or starts[m] == starts[n]. Undefined: no boundaries. The forward
