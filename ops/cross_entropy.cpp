@@ -1,6 +1,8 @@
 #include "ops/cross_entropy.h"
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include "autograd/tape.h"
 #include "ops/cross_entropy_cuda.h"
@@ -76,6 +78,17 @@ void check_targets(const char* op, const Tensor& targets, int64_t rows, const ch
 // classes, bf16) 512 MiB (8192 rows) ran the op in 8.98 ms against 9.17 ms at 256 MiB, without raising the
 // step's peak (the activations held for the backward are larger); 1 GiB gained 0.2 ms more for 0.5 GiB.
 constexpr int64_t kChunkLogitBytes = int64_t(512) << 20;
+
+#if LINTAPE_WITH_CUDA
+// LINTAPE_CE_ONE_PASS=0 runs linear_cross_entropy's row losses and gradient as two kernels (to time the two).
+bool one_pass_rows() {
+  static const bool on = [] {
+    const char* v = std::getenv("LINTAPE_CE_ONE_PASS");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+#endif
 
 }  // namespace
 
@@ -180,14 +193,22 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
     Tensor count_dev = empty({1}, DType::I64, dev), bad = zeros({2}, DType::I64, dev);
     Tensor row_loss = empty({rows}, acc, dev), one = full({1}, 1.0, acc, dev);
     ops_cuda::cross_entropy_reduce_cuda(Tensor(), tg, ignore_index, Tensor(), count_dev, acc);
+    // With a gradient to make, the row losses and the gradient in one pass over each row where it fits.
+    bool one_pass = false;
     for_chunks(
         [&](const Tensor& lg, int64_t r0, int64_t n) {
-          ops_cuda::cross_entropy_rows_cuda(lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
-                                            row_loss.narrow(0, r0, n), bad, r0);
+          one_pass = (need_x || need_w) && one_pass_rows() &&
+                     ops_cuda::cross_entropy_rows_gradient_cuda(lg, tg.narrow(0, r0, n), ignore_index,
+                                                                lse.narrow(0, r0, n), row_loss.narrow(0, r0, n), bad,
+                                                                r0, one, count_dev);
+          if (!one_pass)
+            ops_cuda::cross_entropy_rows_cuda(lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
+                                              row_loss.narrow(0, r0, n), bad, r0);
         },
         [&](const Tensor& lg, int64_t r0, int64_t n) {
-          ops_cuda::cross_entropy_backward_cuda(one, lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
-                                                count_dev, lg);
+          if (!one_pass)
+            ops_cuda::cross_entropy_backward_cuda(one, lg, tg.narrow(0, r0, n), ignore_index, lse.narrow(0, r0, n),
+                                                  count_dev, lg);
         });
     loss = empty({}, acc, dev);
     ops_cuda::cross_entropy_reduce_cuda(row_loss, tg, ignore_index, loss, count_dev, acc);

@@ -2,7 +2,8 @@
 // (one exp per element), then a single block sums the row losses and counts the rows not ignored
 // (linear_cross_entropy runs the row kernel per chunk of rows and the sum once).
 // Backward: one block per row writes (exp(x - lse) - onehot) * dloss / count. Rows are read in 16-byte
-// packs from their first 16-byte boundary on, so an odd V (50257) keeps vector loads.
+// packs from their first 16-byte boundary on, so an odd V (50257) keeps vector loads. linear_cross_entropy
+// runs both in one kernel per row (rows_gradient_kernel) where a row's packs fit in the threads' registers.
 #include <cstdint>
 #include "core/cuda_types.cuh"
 #include "ops/cross_entropy_cuda.h"
@@ -185,6 +186,105 @@ __global__ void backward_kernel(const acc_t<T>* __restrict__ dloss, const T* __r
   for (int64_t i = head + packs * V + threadIdx.x; i < classes; i += blockDim.x) d[i] = grad(to_acc(x[i]), i);
 }
 
+// The forward's row kernel and the backward kernel in one pass, in place (dlogits == logits): the row's packs are
+// held in registers (MAXP a thread at most) between the log-sum-exp and the gradient, so the logits are read
+// once. The arithmetic and its order are those of forward_rows_kernel and backward_kernel: the same bits.
+template <class T, class I, int MAXP>
+__global__ void __launch_bounds__(kThreads, 1)
+    rows_gradient_kernel(T* __restrict__ logits, const I* __restrict__ targets, int64_t classes, int64_t ignore_index,
+                         acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ row_loss, long long* bad,
+                         int64_t row_offset, const acc_t<T>* __restrict__ dloss, const long long* __restrict__ count) {
+  using A = acc_t<T>;
+  constexpr int V = kVec<T>;
+  using P = Pack<T, V>;
+  __shared__ A sm[32], ss[32], s_lse;
+  const int64_t row = blockIdx.x;
+  T* x = logits + row * classes;
+  const int64_t head = head_of(x, classes), packs = (classes - head) / V, tail = head + packs * V;
+  const int64_t t = int64_t(targets[row]);
+  // The target's logit, read before any thread writes its gradient over the row.
+  const A xt = threadIdx.x == 0 && t != ignore_index && t >= 0 && t < classes ? to_acc(x[t]) : A(0);
+  // head < V and classes - tail < V: a thread holds at most one scalar of each (as the forward's loops give it).
+  const int64_t hi = threadIdx.x, ti = tail + threadIdx.x;
+  const A hv = hi < head ? to_acc(x[hi]) : A(0), tv = ti < classes ? to_acc(x[ti]) : A(0);
+  const P* xp = reinterpret_cast<const P*>(x + head);
+  P p[MAXP];
+#pragma unroll
+  for (int k = 0; k < MAXP; ++k)
+    if (threadIdx.x + int64_t(k) * kThreads < packs) p[k] = xp[threadIdx.x + int64_t(k) * kThreads];
+  A m = lowest<A>(), s = 0;
+  if (hi < head) add_value(m, s, hv);
+#pragma unroll
+  for (int k = 0; k < MAXP; ++k) {
+    if (threadIdx.x + int64_t(k) * kThreads >= packs) break;
+    A v[V], pm = lowest<A>();
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      v[e] = to_acc(p[k].v[e]);
+      pm = v[e] > pm ? v[e] : pm;
+    }
+    if (pm > m) {
+      s *= exp_nonpos(m - pm);
+      m = pm;
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) s += exp_nonpos(v[e] - m);
+  }
+  if (ti < classes) add_value(m, s, tv);
+  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = blockDim.x / 32;
+    m = lane < warps ? sm[lane] : lowest<A>();
+    s = lane < warps ? ss[lane] : A(0);
+    for (int o = 16; o > 0; o >>= 1)
+      merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    if (lane == 0) {
+      const A l = m + log(s);
+      lse[row] = l;
+      s_lse = l;
+      A loss = 0;
+      if (t != ignore_index) {
+        if (t < 0 || t >= classes) {
+          if (atomicCAS(reinterpret_cast<unsigned long long*>(bad), 0ull,
+                        (unsigned long long)(row_offset + row + 1)) == 0ull)
+            bad[1] = t;
+        } else {
+          loss = l - xt;
+        }
+      }
+      row_loss[row] = loss;
+    }
+  }
+  __syncthreads();
+  const long long cnt = *count;
+  const bool ignored = t == ignore_index || cnt == 0;
+  const A scale = ignored ? A(0) : *dloss / A(cnt), l = s_lse;
+  auto grad = [&](A v, int64_t i) {
+    return from_acc<T>(ignored ? A(0) : (exp_nonpos(v - l) - (i == t ? A(1) : A(0))) * scale);
+  };
+  if (hi < head) x[hi] = grad(hv, hi);
+  P* dp = reinterpret_cast<P*>(x + head);
+#pragma unroll
+  for (int k = 0; k < MAXP; ++k) {
+    const int64_t j = threadIdx.x + int64_t(k) * kThreads;
+    if (j >= packs) break;
+    P o;
+#pragma unroll
+    for (int e = 0; e < V; ++e) o.v[e] = grad(to_acc(p[k].v[e]), head + j * V + e);
+    dp[j] = o;
+  }
+  if (ti < classes) x[ti] = grad(tv, ti);
+}
+
+// Rows of at most this many 16-byte packs a thread take rows_gradient_kernel (32768 classes in bf16 or f16).
+constexpr int kMaxPacksPerThread = 16;
+
 template <class T, class I>
 void rows_forward(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
                   const Tensor& row_loss, const Tensor& bad, int64_t row_offset) {
@@ -238,6 +338,26 @@ void backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets, 
   LT_CUDA_CHECK_LAUNCH();
 }
 
+template <class T, class I>
+bool rows_gradient(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
+                   const Tensor& row_loss, const Tensor& bad, int64_t row_offset, const Tensor& dloss,
+                   const Tensor& count) {
+  using A = acc_t<T>;
+  if constexpr (sizeof(T) == 8) {  // f64 keeps the two kernels
+    return false;
+  } else {
+    const int64_t rows = logits.size(0), classes = logits.size(1);
+    if (classes > int64_t(kMaxPacksPerThread) * kThreads * kVec<T>) return false;
+    if (rows == 0) return true;
+    rows_gradient_kernel<T, I, kMaxPacksPerThread><<<unsigned(rows), kThreads, 0, stream(logits.device().index)>>>(
+        static_cast<T*>(logits.data()), static_cast<const I*>(targets.data()), classes, ignore_index,
+        static_cast<A*>(lse.data()), static_cast<A*>(row_loss.data()), static_cast<long long*>(bad.data()),
+        row_offset, static_cast<const A*>(dloss.data()), static_cast<const long long*>(count.data()));
+    LT_CUDA_CHECK_LAUNCH();
+    return true;
+  }
+}
+
 }  // namespace
 
 void cross_entropy_rows_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
@@ -274,6 +394,19 @@ void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, cons
       backward<T, decltype(index)>(dloss, logits, targets, ignore_index, lse, count, dlogits);
     });
   });
+}
+
+bool cross_entropy_rows_gradient_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                      const Tensor& lse, const Tensor& row_loss, const Tensor& bad, int64_t row_offset,
+                                      const Tensor& dloss, const Tensor& count) {
+  bool done = false;
+  LT_DISPATCH_FLOAT_CUDA(logits.dtype(), "cross_entropy", T, {
+    with_index_type(targets, [&](auto index) {
+      done = rows_gradient<T, decltype(index)>(logits, targets, ignore_index, lse, row_loss, bad, row_offset, dloss,
+                                               count);
+    });
+  });
+  return done;
 }
 
 }  // namespace lintape::ops_cuda

@@ -2,6 +2,7 @@
 #include "core/allocator.h"
 #include "helpers.h"
 #include "ops/cross_entropy.h"
+#include "ops/cross_entropy_cuda.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
 #include "ops/elementwise.h"
@@ -323,6 +324,46 @@ TEST_CASE("cuda cross_entropy with every token ignored is 0 with a zero gradient
   CHECK(loss.item() == 0.0);
   backward(loss);
   for (double g : logits.grad().to_vector<double>()) CHECK(g == 0.0);
+}
+
+// linear_cross_entropy's one-pass row kernel against the row kernel then the backward kernel: the same lse, row
+// losses and gradient bits (rows off the 16-byte grid, ignored rows, a target out of range, the longest rows it
+// takes); rows longer than that are left to the two kernels.
+TEST_CASE("cuda cross_entropy one-pass rows give the bits of the row and backward kernels" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  const int64_t R = 37;
+  for (DType dt : {DType::BF16, DType::F32})
+    for (int64_t classes : {1001, 1024, 16384, 32768, 32769}) {
+      INFO(dtype_name(dt) << " V = " << classes);
+      const bool fits = classes <= (dt == DType::BF16 ? 32768 : 16384);
+      Tensor logits = randn({R + 1, classes}, dt, gpu(), uint64_t(classes)).narrow(0, 1, R).detach();
+      std::vector<int64_t> tv = make_targets(R, classes, DType::I64, Device::cpu()).to_vector<int64_t>();
+      tv[7] = classes + 3;  // out of range: recorded in bad
+      const Tensor targets = from_vector_i64(tv, {R}, gpu());
+      Tensor count = empty({1}, DType::I64, gpu()), one = full({1}, 1.0, DType::F32, gpu());
+      ops_cuda::cross_entropy_reduce_cuda(Tensor(), targets, -100, Tensor(), count, DType::F32);
+      Tensor lse[2], loss[2], bad[2], grad[2];
+      for (int k = 0; k < 2; ++k) {
+        lse[k] = empty({R}, DType::F32, gpu());
+        loss[k] = empty({R}, DType::F32, gpu());
+        bad[k] = zeros({2}, DType::I64, gpu());
+        poison_(lse[k]);
+        poison_(loss[k]);
+      }
+      ops_cuda::cross_entropy_rows_cuda(logits, targets, -100, lse[0], loss[0], bad[0], 5);
+      grad[0] = empty({R, classes}, dt, gpu());
+      ops_cuda::cross_entropy_backward_cuda(one, logits, targets, -100, lse[0], count, grad[0]);
+      grad[1] = logits.clone();  // in place
+      CHECK(ops_cuda::cross_entropy_rows_gradient_cuda(grad[1], targets, -100, lse[1], loss[1], bad[1], 5, one, count) ==
+            fits);
+      if (!fits) continue;
+      CHECK(lse[1].to_vector<double>() == lse[0].to_vector<double>());
+      CHECK(loss[1].to_vector<double>() == loss[0].to_vector<double>());
+      CHECK(grad[1].to_vector<double>() == grad[0].to_vector<double>());
+      CHECK(bad[1].to_vector<int64_t>() == std::vector<int64_t>{5 + 7 + 1, classes + 3});
+    }
+#endif
 }
 
 TEST_CASE("bad input cuda cross_entropy target out of range" * LT_CUDA_CASE) {
