@@ -3,8 +3,9 @@
 // (linear_cross_entropy runs the row kernel per chunk of rows and the sum once).
 // Backward: one block per row writes (exp(x - lse) - onehot) * dloss / count. Rows are read in 16-byte
 // packs from their first 16-byte boundary on, so an odd V (50257) keeps vector loads. linear_cross_entropy
-// runs both in one kernel per row (rows_gradient_kernel) where a row's packs fit in the threads' registers.
+// runs both in one kernel per row (rows_gradient_kernel: the row staged in shared memory) where a row fits.
 #include <cstdint>
+#include "core/cuda_async.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/cross_entropy_cuda.h"
 
@@ -187,40 +188,44 @@ __global__ void backward_kernel(const acc_t<T>* __restrict__ dloss, const T* __r
 }
 
 // The forward's row kernel and the backward kernel in one pass, in place (dlogits == logits): the row's packs are
-// held in registers (MAXP a thread at most) between the log-sum-exp and the gradient, so the logits are read
-// once. The arithmetic and its order are those of forward_rows_kernel and backward_kernel: the same bits.
+// staged in shared memory by cp.async (each thread its own, MAXP at most, in two groups so that the first half's
+// sums run while the second half lands) between the log-sum-exp and the gradient, so the logits are read once from
+// global memory. The arithmetic and its order are those of forward_rows_kernel and backward_kernel: the same bits.
 template <class T, class I, int MAXP>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 3)
     rows_gradient_kernel(T* __restrict__ logits, const I* __restrict__ targets, int64_t classes, int64_t ignore_index,
                          acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ row_loss, long long* bad,
                          int64_t row_offset, const acc_t<T>* __restrict__ dloss, const long long* __restrict__ count) {
   using A = acc_t<T>;
-  constexpr int V = kVec<T>;
+  constexpr int V = kVec<T>, HALF = MAXP / 2;
   using P = Pack<T, V>;
+  extern __shared__ uint4 staged[];  // the row's packs, in the row's order
   __shared__ A sm[32], ss[32], s_lse;
+  const P* sp = reinterpret_cast<const P*>(staged);
   const int64_t row = blockIdx.x;
   T* x = logits + row * classes;
   const int64_t head = head_of(x, classes), packs = (classes - head) / V, tail = head + packs * V;
+  const P* xp = reinterpret_cast<const P*>(x + head);
+#pragma unroll
+  for (int k = 0; k < MAXP; ++k) {
+    const int64_t j = threadIdx.x + int64_t(k) * kThreads;
+    if (j < packs) cp_async16(staged + j, xp + j);
+    if (k == HALF - 1) cp_async_commit();
+  }
+  cp_async_commit();
   const int64_t t = int64_t(targets[row]);
   // The target's logit, read before any thread writes its gradient over the row.
   const A xt = threadIdx.x == 0 && t != ignore_index && t >= 0 && t < classes ? to_acc(x[t]) : A(0);
   // head < V and classes - tail < V: a thread holds at most one scalar of each (as the forward's loops give it).
   const int64_t hi = threadIdx.x, ti = tail + threadIdx.x;
   const A hv = hi < head ? to_acc(x[hi]) : A(0), tv = ti < classes ? to_acc(x[ti]) : A(0);
-  const P* xp = reinterpret_cast<const P*>(x + head);
-  P p[MAXP];
-#pragma unroll
-  for (int k = 0; k < MAXP; ++k)
-    if (threadIdx.x + int64_t(k) * kThreads < packs) p[k] = xp[threadIdx.x + int64_t(k) * kThreads];
   A m = lowest<A>(), s = 0;
   if (hi < head) add_value(m, s, hv);
-#pragma unroll
-  for (int k = 0; k < MAXP; ++k) {
-    if (threadIdx.x + int64_t(k) * kThreads >= packs) break;
+  auto add_pack = [&](const P& p) {
     A v[V], pm = lowest<A>();
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      v[e] = to_acc(p[k].v[e]);
+      v[e] = to_acc(p.v[e]);
       pm = v[e] > pm ? v[e] : pm;
     }
     if (pm > m) {
@@ -229,7 +234,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #pragma unroll
     for (int e = 0; e < V; ++e) s += exp_nonpos(v[e] - m);
-  }
+  };
+  cp_async_wait<1>();
+#pragma unroll
+  for (int k = 0; k < HALF; ++k)
+    if (threadIdx.x + int64_t(k) * kThreads < packs) add_pack(sp[threadIdx.x + k * kThreads]);
+  cp_async_wait<0>();
+#pragma unroll
+  for (int k = HALF; k < MAXP; ++k)
+    if (threadIdx.x + int64_t(k) * kThreads < packs) add_pack(sp[threadIdx.x + k * kThreads]);
   if (ti < classes) add_value(m, s, tv);
   for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -274,9 +287,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int k = 0; k < MAXP; ++k) {
     const int64_t j = threadIdx.x + int64_t(k) * kThreads;
     if (j >= packs) break;
+    const P p = sp[j];
     P o;
 #pragma unroll
-    for (int e = 0; e < V; ++e) o.v[e] = grad(to_acc(p[k].v[e]), head + j * V + e);
+    for (int e = 0; e < V; ++e) o.v[e] = grad(to_acc(p.v[e]), head + j * V + e);
     dp[j] = o;
   }
   if (ti < classes) x[ti] = grad(tv, ti);
@@ -349,7 +363,16 @@ bool rows_gradient(const Tensor& logits, const Tensor& targets, int64_t ignore_i
     const int64_t rows = logits.size(0), classes = logits.size(1);
     if (classes > int64_t(kMaxPacksPerThread) * kThreads * kVec<T>) return false;
     if (rows == 0) return true;
-    rows_gradient_kernel<T, I, kMaxPacksPerThread><<<unsigned(rows), kThreads, 0, stream(logits.device().index)>>>(
+    // Shared memory for the row's packs (64 KiB at the longest rows, so three blocks an SM).
+    const size_t smem = size_t((classes / kVec<T> + 1) * 16);
+    static bool configured = false;
+    if (!configured) {
+      LT_CUDA_CHECK(cudaFuncSetAttribute(rows_gradient_kernel<T, I, kMaxPacksPerThread>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kMaxPacksPerThread * kThreads * 16));
+      configured = true;
+    }
+    rows_gradient_kernel<T, I, kMaxPacksPerThread><<<unsigned(rows), kThreads, smem, stream(logits.device().index)>>>(
         static_cast<T*>(logits.data()), static_cast<const I*>(targets.data()), classes, ignore_index,
         static_cast<A*>(lse.data()), static_cast<A*>(row_loss.data()), static_cast<long long*>(bad.data()),
         row_offset, static_cast<const A*>(dloss.data()), static_cast<const long long*>(count.data()));
