@@ -1,7 +1,8 @@
 // tpa_factors: the TPA mixer's six factors out of its one projection, with the rotary embedding on bq and bk.
 // On CUDA the rotation of bq and bk is one launch of the LRPE family's rotate kernel (ops/lrpe/launch.h), and
 // the backward writes the projection's gradient in one buffer: the rotation's backward straight into the bq and
-// bk columns, the other factors' gradients copied into theirs. Elsewhere (the CPU, f64, Impl::Composed) the
+// bk columns, bv's gradient copied into its columns, the rank gradients gathered into theirs by one kernel
+// (ops/tpa/factors.cu). Elsewhere (the CPU, f64, Impl::Composed) the
 // factors come from split, views and lrpe_rotate, each recorded on the tape; both give the same bits.
 #include <array>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include "ops/tpa/tpa.h"
 #if LINTAPE_WITH_CUDA
 #include "ops/lrpe/launch.h"
+#include "ops/tpa/launch.h"
 #endif
 
 namespace lintape {
@@ -82,18 +84,15 @@ std::array<Tensor, 6> fused_factors(const Tensor& y, const Layout& l, const Tens
                        lrpe_cuda::backward(lrpe_cuda::reads_in_place(x) ? x : x.contiguous(),
                                            gi.to(dt).contiguous(), spec, Tensor(), dst);
                      }
-                     auto put = [&](Tensor dst, const Tensor& gi) {
-                       if (gi.defined())
-                         dst.copy_(gi);
-                       else
-                         dst.zero_();
-                     };
-                     put(columns(dy, l, l.rotated(), l.Rv * l.E, l.E), g[5]);
-                     const Tensor da = columns(dy, l, l.a_at(), l.H * (l.Rq + l.Rk + l.Rv), l.Rq + l.Rk + l.Rv);
-                     put(da.narrow(3, 0, l.Rq), g[0]);
-                     put(da.narrow(3, l.Rq, l.Rk), g[2]);
-                     put(da.narrow(3, l.Rq + l.Rk, l.Rv), g[4]);
-                     if (l.W > l.used()) dy.narrow(2, l.used(), l.W - l.used()).zero_();
+                     Tensor dbv = columns(dy, l, l.rotated(), l.Rv * l.E, l.E);
+                     if (g[5].defined())
+                       dbv.copy_(g[5]);
+                     else
+                       dbv.zero_();
+                     // The rank gradients into their columns and the padding's zeros, one launch.
+                     auto packed = [&](const Tensor& gi) { return gi.defined() ? gi.to(dt).contiguous() : Tensor(); };
+                     tpa_cuda::scatter_rank_grads(dy, l.a_at(), l.used(), l.H, l.Rq, l.Rk, l.Rv, packed(g[0]),
+                                                  packed(g[2]), packed(g[4]));
                      return {dy, Tensor()};
                    });
   return f;
