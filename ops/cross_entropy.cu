@@ -4,6 +4,7 @@
 // Backward: one block per row writes (exp(x - lse) - onehot) * dloss / count. Rows are read in 16-byte
 // packs from their first 16-byte boundary on, so an odd V (50257) keeps vector loads. linear_cross_entropy
 // runs both in one kernel per row (rows_gradient_kernel: the row staged in shared memory) where a row fits.
+#include <algorithm>
 #include <cstdint>
 #include "core/cuda_async.cuh"
 #include "core/cuda_types.cuh"
@@ -364,7 +365,7 @@ bool rows_gradient(const Tensor& logits, const Tensor& targets, int64_t ignore_i
     if (classes > int64_t(kMaxPacksPerThread) * kThreads * kVec<T>) return false;
     if (rows == 0) return true;
     // Shared memory for the row's packs (64 KiB at the longest rows, so three blocks an SM).
-    const size_t smem = size_t((classes / kVec<T> + 1) * 16);
+    const size_t smem = size_t(std::max<int64_t>(classes / kVec<T>, 1) * 16);  // packs <= classes / V
     static bool configured = false;
     if (!configured) {
       LT_CUDA_CHECK(cudaFuncSetAttribute(rows_gradient_kernel<T, I, kMaxPacksPerThread>,
