@@ -57,6 +57,58 @@ template <class T> __device__ __forceinline__ int64_t head_of(const T* p, int64_
 
 template <class T> constexpr int kVec = 16 / sizeof(T);
 
+// (m, s) takes a 16-byte pack: one rescale to the pack's maximum, then its exps.
+template <class A, class P, int V>
+__device__ __forceinline__ void add_pack(A& m, A& s, const P& p) {
+  A v[V], pm = lowest<A>();
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    v[k] = to_acc(p.v[k]);
+    pm = v[k] > pm ? v[k] : pm;
+  }
+  if (pm > m) {
+    s *= exp_nonpos(m - pm);
+    m = pm;
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) s += exp_nonpos(v[k] - m);
+}
+
+// The block's (m, s) merged (each warp's by butterfly, then warp 0 over the warps'), its log-sum-exp in l.
+// Every thread calls it (a barrier inside); true for the one thread (0) that holds l.
+template <class A>
+__device__ __forceinline__ bool block_lse(A m, A s, A* sm, A* ss, A& l) {
+  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (warp != 0) return false;
+  const int warps = blockDim.x / 32;
+  m = lane < warps ? sm[lane] : lowest<A>();
+  s = lane < warps ? ss[lane] : A(0);
+  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  if (lane != 0) return false;
+  l = m + log(s);
+  return true;
+}
+
+// A row's loss from its log-sum-exp l and target logit xt (0 when ignored); a target out of range is recorded in
+// bad as (row + 1, target), the first one only.
+template <class A>
+__device__ __forceinline__ A row_loss_of(int64_t t, int64_t classes, int64_t ignore_index, A l, A xt, long long* bad,
+                                         int64_t global_row) {
+  if (t == ignore_index) return A(0);
+  if (t < 0 || t >= classes) {
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(bad), 0ull, (unsigned long long)(global_row + 1)) == 0ull)
+      bad[1] = t;
+    return A(0);
+  }
+  return l - xt;
+}
+
 // A row: a scalar head up to a 16-byte boundary, 16-byte packs (one rescale per pack), a scalar tail.
 template <class T, class I>
 __global__ void forward_rows_kernel(const T* __restrict__ logits, const I* __restrict__ targets, int64_t classes,
@@ -73,49 +125,14 @@ __global__ void forward_rows_kernel(const T* __restrict__ logits, const I* __res
   A m = lowest<A>(), s = 0;
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) add_value(m, s, to_acc(x[i]));
 #pragma unroll 2
-  for (int64_t j = threadIdx.x; j < packs; j += blockDim.x) {
-    P p = xp[j];
-    A v[V], pm = lowest<A>();
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      v[k] = to_acc(p.v[k]);
-      pm = v[k] > pm ? v[k] : pm;
-    }
-    if (pm > m) {
-      s *= exp_nonpos(m - pm);
-      m = pm;
-    }
-#pragma unroll
-    for (int k = 0; k < V; ++k) s += exp_nonpos(v[k] - m);
-  }
+  for (int64_t j = threadIdx.x; j < packs; j += blockDim.x) add_pack<A, P, V>(m, s, xp[j]);
   for (int64_t i = head + packs * V + threadIdx.x; i < classes; i += blockDim.x) add_value(m, s, to_acc(x[i]));
-  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  if (lane == 0) {
-    sm[warp] = m;
-    ss[warp] = s;
-  }
-  __syncthreads();
-  if (warp != 0) return;
-  const int warps = blockDim.x / 32;
-  m = lane < warps ? sm[lane] : lowest<A>();
-  s = lane < warps ? ss[lane] : A(0);
-  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-  if (lane != 0) return;
-  const A l = m + log(s);
+  A l;
+  if (!block_lse(m, s, sm, ss, l)) return;
   lse[row] = l;
   const int64_t t = int64_t(targets[row]);
-  A loss = 0;
-  if (t != ignore_index) {
-    if (t < 0 || t >= classes) {
-      if (atomicCAS(reinterpret_cast<unsigned long long*>(bad), 0ull, (unsigned long long)(row_offset + row + 1)) ==
-          0ull)
-        bad[1] = t;
-    } else {
-      loss = l - to_acc(x[t]);
-    }
-  }
-  row_loss[row] = loss;
+  const bool in_range = t != ignore_index && t >= 0 && t < classes;
+  row_loss[row] = row_loss_of(t, classes, ignore_index, l, in_range ? to_acc(x[t]) : A(0), bad, row_offset + row);
 }
 
 // One block: loss = sum of row losses / count (0 when count is 0). Without row losses (and loss) it only
@@ -222,58 +239,20 @@ __global__ void __launch_bounds__(kThreads, 3)
   const A hv = hi < head ? to_acc(x[hi]) : A(0), tv = ti < classes ? to_acc(x[ti]) : A(0);
   A m = lowest<A>(), s = 0;
   if (hi < head) add_value(m, s, hv);
-  auto add_pack = [&](const P& p) {
-    A v[V], pm = lowest<A>();
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      v[e] = to_acc(p.v[e]);
-      pm = v[e] > pm ? v[e] : pm;
-    }
-    if (pm > m) {
-      s *= exp_nonpos(m - pm);
-      m = pm;
-    }
-#pragma unroll
-    for (int e = 0; e < V; ++e) s += exp_nonpos(v[e] - m);
-  };
   cp_async_wait<1>();
 #pragma unroll
   for (int k = 0; k < HALF; ++k)
-    if (threadIdx.x + int64_t(k) * kThreads < packs) add_pack(sp[threadIdx.x + k * kThreads]);
+    if (threadIdx.x + int64_t(k) * kThreads < packs) add_pack<A, P, V>(m, s, sp[threadIdx.x + k * kThreads]);
   cp_async_wait<0>();
 #pragma unroll
   for (int k = HALF; k < MAXP; ++k)
-    if (threadIdx.x + int64_t(k) * kThreads < packs) add_pack(sp[threadIdx.x + k * kThreads]);
+    if (threadIdx.x + int64_t(k) * kThreads < packs) add_pack<A, P, V>(m, s, sp[threadIdx.x + k * kThreads]);
   if (ti < classes) add_value(m, s, tv);
-  for (int o = 16; o > 0; o >>= 1) merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  if (lane == 0) {
-    sm[warp] = m;
-    ss[warp] = s;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x / 32;
-    m = lane < warps ? sm[lane] : lowest<A>();
-    s = lane < warps ? ss[lane] : A(0);
-    for (int o = 16; o > 0; o >>= 1)
-      merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-    if (lane == 0) {
-      const A l = m + log(s);
-      lse[row] = l;
-      s_lse = l;
-      A loss = 0;
-      if (t != ignore_index) {
-        if (t < 0 || t >= classes) {
-          if (atomicCAS(reinterpret_cast<unsigned long long*>(bad), 0ull,
-                        (unsigned long long)(row_offset + row + 1)) == 0ull)
-            bad[1] = t;
-        } else {
-          loss = l - xt;
-        }
-      }
-      row_loss[row] = loss;
-    }
+  A lt;
+  if (block_lse(m, s, sm, ss, lt)) {
+    lse[row] = lt;
+    s_lse = lt;
+    row_loss[row] = row_loss_of(t, classes, ignore_index, lt, xt, bad, row_offset + row);
   }
   __syncthreads();
   const long long cnt = *count;
