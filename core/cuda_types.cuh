@@ -23,6 +23,12 @@ template <class T> __device__ __forceinline__ T from_acc(acc_t<T> v) { return T(
 template <> __device__ __forceinline__ __nv_bfloat16 from_acc(float v) { return __float2bfloat16(v); }
 template <> __device__ __forceinline__ __half from_acc(float v) { return __float2half(v); }
 
+// V elements in one aligned word (16 bytes for V = 16 / sizeof(T)): vector loads and stores.
+template <class T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
 // Plain conversions through double for copies between any two types.
 template <class T> __device__ __forceinline__ double to_double(T v) { return double(v); }
 template <> __device__ __forceinline__ double to_double(__nv_bfloat16 v) { return double(__bfloat162float(v)); }

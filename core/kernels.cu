@@ -1,5 +1,6 @@
 #include "core/cuda_types.cuh"
 #include "core/kernels.h"
+#include <type_traits>
 
 namespace lintape::core_kernels {
 using namespace lintape::cuda;
@@ -39,6 +40,19 @@ __global__ void accumulate_kernel(T* dst, const S* src, int64_t n, StridedIndex 
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     T& out = dst[flat ? i : di.offset(i)];
     out = from_double<T>(to_double(out) + to_double(src[flat ? i : si.offset(i)]));
+  }
+}
+
+// The contiguous case in packs of V (16 bytes of the narrower type): the same sums as accumulate_kernel,
+// with fewer, wider accesses (the parameters' gradients are most of them).
+template <class T, class S, int V>
+__global__ void accumulate_packs_kernel(T* dst, const S* src, int64_t packs) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    Pack<T, V> d = reinterpret_cast<const Pack<T, V>*>(dst)[i];
+    const Pack<S, V> x = reinterpret_cast<const Pack<S, V>*>(src)[i];
+#pragma unroll
+    for (int k = 0; k < V; ++k) d.v[k] = from_double<T>(to_double(d.v[k]) + to_double(x.v[k]));
+    reinterpret_cast<Pack<T, V>*>(dst)[i] = d;
   }
 }
 
@@ -151,6 +165,27 @@ void accumulate_cuda(const Tensor& dst, const Tensor& src) {
   const JointLayout j = merge_dims(dst, src);
   const bool flat = dst.is_contiguous() && src.is_contiguous();
   cudaStream_t st = stream(dst.device().index);
+  if (flat && is_float16(src.dtype()) && n % 8 == 0 && uintptr_t(src.data()) % 16 == 0 &&
+      uintptr_t(dst.data()) % (8 * dtype_size(dst.dtype())) == 0) {
+    const int64_t packs = n / 8;
+    auto launch = [&](auto* d, auto* x) {
+      accumulate_packs_kernel<std::remove_pointer_t<decltype(d)>, std::remove_cv_t<std::remove_pointer_t<decltype(x)>>, 8>
+          <<<blocks_for(packs), kThreads, 0, st>>>(d, x, packs);
+    };
+    void* d = dst.data();
+    const void* x = src.data();
+    if (src.dtype() == DType::BF16) {
+      const auto* xs = static_cast<const __nv_bfloat16*>(x);
+      if (dst.dtype() == DType::F32) launch(static_cast<float*>(d), xs);
+      else launch(static_cast<__nv_bfloat16*>(d), xs);
+    } else {
+      const auto* xs = static_cast<const __half*>(x);
+      if (dst.dtype() == DType::F32) launch(static_cast<float*>(d), xs);
+      else launch(static_cast<__half*>(d), xs);
+    }
+    LT_CUDA_CHECK_LAUNCH();
+    return;
+  }
   if (src.dtype() != dst.dtype()) {  // f32 += a 16-bit float (accumulate_ allows no other pair)
     float* d = static_cast<float*>(dst.data());
     if (src.dtype() == DType::BF16)

@@ -18,11 +18,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kReduceThreads = 1024;
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // The running maximum starts at the lowest finite value rather than -inf, so that rows of -inf never
 // evaluate exp(-inf - -inf).
 template <class A> __device__ __forceinline__ A lowest();

@@ -13,9 +13,6 @@ using namespace lintape::cuda;
 namespace {
 constexpr int kThreads = 256;
 
-template <class T, int V> struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
 template <class T> constexpr int kVec = 16 / int(sizeof(T));
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -19,9 +19,6 @@ constexpr int kThreads = 256;
 constexpr int64_t kFillWarps = 132 * 32;
 constexpr int64_t kFillThreads = kFillWarps * 32;
 
-template <class T, int V> struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
 template <class T> constexpr int kVec = 16 / int(sizeof(T));
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -28,11 +28,6 @@ constexpr int kWarps = kThreads / 32;
 // 16-byte packs of bf16/f16 (so a row of 768 is one warp's), else four.
 template <int V> constexpr int kHeld = V == 8 ? 3 : 4;
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 using cuda_device::warp_sum;
 
 // The sum of v over the L lanes of this thread's row group; every thread of the block must call it.
@@ -315,10 +310,7 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
   using A = acc_t<T>;
   int dev = x.device().index;
   cudaStream_t s = stream(dev);
-  int64_t blocks = grid_for(rows, kThreads / L), cap = 4 * int64_t(sm_count(dev));
-  unsigned grid = unsigned(blocks < cap ? blocks : cap);
   size_t smem = 0;
-  Tensor part;
   // Rows held in registers with 16-byte packs are staged (two rows of dy, x, dres per row group).
   const bool stage = sizeof(T) * V == 16 && cols / V <= int64_t(L) * kHeld<V>;
   const size_t stage_bytes = stage ? size_t(kThreads / L) * 6 * size_t(cols) * sizeof(T) : 0;
@@ -329,12 +321,20 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
     LT_CHECK(smem + kWarps * sizeof(A) <= size_t(max_smem), "[rms_norm] C = ", cols,
              " is too large for the weight gradient's per-block sum (", smem,
              " bytes of shared memory; this device has ", max_smem, ")");
-    part = empty({int64_t(grid), cols}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
   }
   smem += stage_bytes;
   if (smem > 40 * 1024)
     LT_CUDA_CHECK(
         cudaFuncSetAttribute(backward_kernel<T, V, L>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  // One wave of resident blocks, each over several row groups: a second, partial wave would leave most of
+  // the card idle at its end, and fewer blocks mean fewer weight-gradient partials to add.
+  int per_sm = 0;
+  LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<T, V, L>, kThreads, smem));
+  const int64_t blocks = grid_for(rows, kThreads / L), cap = int64_t(per_sm > 0 ? per_sm : 1) * sm_count(dev);
+  const unsigned grid = unsigned(blocks < cap ? blocks : cap);
+  Tensor part;
+  if (dweight.defined())
+    part = empty({int64_t(grid), cols}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
   backward_kernel<T, V, L><<<grid, kThreads, smem, s>>>(
       static_cast<const T*>(dy.data()), data_or_null<T>(dres), static_cast<const T*>(x.data()),
       static_cast<const T*>(w.data()),

@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 #include "core/allocator.h"
+#include "core/kernels.h"
 #include "helpers.h"
 #include "ops/shape.h"
 
@@ -559,6 +560,33 @@ TEST_CASE("cuda copy, fill, arange and cat match cpu" * LT_CUDA_CASE) {
   std::vector<double> expect(40, 2.0);
   for (int r = 0; r < 4; ++r) expect[size_t(r * 10 + 4)] = expect[size_t(r * 10 + 5)] = 0.0;
   CHECK(c.grad().to_vector<double>() == expect);
+}
+
+TEST_CASE("cuda accumulate_ matches cpu: packs, odd lengths, misaligned and strided views" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  struct Pair {
+    DType dst, src;
+  };
+  for (Pair p : {Pair{DType::F32, DType::BF16}, Pair{DType::F32, DType::F16}, Pair{DType::BF16, DType::BF16},
+                 Pair{DType::F16, DType::F16}, Pair{DType::F32, DType::F32}})
+    for (int64_t n : {int64_t(8), int64_t(4096), int64_t(4104), int64_t(13), int64_t(1)})
+      for (int64_t at : {int64_t(0), int64_t(1)}) {  // at 1: not 16-byte aligned, the scalar kernel
+        INFO(dtype_name(p.dst) << " += " << dtype_name(p.src) << ", n " << n << ", at " << at);
+        const Tensor d_cpu = randn({n + at}, p.dst, Device::cpu(), 5).narrow(0, at, n).clone();
+        const Tensor s_cpu = randn({n + at}, p.src, Device::cpu(), 6).narrow(0, at, n).clone();
+        Tensor d = randn({n + at}, p.dst, gpu(), 5).narrow(0, at, n);
+        const Tensor s = randn({n + at}, p.src, gpu(), 6).narrow(0, at, n);
+        accumulate_(d, s);
+        accumulate_(d_cpu, s_cpu);
+        CHECK(d.to_vector<double>() == d_cpu.to_vector<double>());
+      }
+  // A transposed view takes the strided kernel.
+  Tensor d = randn({16, 24}, DType::F32, gpu(), 7).transpose(0, 1);
+  const Tensor s = randn({24, 16}, DType::BF16, gpu(), 8);
+  Tensor d_cpu = d.to(Device::cpu());
+  accumulate_(d, s);
+  accumulate_(d_cpu, s.to(Device::cpu()));
+  CHECK(d.to_vector<double>() == d_cpu.to_vector<double>());
 }
 
 TEST_CASE("cuda copies of slices of a wider tensor match cpu, at every word width" * LT_CUDA_CASE) {

@@ -15,18 +15,20 @@ constexpr int kThreads = 256;
 constexpr int kMaxNormBlocks = 1024;
 
 // copy (or null): the updated parameters rounded to C as well.
-// step (or null): the scalars come from it, and nothing is updated when it says skip.
+// step (or null): the scalars and the clip's factor come from it, and nothing is updated when it says skip.
 template <class C>
 __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                              float* __restrict__ v, const float* __restrict__ decay, C* __restrict__ copy, int64_t n,
                              AdamWScalars s, const DeviceStep* __restrict__ step) {
+  float scale = 1.f;
   if (step) {
     if (step->skip) return;
     s = step->scalars;
+    scale = step->grad_scale;
   }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float pi = p[i];
-    const float gi = g[i];
+    const float gi = g[i] * scale;  // x 1 is exact: unclipped gradients keep their bits
     pi -= s.shrink * decay[i] * pi;
     const float mi = s.beta1 * m[i] + (1 - s.beta1) * gi;
     const float vi = s.beta2 * v[i] + (1 - s.beta2) * gi * gi;
@@ -67,20 +69,25 @@ __global__ void finish_norm_kernel(double* partials, int count) {
   if (threadIdx.x == 0) partials[count] = sqrt(total);
 }
 
-// One thread: the step's scalars and its report (see DeviceStep).
-__global__ void prepare_step_kernel(DeviceStep* st, const float* loss, const double* norm, double beta1, double beta2,
-                                    double eps, double weight_decay) {
+// The clip's factor for a gradient norm (1: no clip), as clip_kernel applies it.
+__device__ __forceinline__ float clip_scale(double norm, double max_norm) {
+  return norm > max_norm && isfinite(norm) ? float(max_norm / (norm + 1e-6)) : 1.f;
+}
+
+// One thread: the step's scalars, its clip factor and its report (see DeviceStep).
+__global__ void prepare_step_kernel(DeviceStep* st, const float* loss, const double* norm, double max_norm,
+                                    double beta1, double beta2, double eps, double weight_decay) {
   st->loss = *loss;
   st->grad_norm = *norm;
+  st->grad_scale = clip_scale(st->grad_norm, max_norm);
   st->skip = isfinite(st->loss) && isfinite(st->grad_norm) ? 0 : 1;
   st->scalars = AdamWScalars{float(st->lr), float(st->lr * weight_decay), float(beta1), float(beta2), float(eps),
                              float(1.0 - pow(beta1, st->step)), float(1.0 - pow(beta2, st->step))};
 }
 
 __global__ void clip_kernel(float* __restrict__ g, int64_t n, const double* __restrict__ norm_at, double max_norm) {
-  const double norm = *norm_at;
-  if (!(norm > max_norm) || !isfinite(norm)) return;
-  const float scale = float(max_norm / (norm + 1e-6));
+  const float scale = clip_scale(*norm_at, max_norm);
+  if (scale == 1.f) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     g[i] *= scale;
 }
@@ -169,10 +176,9 @@ void queue_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m,
   const Tensor norm = grad_norm(grads);
   auto* st = static_cast<DeviceStep*>(state.data());
   prepare_step_kernel<<<1, 1, 0, stream(params.device().index)>>>(
-      st, static_cast<const float*>(loss.data()), static_cast<const double*>(norm.data()), beta1, beta2, eps,
-      weight_decay);
+      st, static_cast<const float*>(loss.data()), static_cast<const double*>(norm.data()), max_norm, beta1, beta2,
+      eps, weight_decay);
   LT_CUDA_CHECK_LAUNCH();
-  clip(grads, norm, max_norm);
   launch_adamw(params, grads, m, v, decay_mask, AdamWScalars{}, copy, st);
 }
 

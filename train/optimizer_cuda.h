@@ -20,8 +20,9 @@ struct DeviceStep {
   double loss, grad_norm;   // out: the step's loss and its gradient norm before the clip
   AdamWScalars scalars;     // the update's, from lr, t and the options
   int skip;                 // 1: the loss or the norm is not finite, no update
+  float grad_scale;         // the clip's factor (1 when the norm is under the limit), applied as g is read
 };
-constexpr int64_t kDeviceStepDoubles = 8;
+constexpr int64_t kDeviceStepDoubles = 9;
 static_assert(sizeof(DeviceStep) <= kDeviceStepDoubles * sizeof(double), "DeviceStep outgrew its buffer");
 
 // One fused pass: p, m, v updated in place from g; decay_mask is 1 where weight decay applies. copy, when
@@ -34,6 +35,8 @@ void set_step_inputs_cuda(const Tensor& state, double lr, int64_t step);
 // clip_grad_norm_cuda takes it, then `state`'s scalars from its lr and step, beta1, beta2, eps and
 // weight_decay (skip when `loss`, a float32 scalar on the device, or the norm is not finite), the clip,
 // and the update as adamw_step_cuda does it unless skipped. Bias corrections in float64, rounded to float32.
+// The clip is folded into the update (each g read is scaled as clip_grad_norm_cuda would have scaled it,
+// the same float32 product), so grads are left unclipped: one pass over them fewer.
 void queue_step_cuda(const Tensor& params, const Tensor& grads, const Tensor& m, const Tensor& v,
                      const Tensor& decay_mask, const Tensor& copy, const Tensor& loss, const Tensor& state,
                      double max_norm, double beta1, double beta2, double eps, double weight_decay);

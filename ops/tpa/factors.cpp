@@ -91,7 +91,7 @@ std::array<Tensor, 6> fused_factors(const Tensor& y, const Layout& l, const Tens
                        dbv.zero_();
                      // The rank gradients into their columns and the padding's zeros, one launch.
                      auto packed = [&](const Tensor& gi) { return gi.defined() ? gi.to(dt).contiguous() : Tensor(); };
-                     tpa_cuda::scatter_rank_grads(dy, l.a_at(), l.used(), l.H, l.Rq, l.Rk, l.Rv, packed(g[0]),
+                     tpa_cuda::scatter_rank_grads(dy, l.a_at(), l.H, l.Rq, l.Rk, l.Rv, packed(g[0]),
                                                   packed(g[2]), packed(g[4]));
                      return {dy, Tensor()};
                    });

@@ -120,13 +120,13 @@ void attention_backward(const AttentionArgs& args, const Tensor& out, const Tens
 
 // tpa_factors' backward (ops/tpa/factors.cu): for each token (dy's rows, (..., W) contiguous) and head h, the rank
 // gradients daq, dak, dav ((tokens, H, rank) contiguous each; an undefined one gives zeros) into columns
-// a_at + h R ... a_at + (h + 1) R - 1 of dy, R = rq + rk + rv, and zeros into columns used ... W - 1.
+// a_at + h R ... a_at + (h + 1) R - 1 of dy, R = rq + rk + rv, and zeros into the columns after them (to W - 1).
 template <class T>
 struct RankGrads {
   const T *aq, *ak, *av;
   int rq, rk, rv;
 };
-void scatter_rank_grads(const Tensor& dy, int64_t a_at, int64_t used, int64_t heads, int64_t rq, int64_t rk,
+void scatter_rank_grads(const Tensor& dy, int64_t a_at, int64_t heads, int64_t rq, int64_t rk,
                         int64_t rv, const Tensor& daq, const Tensor& dak, const Tensor& dav);
 
 }  // namespace lintape::tpa_cuda
