@@ -171,7 +171,8 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
   Tensor logits = empty({chunk, classes}, dt, dev), lse = empty({rows}, acc, dev);
   // The gradients for dloss = 1, summed while the chunk's logits exist: dx in x's dtype, dW in f32 (f64).
   Tensor dx = need_x ? empty({rows, width}, dt, dev) : Tensor();
-  Tensor dw = need_w ? zeros({classes, width}, acc, dev) : Tensor();
+  // dW: the first chunk's product writes it, the others add (no zeros to write first, but with no rows).
+  Tensor dw = need_w ? (rows == 0 ? zeros({classes, width}, acc, dev) : empty({classes, width}, acc, dev)) : Tensor();
   // For each chunk: its logits, their lse and row losses, then (softmax - onehot) / count in place and
   // the chunk's terms of dx and dW.
   auto for_chunks = [&](auto&& losses, auto&& gradient) {
@@ -183,7 +184,7 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor&
       if (!need_x && !need_w) continue;
       gradient(lg, r0, n);
       if (need_x) matmul_out(lg, ws, dx.narrow(0, r0, n), false, false);
-      if (need_w) matmul_out(lg, xc, dw, true, false, /*accumulate=*/true);
+      if (need_w) matmul_out(lg, xc, dw, true, false, /*accumulate=*/r0 > 0);
     }
   };
   Tensor loss;

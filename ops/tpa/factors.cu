@@ -20,7 +20,8 @@ __global__ void __launch_bounds__(kThreads) scatter_ranks_kernel(T* __restrict__
   const int span = int(W - a_at), R = g.rq + g.rk + g.rv;
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= tokens * span) return;
-  const int64_t t = i / span;
+  // 32-bit division where the index fits (a 64-bit one is a long instruction sequence a thread)
+  const int64_t t = i < (int64_t(1) << 31) ? int64_t(uint32_t(i) / uint32_t(span)) : i / span;
   const int c = int(i - t * span);
   T v = from_acc<T>(0.f);
   if (c < H * R) {
