@@ -13,10 +13,27 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <string>
 #include <type_traits>
+#include "core/config.h"
+#include "core/cuda.h"
 #include "core/cuda_async.cuh"
 
 namespace lintape::cuda {
+
+// Whether this build holds the sm_90a kernels (wgmma, setmaxnreg), and whether a device is compute capability
+// 9.0: the warpgroup kernels need both.
+inline bool wgmma_compiled() {
+  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
+  return compiled;
+}
+
+inline bool is_hopper(int device) {
+  int major = 0, minor = 0;
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LINTAPE_WGMMA 1

@@ -2,6 +2,8 @@
 // op is in ops/elementwise_cuda.h, shared with the CUDA kernels.
 #include "ops/elementwise.h"
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include "autograd/tape.h"
 #include "core/strided.h"
@@ -240,6 +242,21 @@ void swiglu_backward(const Tensor& h, const Tensor& dy, const Tensor& dh, const 
   });
 }
 
+// swiglu_linear's dh and s in one CUDA kernel, ds = dy w never stored (ops/mlp_gemm.cu), where it runs and
+// LINTAPE_MLP_FUSED is not "0" (which keeps the product and the SwiGLU backward apart, for A/B timing).
+bool swiglu_grad_fused(const Tensor& dy, const Tensor& w, const Tensor& h, const Tensor& dh, const Tensor& s) {
+#if LINTAPE_WITH_CUDA
+  static const bool enabled = [] {
+    const char* v = std::getenv("LINTAPE_MLP_FUSED");
+    return !(v && std::string(v) == "0");
+  }();
+  return enabled && dh.is_cuda() && elementwise::swiglu_grad_product_cuda(dy, w, h, dh, s);
+#else
+  (void)dy, (void)w, (void)h, (void)dh, (void)s;
+  return false;
+#endif
+}
+
 int64_t swiglu_width(const Tensor& h, const char* op) {
   check_float(h, op);
   LT_CHECK(h.dim() >= 1 && h.size(-1) % 2 == 0, "[", op, "] h must be (..., 2F) with an even last dim; got ",
@@ -284,10 +301,13 @@ Tensor swiglu_linear(const Tensor& h, const Tensor& w) {
     const bool need_w = autograd::needs_grad({w});
     record("swiglu_linear", {h, w}, {y}, [hc, wd, rows, F, C, need_w](const Grads& g) -> Grads {
       Tensor dy = g[0].detach().contiguous().view({rows, C});
-      Tensor ds = empty({rows, F}, hc.dtype(), hc.device()), dh = empty(hc.shape(), hc.dtype(), hc.device());
+      Tensor dh = empty(hc.shape(), hc.dtype(), hc.device());
       Tensor s = need_w ? empty({rows, F}, hc.dtype(), hc.device()) : Tensor(), dw;
-      matmul_out(dy, wd, ds, false, false);
-      swiglu_backward(hc, ds, dh, s, rows, F);
+      if (!swiglu_grad_fused(dy, wd, hc.view({rows, 2 * F}), dh.view({rows, 2 * F}), s)) {
+        Tensor ds = empty({rows, F}, hc.dtype(), hc.device());
+        matmul_out(dy, wd, ds, false, false);
+        swiglu_backward(hc, ds, dh, s, rows, F);
+      }
       if (need_w) {
         dw = empty(wd.shape(), wd.dtype(), wd.device());
         matmul_out(dy, s, dw, true, false);

@@ -121,6 +121,11 @@ void unary_cuda(UnaryOp op, double scalar, const Tensor& out, const Tensor& x);
 void swiglu_forward_cuda(const Tensor& h, const Tensor& out);
 // dh from h and dy; with `recomputed` defined, also the forward's output written there (swiglu_linear).
 void swiglu_backward_cuda(const Tensor& h, const Tensor& dy, const Tensor& dh, const Tensor& recomputed = Tensor());
+// swiglu_linear's backward in one kernel (ops/mlp_gemm.cu): dh = swiglu_backward(h, dy w) and, with s defined,
+// s = swiglu(h), the product on the tensor cores and ds never stored. dy (rows, C), w (C, F), h and dh (rows, 2F),
+// s (rows, F). False, with nothing written, unless: bf16 or f16, one dtype and CUDA device of compute capability
+// 9.0 with sm_90a kernels built, all contiguous and 16-byte aligned, C % 64 == 0 and F % 128 == 0.
+bool swiglu_grad_product_cuda(const Tensor& dy, const Tensor& w, const Tensor& h, const Tensor& dh, const Tensor& s);
 #endif
 
 }  // namespace lintape::elementwise

@@ -7,10 +7,9 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
-#include <string>
-#include "core/config.h"
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
+#include "core/cuda_wgmma.cuh"
 #include "ops/tpa/launch.h"
 #include "core/cuda_mma.cuh"
 #include "core/cuda_reduce.cuh"
@@ -514,19 +513,8 @@ inline int64_t batch_launches(int64_t B, int64_t ws_entry_bytes, int64_t budget_
   return (B + chunk - 1) / chunk;
 }
 
-// Whether this build holds the sm_90a kernels (wgmma, setmaxnreg), and whether a device is compute capability
-// 9.0: the warpgroup kernels need both.
-inline bool wgmma_compiled() {
-  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
-  return compiled;
-}
-
-inline bool is_hopper(int device) {
-  int major = 0, minor = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
-}
+using cuda::is_hopper;
+using cuda::wgmma_compiled;
 
 // Raises a kernel's dynamic shared memory limit once per process.
 template <class Kernel>
