@@ -38,11 +38,6 @@ struct Ring {
   uint64_t full[kStages], empty[kStages];
 };
 
-template <class T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
 // Eight floats rounded to T (as from_acc) into 16 bytes of global memory, one store: written as a uint4
 // assignment, the compiler split it into four here.
 template <class T>
