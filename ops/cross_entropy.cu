@@ -6,8 +6,6 @@
 // runs both in one kernel per row (rows_gradient_kernel: the row staged in shared memory) where a row fits.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include "core/cuda_async.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/cross_entropy_cuda.h"
@@ -273,65 +271,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   if (ti < classes) x[ti] = grad(tv, ti);
 }
 
-// The same pass without staging: the row is read from global memory twice, for its log-sum-exp and again for its
-// gradient a row's time later, from L2 when the rows in flight fit there. Without 64 KiB of shared memory a block,
-// more blocks an SM overlap their phases. The loops are forward_rows_kernel's and backward_kernel's: the same bits.
-template <class T, class I>
-__global__ void __launch_bounds__(kThreads)
-    rows_gradient_reread_kernel(T* __restrict__ logits, const I* __restrict__ targets, int64_t classes,
-                                int64_t ignore_index, acc_t<T>* __restrict__ lse, acc_t<T>* __restrict__ row_loss,
-                                long long* bad, int64_t row_offset, const acc_t<T>* __restrict__ dloss,
-                                const long long* __restrict__ count) {
-  using A = acc_t<T>;
-  constexpr int V = kVec<T>;
-  using P = Pack<T, V>;
-  __shared__ A sm[32], ss[32], s_lse;
-  const int64_t row = blockIdx.x;
-  T* x = logits + row * classes;
-  const int64_t head = head_of(x, classes), packs = (classes - head) / V;
-  P* xp = reinterpret_cast<P*>(x + head);
-  A m = lowest<A>(), s = 0;
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) add_value(m, s, to_acc(x[i]));
-#pragma unroll 2
-  for (int64_t j = threadIdx.x; j < packs; j += blockDim.x) add_pack<A, P, V>(m, s, xp[j]);
-  for (int64_t i = head + packs * V + threadIdx.x; i < classes; i += blockDim.x) add_value(m, s, to_acc(x[i]));
-  const int64_t t = int64_t(targets[row]);
-  A lt;
-  if (block_lse(m, s, sm, ss, lt)) {  // thread 0 reads the target's logit before any gradient is written
-    lse[row] = lt;
-    s_lse = lt;
-    const bool in_range = t != ignore_index && t >= 0 && t < classes;
-    row_loss[row] = row_loss_of(t, classes, ignore_index, lt, in_range ? to_acc(x[t]) : A(0), bad, row_offset + row);
-  }
-  __syncthreads();
-  const long long cnt = *count;
-  const bool ignored = t == ignore_index || cnt == 0;
-  const A scale = ignored ? A(0) : *dloss / A(cnt), l = s_lse;
-  auto grad = [&](A v, int64_t i) {
-    return from_acc<T>(ignored ? A(0) : (exp_nonpos(v - l) - (i == t ? A(1) : A(0))) * scale);
-  };
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) x[i] = grad(to_acc(x[i]), i);
-#pragma unroll 2
-  for (int64_t j = threadIdx.x; j < packs; j += blockDim.x) {
-    P p = xp[j], o;
-#pragma unroll
-    for (int k = 0; k < V; ++k) o.v[k] = grad(to_acc(p.v[k]), head + j * V + k);
-    xp[j] = o;
-  }
-  for (int64_t i = head + packs * V + threadIdx.x; i < classes; i += blockDim.x) x[i] = grad(to_acc(x[i]), i);
-}
-
-// LINTAPE_CE_ONE_PASS=reread runs rows_gradient_reread_kernel instead of the staged one; reread:N caps it at N
-// blocks an SM (through unused shared memory), to keep the rows in flight within L2. -1: the staged kernel.
-int env_rows_form() {
-  static const int n = [] {
-    const char* v = std::getenv("LINTAPE_CE_ONE_PASS");
-    if (!v || std::strncmp(v, "reread", 6) != 0) return -1;
-    return v[6] == ':' ? std::atoi(v + 7) : 0;
-  }();
-  return n;
-}
-
 // Rows of at most this many 16-byte packs a thread take rows_gradient_kernel (32768 classes in bf16 or f16).
 constexpr int kMaxPacksPerThread = 16;
 
@@ -391,7 +330,7 @@ void backward(const Tensor& dloss, const Tensor& logits, const Tensor& targets, 
 template <class T, class I>
 bool rows_gradient(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& lse,
                    const Tensor& row_loss, const Tensor& bad, int64_t row_offset, const Tensor& dloss,
-                   const Tensor& count, int form) {
+                   const Tensor& count) {
   using A = acc_t<T>;
   if constexpr (sizeof(T) == 8) {  // f64 keeps the two kernels
     return false;
@@ -399,22 +338,6 @@ bool rows_gradient(const Tensor& logits, const Tensor& targets, int64_t ignore_i
     const int64_t rows = logits.size(0), classes = logits.size(1);
     if (classes > int64_t(kMaxPacksPerThread) * kThreads * kVec<T>) return false;
     if (rows == 0) return true;
-    if (const int cap = form == kRowsFormFromEnv ? env_rows_form() : form; cap >= 0) {
-      size_t pad = 0;  // dynamic shared memory that limits the blocks an SM to cap
-      if (cap > 0) {
-        int dev = logits.device().index, per_sm = 0;
-        LT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-        pad = size_t(per_sm / cap - 2048);  // 1 KiB reserved a block, and the static arrays
-        LT_CUDA_CHECK(cudaFuncSetAttribute(rows_gradient_reread_kernel<T, I>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad)));
-      }
-      rows_gradient_reread_kernel<T, I><<<unsigned(rows), kThreads, pad, stream(logits.device().index)>>>(
-          static_cast<T*>(logits.data()), static_cast<const I*>(targets.data()), classes, ignore_index,
-          static_cast<A*>(lse.data()), static_cast<A*>(row_loss.data()), static_cast<long long*>(bad.data()),
-          row_offset, static_cast<const A*>(dloss.data()), static_cast<const long long*>(count.data()));
-      LT_CUDA_CHECK_LAUNCH();
-      return true;
-    }
     // Shared memory for the row's packs (64 KiB at the longest rows, so three blocks an SM).
     const size_t smem = size_t(std::max<int64_t>(classes / kVec<T>, 1) * 16);  // packs <= classes / V
     static bool configured = false;
@@ -473,12 +396,12 @@ void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, cons
 
 bool cross_entropy_rows_gradient_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
                                       const Tensor& lse, const Tensor& row_loss, const Tensor& bad, int64_t row_offset,
-                                      const Tensor& dloss, const Tensor& count, int form) {
+                                      const Tensor& dloss, const Tensor& count) {
   bool done = false;
   LT_DISPATCH_FLOAT_CUDA(logits.dtype(), "cross_entropy", T, {
     with_index_type(targets, [&](auto index) {
       done = rows_gradient<T, decltype(index)>(logits, targets, ignore_index, lse, row_loss, bad, row_offset, dloss,
-                                               count, form);
+                                               count);
     });
   });
   return done;

@@ -20,12 +20,10 @@ void cross_entropy_reduce_cuda(const Tensor& row_loss, const Tensor& targets, in
 // The rows' half of the forward and then the backward, in place (logits become dlogits), reading each row once:
 // the same bits as cross_entropy_rows_cuda then cross_entropy_backward_cuda. count must be known (reduce first).
 // Returns false, doing nothing, for f64 and where a row is too long for it (over 32768 classes in bf16 / f16,
-// 16384 in f32). form: -1 rows staged in shared memory, 0 rows read twice (the second read from L2), N > 0 the
-// same at most N blocks an SM; kRowsFormFromEnv: LINTAPE_CE_ONE_PASS's choice (reread, reread:N; else staged).
-constexpr int kRowsFormFromEnv = -2;
+// 16384 in f32).
 bool cross_entropy_rows_gradient_cuda(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
                                       const Tensor& lse, const Tensor& row_loss, const Tensor& bad, int64_t row_offset,
-                                      const Tensor& dloss, const Tensor& count, int form = kRowsFormFromEnv);
+                                      const Tensor& dloss, const Tensor& count);
 // dlogits (T, V) = (softmax - onehot) * dloss / count; rows ignored (or all, when count is 0) get 0.
 void cross_entropy_backward_cuda(const Tensor& dloss, const Tensor& logits, const Tensor& targets,
                                  int64_t ignore_index, const Tensor& lse, const Tensor& count, const Tensor& dlogits);

@@ -2,14 +2,17 @@
 // SwiGLU backward of swiglu_kernel (ops/elementwise.cu) from the product, so ds never goes to memory. swiglu_linear
 // (ops/elementwise.cpp) calls it for dh and the recomputed s = silu(g) u, then dw = dy^T s through cuBLASLt.
 //
-// A block of 384 threads owns a 128 x 128 tile of ds (rows of dy, columns of w). Warpgroups 0 and 1 are the
-// consumers, 64 rows each (wgmma m64n128k16, f32 accumulators); warpgroup 2's first thread copies, by TMA, each
-// k-step's boxes (dy: 64 columns x 128 rows, K-major; w: two boxes of 64 columns x 64 rows, MN-major) into a ring
-// of kStages slots on full / empty mbarriers, stored with the 128-byte swizzle. Rows past the end read as zeros
-// and are never stored. The column tiles run fastest, so the blocks running at once share their rows of dy in L2.
-// The epilogue rounds ds to T (as the unfused path stores it) into shared memory, a warp's own 16 rows, and reads
-// it back along the rows, so that h, dh and s move in 16-byte accesses.
+// One block an SM walks 128 x 128 tiles of ds (rows of dy, columns of w), the tile index advancing by the grid.
+// Warpgroups 0 and 1 are the consumers, 64 rows each (wgmma m64n128k16, f32 accumulators); warpgroup 2's first
+// thread copies, by TMA, each k-step's boxes (dy: 64 columns x 128 rows, K-major; w: two boxes of 64 columns x 64
+// rows, MN-major) into a ring of kStages slots on full / empty mbarriers, stored with the 128-byte swizzle, running
+// on into the next tile's k-steps while the consumers finish a tile. Rows past the end read as zeros and are never
+// stored. The column tiles run fastest, so the blocks running at once share their rows of dy in L2.
+// Each consumer thread loads its u and gate values before a tile's products, so that their latency runs under
+// them. The epilogue rounds ds to T (as the unfused path stores it) into shared memory, a warp's own 16 rows, and
+// reads it back along the rows, so that h, dh and s move in 16-byte accesses.
 #include <cudaTypedefs.h>
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include "core/cuda_mma.cuh"
@@ -47,11 +50,12 @@ __device__ __forceinline__ void store8(T* p, const float (&f)[8]) {
                : "memory");
 }
 
-// The grid: blockIdx.x = row tile * col_tiles + column tile. h, dh (rows, 2F), s (rows, F) or null.
+// Tile t: row tile t / col_tiles, column tile t % col_tiles; a block takes blockIdx.x, + gridDim.x, ... h, dh
+// (rows, 2F), s (rows, F) or null.
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
     grad_product(const __grid_constant__ CUtensorMap tdy, const __grid_constant__ CUtensorMap tw, const T* h, T* dh,
-                 T* s, int rows, int F, int ksteps, int col_tiles) {
+                 T* s, int rows, int F, int ksteps, int col_tiles, int tiles) {
 #ifndef LINTAPE_WGMMA
   __trap();  // swiglu_grad_product_cuda runs this kernel only where wgmma was compiled
 #else
@@ -60,7 +64,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ Ring ring;
   unsigned char* slots = smem_aligned<1024>(smem_raw);  // per stage: dy's box, then w's two boxes
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
-  const int row0 = blockIdx.x / col_tiles * kRows, col0 = blockIdx.x % col_tiles * kCols;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
       mbarrier_init(&ring.full[st], 1);
@@ -72,71 +75,88 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 2) {
     setmaxnreg_dec<kProducerRegs>();
     if (warp == 8 && lane == 0) {
-      for (int k = 0; k < ksteps; ++k) {
-        const int st = k % kStages;
-        unsigned char* slot = slots + st * kStageBytes;
-        mbarrier_wait(&ring.empty[st], ((k / kStages) & 1) ^ 1);
-        mbarrier_arrive_expect_tx(&ring.full[st], kStageBytes);
-        tma_load_2d(slot, &tdy, &ring.full[st], k * kBox, row0);
-        tma_load_2d(slot + kSlotBytes, &tw, &ring.full[st], col0, k * kBox);
-        tma_load_2d(slot + kSlotBytes + kSlotBytes / 2, &tw, &ring.full[st], col0 + kBox, k * kBox);
+      for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x) {
+        const int row0 = tile / col_tiles * kRows, col0 = tile % col_tiles * kCols;
+        for (int k = 0; k < ksteps; ++k, ++n) {  // n: the ring's k-steps so far
+          const int st = n % kStages;
+          unsigned char* slot = slots + st * kStageBytes;
+          mbarrier_wait(&ring.empty[st], ((n / kStages) & 1) ^ 1);
+          mbarrier_arrive_expect_tx(&ring.full[st], kStageBytes);
+          tma_load_2d(slot, &tdy, &ring.full[st], k * kBox, row0);
+          tma_load_2d(slot + kSlotBytes, &tw, &ring.full[st], col0, k * kBox);
+          tma_load_2d(slot + kSlotBytes + kSlotBytes / 2, &tw, &ring.full[st], col0 + kBox, k * kBox);
+        }
       }
     }
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
-  float acc[kCols / 2];
-#pragma unroll
-  for (int i = 0; i < kCols / 2; ++i) acc[i] = 0.f;
-  for (int k = 0; k < ksteps; ++k) {
-    const int st = k % kStages;
-    const T* a = reinterpret_cast<const T*>(slots + st * kStageBytes) + wg * 64 * kBox;  // this warpgroup's rows
-    const T* b = reinterpret_cast<const T*>(slots + st * kStageBytes + kSlotBytes);
-    mbarrier_wait(&ring.full[st], (k / kStages) & 1);
-    wgmma_fence_operand(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBox / 16; ++kk)  // a k-step of 16: A 32 bytes along its rows, B 16 rows down
-      wgmma_mma<T, kCols, 0, 1>(acc, wgmma_desc_sw128(a + kk * 16, 16, 1024),
-                                wgmma_desc_sw128(b + kk * 16 * kBox, kSlotBytes / 2, 1024));
-    wgmma_commit();
-    wgmma_wait<1>();  // the previous k-step's products are done: its slot goes back
-    wgmma_fence_operand(acc);
-    if (k > 0) mbarrier_arrive(&ring.empty[(k - 1) % kStages]);
-  }
-  wgmma_wait<0>();
-  wgmma_fence_operand(acc);
-
-  // ds rounded to T through this warp's 16 rows of shared memory (accumulator 4 j + 2 rr + e: row lane / 4 + 8 rr,
-  // column 8 j + 2 (lane % 4) + e), read back along the rows: 16-byte accesses of h, dh and s.
   T* staged = reinterpret_cast<T*>(slots + kStages * kStageBytes) + warp * 16 * kStagedLd;
+  const int col = 8 * (lane & 15);
+  for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x) {
+    const int row0 = tile / col_tiles * kRows, col0 = tile % col_tiles * kCols;
+    const int row_w = row0 + wg * 64 + (warp & 3) * 16;
+    // This thread's u and gate packs of the epilogue (two rows of 128 columns a step), loaded now.
+    P u[8], g[8];
 #pragma unroll
-  for (int j = 0; j < kCols / 8; ++j)
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr)
-      *reinterpret_cast<uint32_t*>(staged + (lane / 4 + 8 * rr) * kStagedLd + 8 * j + 2 * (lane & 3)) =
-          pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
-  __syncwarp();
-  const int row_w = row0 + wg * 64 + (warp & 3) * 16, col = 8 * (lane & 15);
-#pragma unroll
-  for (int it = 0; it < 8; ++it) {  // two rows of 128 columns a step
-    const int i = 2 * it + lane / 16;
-    if (row_w + i >= rows) continue;
-    const int64_t r = row_w + i;
-    const P d = *reinterpret_cast<const P*>(staged + i * kStagedLd + col);
-    const P u = *reinterpret_cast<const P*>(h + r * 2 * F + col0 + col);
-    const P g = *reinterpret_cast<const P*>(h + r * 2 * F + F + col0 + col);
-    float fdu[8], fdg[8], fo[8];  // as swiglu_kernel
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float dk = to_acc(d.v[e]), gk = to_acc(g.v[e]), sk = Silu{}(gk);
-      fdu[e] = dk * sk;
-      fdg[e] = SiluBackward{}(gk, dk * to_acc(u.v[e]));
-      fo[e] = sk * to_acc(u.v[e]);
+    for (int it = 0; it < 8; ++it) {
+      const int64_t r = row_w + 2 * it + lane / 16;
+      if (r < rows) {
+        u[it] = *reinterpret_cast<const P*>(h + r * 2 * F + col0 + col);
+        g[it] = *reinterpret_cast<const P*>(h + r * 2 * F + F + col0 + col);
+      }
     }
-    store8(dh + r * 2 * F + col0 + col, fdu);
-    store8(dh + r * 2 * F + F + col0 + col, fdg);
-    if (s) store8(s + r * F + col0 + col, fo);
+    float acc[kCols / 2];
+#pragma unroll
+    for (int i = 0; i < kCols / 2; ++i) acc[i] = 0.f;
+    for (int k = 0; k < ksteps; ++k, ++n) {
+      const int st = n % kStages;
+      const T* a = reinterpret_cast<const T*>(slots + st * kStageBytes) + wg * 64 * kBox;  // this warpgroup's rows
+      const T* b = reinterpret_cast<const T*>(slots + st * kStageBytes + kSlotBytes);
+      mbarrier_wait(&ring.full[st], (n / kStages) & 1);
+      wgmma_fence_operand(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBox / 16; ++kk)  // a k-step of 16: A 32 bytes along its rows, B 16 rows down
+        wgmma_mma<T, kCols, 0, 1>(acc, wgmma_desc_sw128(a + kk * 16, 16, 1024),
+                                  wgmma_desc_sw128(b + kk * 16 * kBox, kSlotBytes / 2, 1024));
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous k-step's products are done: its slot goes back
+      wgmma_fence_operand(acc);
+      if (k > 0) mbarrier_arrive(&ring.empty[(n - 1) % kStages]);
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operand(acc);
+    mbarrier_arrive(&ring.empty[(n - 1) % kStages]);  // the tile's last slot, for the next tile's k-steps
+
+    // ds rounded to T through this warp's 16 rows of shared memory (accumulator 4 j + 2 rr + e: row lane / 4 +
+    // 8 rr, column 8 j + 2 (lane % 4) + e), read back along the rows: 16-byte accesses of dh and s.
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr)
+        *reinterpret_cast<uint32_t*>(staged + (lane / 4 + 8 * rr) * kStagedLd + 8 * j + 2 * (lane & 3)) =
+            pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int i = 2 * it + lane / 16;
+      if (row_w + i >= rows) continue;
+      const int64_t r = row_w + i;
+      const P d = *reinterpret_cast<const P*>(staged + i * kStagedLd + col);
+      float fdu[8], fdg[8], fo[8];  // as swiglu_kernel
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float dk = to_acc(d.v[e]), gk = to_acc(g[it].v[e]), sk = Silu{}(gk);
+        fdu[e] = dk * sk;
+        fdg[e] = SiluBackward{}(gk, dk * to_acc(u[it].v[e]));
+        fo[e] = sk * to_acc(u[it].v[e]);
+      }
+      store8(dh + r * 2 * F + col0 + col, fdu);
+      store8(dh + r * 2 * F + F + col0 + col, fdg);
+      if (s) store8(s + r * F + col0 + col, fo);
+    }
+    __syncwarp();  // the staged rows read before the next tile writes them
   }
 #endif
 }
@@ -174,10 +194,11 @@ void launch(const Tensor& dy, const Tensor& w, const Tensor& h, const Tensor& dh
     LT_CUDA_CHECK(cudaFuncSetAttribute(grad_product<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
     configured = true;
   }
-  const int col_tiles = int(F / kCols), row_tiles = int((rows + kRows - 1) / kRows);
-  grad_product<T><<<unsigned(row_tiles) * unsigned(col_tiles), kThreads, kSmemBytes, stream(dh.device().index)>>>(
+  const int col_tiles = int(F / kCols), tiles = int((rows + kRows - 1) / kRows) * col_tiles;
+  const int grid = std::min(tiles, sm_count(dh.device().index));
+  grad_product<T><<<unsigned(grid), kThreads, kSmemBytes, stream(dh.device().index)>>>(
       tdy, tw, static_cast<const T*>(h.data()), static_cast<T*>(dh.data()),
-      s.defined() ? static_cast<T*>(s.data()) : nullptr, int(rows), int(F), int(C / kBox), col_tiles);
+      s.defined() ? static_cast<T*>(s.data()) : nullptr, int(rows), int(F), int(C / kBox), col_tiles, tiles);
   LT_CUDA_CHECK_LAUNCH();
 }
 }  // namespace
@@ -187,7 +208,8 @@ bool swiglu_grad_product_cuda(const Tensor& dy, const Tensor& w, const Tensor& h
   if (dt != DType::BF16 && dt != DType::F16) return false;
   if (dy.dim() != 2 || w.dim() != 2 || h.dim() != 2 || dh.shape() != h.shape()) return false;
   const int64_t rows = dy.size(0), C = dy.size(1), F = w.size(1);
-  if (rows < 1 || (rows + kRows - 1) / kRows * (F / kCols) > INT32_MAX || C % 64 != 0 || F % 128 != 0 || w.size(0) != C || h.size(0) != rows ||
+  if (rows < 1 || (rows + kRows - 1) / kRows * (F / kCols) > INT32_MAX || C % 64 != 0 || F % 128 != 0 ||
+      w.size(0) != C || h.size(0) != rows ||
       h.size(1) != 2 * F || (s.defined() && s.shape() != Shape{rows, F}))
     return false;
   for (const Tensor* t : {&dy, &w, &h, &dh, &s}) {

@@ -223,7 +223,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
 // Launcher: per launch of up to `chunk` batch entries, K and V (entries, M, H, HD) built from their
 // factors into a workspace, then the attention over them.
 
-CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16, int rows) {
+namespace {
+// (entries, L, H, HD) rows of `bytes`-byte elements as a 4-D tensor map, boxes of 128 bytes of a row x `rows`
+// rows of one head, with the 128-byte swizzle.
+CUtensorMap head_rows_map(const void* x, int64_t entries, int L, int H, int HD, CUtensorMapDataType type, int bytes,
+                          int rows) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -232,15 +236,26 @@ CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   CUtensorMap map;
+  const cuuint64_t b = cuuint64_t(bytes);
   const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(L), cuuint64_t(entries)};
-  const cuuint64_t strides[3] = {cuuint64_t(HD) * 2, cuuint64_t(H) * HD * 2, cuuint64_t(L) * H * HD * 2};
-  const cuuint32_t box[4] = {attention_tma::kBox, 1, cuuint32_t(rows), 1}, steps[4] = {1, 1, 1, 1};
-  const CUresult r = encode(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                            const_cast<void*>(x), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  const cuuint64_t strides[3] = {cuuint64_t(HD) * b, cuuint64_t(H) * HD * b, cuuint64_t(L) * H * HD * b};
+  const cuuint32_t box[4] = {cuuint32_t(128 / bytes), 1, cuuint32_t(rows), 1}, steps[4] = {1, 1, 1, 1};
+  const CUresult r = encode(&map, type, 4, const_cast<void*>(x), dims, strides, box, steps,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   LT_CHECK(r == CUDA_SUCCESS, "[tpa_attention] cuTensorMapEncodeTiled failed: ", int(r));
   return map;
+}
+}  // namespace
+
+CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16, int rows) {
+  static_assert(attention_tma::kBox == 64, "a box: 64 16-bit columns");
+  return head_rows_map(x, entries, L, H, HD, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                       2, rows);
+}
+
+CUtensorMap f32_rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, int rows) {
+  return head_rows_map(x, entries, L, H, HD, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, rows);
 }
 
 namespace {

@@ -391,9 +391,10 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   Tensor kbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
   Tensor vbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
   p.q = static_cast<const T*>(qbuf.data());
-  CUtensorMap tq{}, tdo{}, tk{}, tv{};  // TMA: Q, K and V of the launch's entries, dO of all
+  CUtensorMap tq{}, tdo{}, tk{}, tv{}, tdq{};  // TMA: Q, K, V and the dQ workspace of the launch's entries, dO of all
   if constexpr (TMA) {
     constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+    tdq = f32_rows_tensor_map(ws.data(), chunk, p.N, p.H, HD, kSmall);  // every launch's dQ starts at ws
     tq = rows_tensor_map(qbuf.data(), chunk, p.N, p.H, HD, bf16, kSmall);
     tdo = rows_tensor_map(dout.data(), B, p.N, p.H, HD, bf16, kSmall);
     tk = rows_tensor_map(kbuf.data(), chunk, p.M, p.H, HD, bf16, kBig);
@@ -444,7 +445,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     if constexpr (TMA) {
       constexpr size_t smem = attention_bwd_tma::smem_bytes<HD>();
-      attention_bwd_tma::backward<T, HD><<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tq, tdo, tk, tv);
+      attention_bwd_tma::backward<T, HD><<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tq, tdo, tk, tv, tdq);
     } else if constexpr (WG) {
       attention_bwd_wg::backward<T, HD, SPLIT><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
     } else {

@@ -16,12 +16,13 @@
 // its warpgroup's arrival there), hence 2 kLag buffers. setmaxnreg moves registers from the producer
 // warpgroup to the consumers.
 //
-// dQ: each consumer thread stores its dQ rows of a tile into one f32 tile in shared memory and arrives on an
-// mbarrier; warps 9-11 (the reducers) wait for it and for the tile's turn, add it to the workspace, give the
-// buffer back and count the turn. Samples of the stalls (bench/notes/tpa-hopper.md section 6) had the
-// consumers, when they added their own rows in turn, spend about a fifth of their time in the turn's wait and
-// behind their atomics. The block ends as the split form does (f32 dK and dV rows to their workspaces,
-// contracted per token by rows_factor_grads).
+// dQ: each consumer thread stores its dQ rows of a tile into one f32 tile in shared memory, laid out as four TMA
+// boxes of 32 columns, and arrives on an mbarrier; one thread of warp 9 waits for it and for the tile's turn,
+// adds the boxes to the workspace by bulk tensor reductions (the copy engine adds in L2 whole lines at a time),
+// gives the buffer back once they have read it and counts the turn once they are complete. Per-thread float4
+// atomics by three reducer warps (before) kept the consumers waiting for the buffer about a fifth of their time
+// (bench/notes/tpa-hopper.md section 9). The block ends as the split form does (f32 dK and dV rows to their
+// workspaces, contracted per token by rows_factor_grads).
 #pragma once
 #include "ops/tpa/attention_bwd_wg.cuh"
 
@@ -38,11 +39,10 @@ constexpr int kDsBuffers = 2 * kLag;
 // The producer's lanes: 33 arrivals a full phase (one with the copies' bytes, then each lane's after its stores).
 constexpr int kFullArrivals = 33;
 
-// The threads that add the staged dQ tiles to the workspace: warps 9-11 of the producer warpgroup.
-constexpr int kReducers = 96;
-// Registers a thread (setmaxnreg): the reducers' loop needs more than the forward producer's 24 (it spilled),
-// which the consumers give up (232, no spills).
+// Registers a thread (setmaxnreg): the producer warpgroup keeps 40, the consumers 232 (no spills).
 constexpr int kBwdProducerRegs = 40, kBwdConsumerRegs = 232;
+// The staged dQ tile's boxes: kDqBox f32 columns (128 bytes, the swizzle's width) x kSmall rows each.
+constexpr int kDqBox = 32;
 static_assert(2 * 128 * kBwdConsumerRegs + 128 * kBwdProducerRegs <= 65536, "the register file");
 
 // K, V, kStages Q, dO pairs, kDsBuffers dS'^T tiles, kStages lse, Delta pairs, the dQ tile (kSmall x HD f32),
@@ -95,31 +95,39 @@ __device__ __forceinline__ void produce(const Params<T>& p, const CUtensorMap* t
   }
 }
 
-// Element (row, column) of the staged dQ tile: rows of HD floats, 8-column groups swizzled by the row, so that
-// the consumers' float2 stores (8 rows x 4 column pairs a warp) spread over the banks.
-__device__ __forceinline__ int dq_at(int row, int col, int HD) { return row * HD + (col ^ ((row & 7) << 3)); }
+// Element (row, column) of the staged dQ tile: box column / 32 (kSmall rows of 128 bytes), in it TMA's 128-byte
+// swizzle (16-byte chunk c of row r at c ^ (r % 8)); the consumers' float2 stores (8 rows x 4 column pairs a
+// warp) fall in distinct banks.
+__device__ __forceinline__ int dq_at(int row, int col) {
+  const int cb = col % kDqBox;
+  return col / kDqBox * (kSmall * kDqBox) + row * kDqBox + ((cb / 4) ^ (row & 7)) * 4 + cb % 4;
+}
 
-// Warps 9-11, over the block's dQ tiles in the consumers' order (the tiles last - 1 down to first, the
-// m-th in phase m): each waits for its tile in shared memory and for its turn, adds it to the f32 workspace
-// (float4 atomics of coalesced rows), gives the buffer back, and, once all 96 have added, counts the turn.
-// The turn's wait and the adds are off the consumers' path: they only wait for the buffer, a tile later.
+// One thread (warp 9's lane 0), over the block's dQ tiles in the consumers' order (the tiles last - 1 down to
+// first, the m-th in phase m): waits for the staged tile and for its turn, adds the tile's boxes to the f32
+// workspace (tdq: (entries, N, H, HD), boxes of kDqBox columns x kSmall rows; rows past N are skipped), gives the
+// buffer back once they have been read, and counts the turn once they are complete: the next block's adds to
+// the tile then come after these, the same order every run.
 template <int HD, class P>
-__device__ __forceinline__ void reduce_dq(const P& p, const float* dqs, Ring& ring, int* dq_turn, int64_t bb,
-                                          int h, int kt, int first, int last) {
-  const int t = int(threadIdx.x) - (kTmaThreads - kReducers);
+__device__ __forceinline__ void reduce_dq(const P& p, const CUtensorMap* tdq, const float* dqs, Ring& ring,
+                                          int* dq_turn, int64_t bb, int h, int kt, int first, int last) {
   for (int i = last - 1, m = 0; i >= first; --i, ++m) {
     mbarrier_wait(&ring.dq_full, m & 1);
-    wait_turn(dq_turn + i, p.ordered ? kt : 0, poll_turn(dq_turn + i));
-    float* base = p.dq + (((bb - p.b0) * p.N + int64_t(i) * kSmall) * p.H + h) * HD;
-    const int rows = min(kSmall, p.N - i * kSmall);
-    for (int e = t; e < rows * (HD / 4); e += kReducers) {
-      const int row = e / (HD / 4), c4 = (e % (HD / 4)) * 4;
-      atomic_add_vec<4>(base + int64_t(row) * p.H * HD + c4,
-                        reinterpret_cast<const float*>(dqs + dq_at(row, c4, HD)));
+    if (p.ordered) {
+      int seen;
+      do asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(dq_turn + i) : "memory");
+      while (seen < kt);
+      fence_proxy_async_global();  // the earlier blocks' adds (seen through the count) before these
     }
+#pragma unroll
+    for (int b = 0; b < HD / kDqBox; ++b)
+      tma_reduce_add_4d(tdq, dqs + b * kSmall * kDqBox, b * kDqBox, h, i * kSmall, int(bb - p.b0));
+    bulk_commit();
+    bulk_wait_read();
     mbarrier_arrive(&ring.dq_empty);
-    bar_sync(2, kReducers);  // every reducer's adds issued: the count releases them
-    if (t == 0) count_turn(dq_turn + i);
+    bulk_wait();
+    fence_proxy_async_global();
+    count_turn(dq_turn + i);
   }
 }
 #endif
@@ -129,7 +137,8 @@ __device__ __forceinline__ void reduce_dq(const P& p, const float* dqs, Ring& ri
 template <class T, int HD>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     backward(const Params<T> p, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
-             const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+             const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+             const __grid_constant__ CUtensorMap tdq) {
 #ifndef LINTAPE_WGMMA
   __trap();  // attention_backward picks this kernel only where wgmma was compiled
 #else
@@ -137,6 +146,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   using attention_bwd_wg::issue_rows_t;
   static_assert(HD == 2 * kBox && kSmall == kBox, "dQ's columns: a box a warpgroup; a query tile one box");
   static_assert(kThreads == 256 && kTmaThreads == kThreads + 128, "two consumer warpgroups, then the producer's");
+  static_assert(((2 * kBig * HD + 2 * kStages * kSmall * HD + kDsBuffers * kBig * kSmall) * 2 + 2 * kStages * kSmall * 4) %
+                        1024 == 0,
+                "the staged dQ tile starts on a 1024-byte boundary (the swizzle's period)");
   constexpr int KT = kBig * HD, QT = kSmall * HD, DT = kBig * kSmall;
   using KTile = SwizzleTile<kBig>;
   extern __shared__ unsigned char smem_raw[];
@@ -147,7 +159,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   T* slots = vs + KT;                                     // slot s: Q at slots + 2 s QT, dO after it
   T* dst = slots + 2 * kStages * QT;  // buffer b: dS'^T (tile i: b = i % kDsBuffers) at dst + b DT
   float* stats = reinterpret_cast<float*>(dst + kDsBuffers * DT);  // slot s: lse at stats + 2 s kSmall, Delta after
-  float* dqs = stats + 2 * kStages * kSmall;  // the staged dQ tile (dq_at)
+  float* dqs = stats + 2 * kStages * kSmall;  // the staged dQ tile (dq_at), on a 1024-byte boundary
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
   if (threadIdx.x == 0) {
     place = atomicAdd(p.ticket, 1);  // as in attention_bwd: every block a turn waits for is running
@@ -158,7 +170,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     for (int b = 0; b < kDsBuffers; ++b) mbarrier_init(&ring.ds[b], kThreads);
     mbarrier_init(&ring.kv, 1);
     mbarrier_init(&ring.dq_full, kThreads);
-    mbarrier_init(&ring.dq_empty, kReducers);
+    mbarrier_init(&ring.dq_empty, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -180,8 +192,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     if (warp == 8)
       produce<T, HD>(p, &tq, &tdo, slots, stats, ring, bb, h, first, last);
-    else
-      reduce_dq<HD>(p, dqs, ring, dq_turn, bb, h, kt, first, last);
+    else if (warp == 9 && lane == 0)
+      reduce_dq<HD>(p, &tdq, dqs, ring, dq_turn, bb, h, kt, first, last);
     return;
   }
   setmaxnreg_inc<kBwdConsumerRegs>();
@@ -223,9 +235,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       const int row = (warp & 3) * 16 + g + rr * 8;
 #pragma unroll
       for (int j = 0; j < kBox / 8; ++j)
-        *reinterpret_cast<float2*>(dqs + dq_at(row, wg * kBox + c + j * 8, HD)) =
+        *reinterpret_cast<float2*>(dqs + dq_at(row, wg * kBox + c + j * 8)) =
             make_float2(dq[4 * j + 2 * rr], dq[4 * j + 2 * rr + 1]);
     }
+    fence_proxy_async();  // the staged tile, for the bulk reductions
     mbarrier_arrive(&ring.dq_full);
   };
   // dS'^T of tile i (the n-th tile; its buffer's earlier phases were the tiles n - kDsBuffers, ...) complete.

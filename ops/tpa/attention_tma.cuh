@@ -20,6 +20,8 @@ namespace lintape::tpa_cuda {
 // workspace, dO) as a 4-D tensor map read in boxes of 64 columns x `rows` rows of one head and entry, stored with
 // the 128-byte swizzle; rows past L read as zeros. x 16-byte aligned (ops/tpa/attention.cu).
 CUtensorMap rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, bool bf16, int rows);
+// The same over f32 rows (the backward's dQ workspace), boxes of 32 columns (128 bytes) x `rows` rows.
+CUtensorMap f32_rows_tensor_map(const void* x, int64_t entries, int L, int H, int HD, int rows);
 }  // namespace lintape::tpa_cuda
 
 namespace lintape::tpa_cuda::attention_tma {
