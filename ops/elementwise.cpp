@@ -243,12 +243,13 @@ void swiglu_backward(const Tensor& h, const Tensor& dy, const Tensor& dh, const 
 }
 
 // swiglu_linear's dh and s in one CUDA kernel, ds = dy w never stored (ops/mlp_gemm.cu), where it runs and
-// LINTAPE_MLP_FUSED is not "0" (which keeps the product and the SwiGLU backward apart, for A/B timing).
+// LINTAPE_MLP_FUSED=1. Off by default: at the model's shape it is still slower than cuBLASLt's product and the
+// SwiGLU backward apart (bench/notes/mlp-gemm.md).
 bool swiglu_grad_fused(const Tensor& dy, const Tensor& w, const Tensor& h, const Tensor& dh, const Tensor& s) {
 #if LINTAPE_WITH_CUDA
   static const bool enabled = [] {
     const char* v = std::getenv("LINTAPE_MLP_FUSED");
-    return !(v && std::string(v) == "0");
+    return v && std::string(v) == "1";
   }();
   return enabled && dh.is_cuda() && elementwise::swiglu_grad_product_cuda(dy, w, h, dh, s);
 #else

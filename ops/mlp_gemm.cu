@@ -96,15 +96,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x) {
     const int row0 = tile / col_tiles * kRows, col0 = tile % col_tiles * kCols;
     const int row_w = row0 + wg * 64 + (warp & 3) * 16;
-    // This thread's u and gate packs of the epilogue (two rows of 128 columns a step), loaded now.
+    // This thread's u and gate packs of the epilogue (two rows of 128 columns a step), loaded now. Rows past the
+    // end read the last row (never stored): loads under a condition were merged with the unloaded registers
+    // right away, so the warps waited for them here.
     P u[8], g[8];
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
-      const int64_t r = row_w + 2 * it + lane / 16;
-      if (r < rows) {
-        u[it] = *reinterpret_cast<const P*>(h + r * 2 * F + col0 + col);
-        g[it] = *reinterpret_cast<const P*>(h + r * 2 * F + F + col0 + col);
-      }
+      const int64_t r = min(row_w + 2 * it + lane / 16, rows - 1);
+      u[it] = *reinterpret_cast<const P*>(h + r * 2 * F + col0 + col);
+      g[it] = *reinterpret_cast<const P*>(h + r * 2 * F + F + col0 + col);
     }
     float acc[kCols / 2];
 #pragma unroll
