@@ -155,47 +155,29 @@ namespace {
 // SwiGLU, V outputs (F % V == 0, 16-byte rows) or one per thread: element i of out is row i / F, column
 // i % F of u = h[:, :F] and gate = h[:, F:]; the backward writes du and dgate at the same places of dh.
 template <class T, int V>
-__global__ void swiglu_kernel(const T* __restrict__ h, const T* __restrict__ dy, T* __restrict__ out,
-                              T* __restrict__ recomputed, int64_t n, int64_t F) {
+__global__ void swiglu_kernel(const T* h, const T* dy, T* out, T* recomputed, int64_t n, int64_t F) {
   using P = Pack<T, V>;
-  // Two packs a thread a step, their loads issued before either's stores: twice the bytes in flight.
-  const int64_t packs = n / V, stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t p0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p0 < packs; p0 += 2 * stride) {
-    P u[2], g[2], d[2];
-    int64_t at[2], i[2];
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n / V; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = p * V, r = i / F, j = i - r * F;
+    const P u = *reinterpret_cast<const P*>(h + r * 2 * F + j), g = *reinterpret_cast<const P*>(h + r * 2 * F + F + j);
+    if (!dy) {
+      P o;
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int64_t p = p0 + q * stride;
-      i[q] = p * V;
-      const int64_t r = i[q] / F;
-      at[q] = r * 2 * F + (i[q] - r * F);  // u's place in h (gate's: + F)
-      if (p < packs) {
-        u[q] = *reinterpret_cast<const P*>(h + at[q]);
-        g[q] = *reinterpret_cast<const P*>(h + at[q] + F);
-        if (dy) d[q] = *reinterpret_cast<const P*>(dy + i[q]);
+      for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(Silu{}(to_acc(g.v[k])) * to_acc(u.v[k]));
+      *reinterpret_cast<P*>(out + i) = o;
+    } else {
+      const P d = *reinterpret_cast<const P*>(dy + i);
+      P du, dg, o;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const auto gk = to_acc(g.v[k]), dk = to_acc(d.v[k]), sk = Silu{}(gk);
+        du.v[k] = from_acc<T>(dk * sk);
+        dg.v[k] = from_acc<T>(SiluBackward{}(gk, dk * to_acc(u.v[k])));
+        o.v[k] = from_acc<T>(sk * to_acc(u.v[k]));
       }
-    }
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      if (p0 + q * stride >= packs) continue;
-      if (!dy) {
-        P o;
-#pragma unroll
-        for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(Silu{}(to_acc(g[q].v[k])) * to_acc(u[q].v[k]));
-        *reinterpret_cast<P*>(out + i[q]) = o;
-      } else {
-        P du, dg, o;
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const auto gk = to_acc(g[q].v[k]), dk = to_acc(d[q].v[k]), sk = Silu{}(gk);
-          du.v[k] = from_acc<T>(dk * sk);
-          dg.v[k] = from_acc<T>(SiluBackward{}(gk, dk * to_acc(u[q].v[k])));
-          o.v[k] = from_acc<T>(sk * to_acc(u[q].v[k]));
-        }
-        *reinterpret_cast<P*>(out + at[q]) = du;
-        *reinterpret_cast<P*>(out + at[q] + F) = dg;
-        if (recomputed) *reinterpret_cast<P*>(recomputed + i[q]) = o;
-      }
+      *reinterpret_cast<P*>(out + r * 2 * F + j) = du;
+      *reinterpret_cast<P*>(out + r * 2 * F + F + j) = dg;
+      if (recomputed) *reinterpret_cast<P*>(recomputed + i) = o;
     }
   }
 }
