@@ -1,4 +1,7 @@
 #include "core/cuda.h"
+#if LINTAPE_WITH_CUDA
+#include <cudaTypedefs.h>
+#endif
 #include "core/error.h"
 #include "core/device.h"
 #include <mutex>
@@ -106,6 +109,25 @@ bool capturing(int device) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   LT_CUDA_CHECK(cudaStreamIsCapturing(stream(device), &status));
   return status != cudaStreamCaptureStatusNone;
+}
+
+CUtensorMap swizzled_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
+                                const cuuint64_t* strides, const cuuint32_t* box, const char* op) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    LT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    LT_CHECK(fn && found == cudaDriverEntryPointSuccess, "[cuda] the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  const cuuint32_t steps[5] = {1, 1, 1, 1, 1};
+  LT_CHECK(rank >= 1 && rank <= 5, "[", op, "] a tensor map of ", rank, " dims (1 to 5)");
+  CUtensorMap map;
+  const CUresult r = encode(&map, type, cuuint32_t(rank), const_cast<void*>(x), dims, strides, box, steps,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  LT_CHECK(r == CUDA_SUCCESS, "[", op, "] cuTensorMapEncodeTiled failed: ", int(r));
+  return map;
 }
 
 }  // namespace lintape::cuda

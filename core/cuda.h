@@ -3,8 +3,10 @@
 // throw a lintape::Error naming the call, the file and the line.
 #pragma once
 #if LINTAPE_WITH_CUDA
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <cublasLt.h>
+#include <cstdint>
 #include "core/error.h"
 
 namespace lintape::cuda {
@@ -21,6 +23,12 @@ void synchronize(int device = -1);
 // Whether the device's lintape stream is being captured into a CUDA graph (train/step_graph.h): nothing
 // runs then, so checks that read a device value back on the host skip it.
 bool capturing(int device = -1);
+
+// A tiled tensor map (the tensor copy engine's view of a row-major array) with the 128-byte swizzle: `rank` dims
+// and their box sizes innermost first, the byte strides of the rank - 1 outer dims; box coordinates past the
+// array read as zeros and are skipped by bulk writes. `op` names the caller in errors.
+CUtensorMap swizzled_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
+                                const cuuint64_t* strides, const cuuint32_t* box, const char* op);
 
 // Grid size for a 1-D launch of n work items with `threads` threads each handling `per_thread` items.
 inline unsigned grid_for(int64_t n, int threads, int64_t per_thread = 1) {

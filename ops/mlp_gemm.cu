@@ -11,7 +11,6 @@
 // Each consumer thread loads its u and gate values before a tile's products, so that their latency runs under
 // them. The epilogue rounds ds to T (as the unfused path stores it) into shared memory, a warp's own 16 rows, and
 // reads it back along the rows, so that h, dh and s move in 16-byte accesses.
-#include <cudaTypedefs.h>
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -164,22 +163,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // A row-major (outer, inner) 16-bit matrix as a 2-D tensor map read in boxes of kBox columns x box_rows rows,
 // stored with the 128-byte swizzle; rows past `outer` read as zeros.
 CUtensorMap tiled_map(const void* x, int64_t outer, int64_t inner, int box_rows, bool bf16) {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    LT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    LT_CHECK(fn && found == cudaDriverEntryPointSuccess, "[swiglu_linear] the driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  CUtensorMap map;
   const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)}, strides[1] = {cuuint64_t(inner) * 2};
-  const cuuint32_t box[2] = {kBox, cuuint32_t(box_rows)}, steps[2] = {1, 1};
-  const CUresult r = encode(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                            const_cast<void*>(x), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  LT_CHECK(r == CUDA_SUCCESS, "[swiglu_linear] cuTensorMapEncodeTiled failed: ", int(r));
-  return map;
+  const cuuint32_t box[2] = {kBox, cuuint32_t(box_rows)};
+  return swizzled_tensor_map(x, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, dims,
+                             strides, box, "swiglu_linear");
 }
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }

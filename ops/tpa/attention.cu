@@ -13,7 +13,6 @@
 //            (ops/tpa/attention_tma.cuh); the first warpgroup version (attention_wg.cuh) on request.
 //   backward (ops/tpa/attention_bwd.cu): Delta = rowsum(dO o O) and Q once, then one pass over key tiles
 //            of 128; on Hopper (sm_90a, D = 128, the default there without documents) on warpgroup products.
-#include <cudaTypedefs.h>
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -228,23 +227,11 @@ namespace {
 // rows of one head, with the 128-byte swizzle.
 CUtensorMap head_rows_map(const void* x, int64_t entries, int L, int H, int HD, CUtensorMapDataType type, int bytes,
                           int rows) {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    LT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    LT_CHECK(fn && found == cudaDriverEntryPointSuccess, "[tpa_attention] the driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  CUtensorMap map;
   const cuuint64_t b = cuuint64_t(bytes);
   const cuuint64_t dims[4] = {cuuint64_t(HD), cuuint64_t(H), cuuint64_t(L), cuuint64_t(entries)};
   const cuuint64_t strides[3] = {cuuint64_t(HD) * b, cuuint64_t(H) * HD * b, cuuint64_t(L) * H * HD * b};
-  const cuuint32_t box[4] = {cuuint32_t(128 / bytes), 1, cuuint32_t(rows), 1}, steps[4] = {1, 1, 1, 1};
-  const CUresult r = encode(&map, type, 4, const_cast<void*>(x), dims, strides, box, steps,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  LT_CHECK(r == CUDA_SUCCESS, "[tpa_attention] cuTensorMapEncodeTiled failed: ", int(r));
-  return map;
+  const cuuint32_t box[4] = {cuuint32_t(128 / bytes), 1, cuuint32_t(rows), 1};
+  return swizzled_tensor_map(x, type, 4, dims, strides, box, "tpa_attention");
 }
 }  // namespace
 
