@@ -113,11 +113,10 @@ __device__ __forceinline__ void reduce_dq(const P& p, const CUtensorMap* tdq, co
                                           int* dq_turn, int64_t bb, int h, int kt, int first, int last) {
   for (int i = last - 1, m = 0; i >= first; --i, ++m) {
     mbarrier_wait(&ring.dq_full, m & 1);
-    if (p.ordered) {  // relaxed polls (an acquire load each would invalidate L1 each time), then one fence
+    if (p.ordered) {
       int seen;
-      do asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(dq_turn + i) : "memory");
+      do asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(dq_turn + i) : "memory");
       while (seen < kt);
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
       fence_proxy_async_global();  // the earlier blocks' adds (seen through the count) before these
     }
 #pragma unroll
