@@ -10,7 +10,7 @@
 // (ops/tpa/attention_bwd_wg.cuh); its split form writes dK and dV to f32 workspaces instead, contracted per token
 // as dQ is (no head turns in the tensor-core kernel; (N + 2 M) H D floats a batch entry). The default there: the
 // split form fed by a producer warpgroup (ops/tpa/attention_bwd_tma.cuh), with K and V rows built beforehand
-// like Q's (M H D each a batch entry) and dQ staged for reducer warps. The rows (Q, K and V in one launch) and
+// like Q's (M H D each a batch entry) and dQ staged for bulk reductions. The rows (Q, K and V in one launch) and
 // the per-token contractions (dQ, then dK and dV in one launch): ops/tpa/attention_rows.cuh;
 // LINTAPE_TPA_BWD_ROWS=old runs build_rows and rows_factor_grads, a launch a pair (the same bits).
 #include <algorithm>
