@@ -17,20 +17,14 @@
 // block writes its unnormalised accumulator and (max, sum) per head; the last block of a sequence to
 // finish (a counter per sequence, reset by that block) combines them, so a call is always one launch.
 //
-// The cluster schedule (the default; LINTAPE_TPA_DECODE_CLUSTER=0 or DecodeArgs::cluster = 0 runs the
-// schedule above, 1..7 caps the cluster size; it needs two chunks a warp and bq 16-byte aligned, else the
-// schedule above runs) starts each block's copies with bq (cp.async, no load-store chain) and issues its
-// aq loads together. The splits of a sequence run as thread-block clusters: of the sizes up to the cap,
-// the one that keeps the most blocks resident with every cluster of the grid resident (a grid past the
-// resident clusters would run a second wave). Each block leaves its merged (acc, max, sum) in its own
-// shared memory, four values of e a thread; after a cluster barrier block r of the cluster combines the
-// r-th slice of the (h, e) values across the cluster's blocks through distributed shared memory. One
-// cluster a sequence writes the output there; with several, each cluster writes one partial and the last
-// block of the sequence combines those (cluster-many times fewer than splits). Asked for more than the
-// portable 8 (9..16, non-portable sizes), it takes one cluster a sequence whenever the splits the call
-// wants fit one and a cluster for every sequence stays resident (no partials, no last block), else the
-// rule above with clusters of up to 8; and both combines (across the cluster, and the last block's) load
-// several ranks or partial results at once, unconditionally, instead of one round trip each.
+// The cluster schedule (the default; LINTAPE_TPA_DECODE_CLUSTER=0 or DecodeArgs::cluster = 0 runs the one above,
+// 1..7 caps the cluster size; it needs two chunks a warp and bq 16-byte aligned, else the one above runs): bq by
+// cp.async with the first tile, aq's loads together; the splits of a sequence as thread-block clusters of the
+// size that keeps the most blocks resident with every cluster resident. Each block leaves its merged (acc, max,
+// sum) in its shared memory; block r of a cluster combines the r-th slice of the (h, e) values across the cluster
+// through distributed shared memory. One cluster a sequence writes the output; with several, each writes a partial
+// and the sequence's last block combines those. Above the portable 8 (9..16), one cluster a sequence wherever the
+// splits fit one and every sequence's cluster stays resident. docs/ops/tpa.md says more.
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
