@@ -213,6 +213,21 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
   }
   if (states) CHECK_CLOSE_TENSOR(dS0.to(Device::cpu()), S0_ref.grad(), dt);
 
+  // The chunked backward at this cut (from `saved` chunk states when defined) on poisoned gradients, each checked
+  // against the reference; its gradients, then dS0, for the bit-for-bit comparisons below.
+  auto chunked_backward = [&](const Tensor& saved) {
+    std::vector<Tensor> g;
+    for (const Tensor& t : in) g.push_back(poisoned(t.shape(), dt));
+    g.push_back(states ? poisoned(S0.shape(), DType::F32) : Tensor());
+    fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, g[0], g[1], g[2], g[3], g[4], segments,
+                              saved);
+    for (size_t i = 0; i < 4; ++i) {
+      CAPTURE(i);
+      CHECK_CLOSE_TENSOR(g[i].to(Device::cpu()), cpu[i].grad(), dt);
+    }
+    if (states) CHECK_CLOSE_TENSOR(g[4].to(Device::cpu()), S0_ref.grad(), dt);
+    return g;
+  };
   if (causal && fal_cuda::causal_chunked(dt, c.D, c.E, spec)) {
     // Each kernel of the state passes in turn (the wgmma walks where the device runs them, then the mma.sync
     // slices): the backward with both state passes, then the forward saving every chunk's entering state
@@ -224,31 +239,13 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
     for (const auto kernel : {fal_cuda::StatePassKernel::Walk, fal_cuda::StatePassKernel::Slices}) {
       CAPTURE(kernel == fal_cuda::StatePassKernel::Walk ? "walk" : "slices");
       fal_cuda::set_state_pass_kernel(kernel);
-      std::vector<Tensor> grads1;
-      for (const Tensor& t : in) grads1.push_back(poisoned(t.shape(), dt));
-      const Tensor dS0_1 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
-      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads1[0], grads1[1], grads1[2],
-                                grads1[3], dS0_1, segments);
-      for (size_t i = 0; i < 4; ++i) {
-        CAPTURE(i);
-        CHECK_CLOSE_TENSOR(grads1[i].to(Device::cpu()), cpu[i].grad(), dt);
-      }
-      if (states) CHECK_CLOSE_TENSOR(dS0_1.to(Device::cpu()), S0_ref.grad(), dt);
+      chunked_backward(Tensor());
       const Tensor saved = poisoned({B, H, (N + 63) / 64, P, c.E}, dt);
       const Tensor out2 = poisoned(o_ref.shape(), dt), state2 = poisoned({B, H, P, c.E}, DType::F32);
       fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out2, state2, segments, saved);
       CHECK(rel_error(out2.to(Device::cpu()), out.to(Device::cpu())) == 0.0);
       CHECK(rel_error(state2.to(Device::cpu()), state.to(Device::cpu())) == 0.0);
-      std::vector<Tensor> grads2;
-      for (const Tensor& t : in) grads2.push_back(poisoned(t.shape(), dt));
-      const Tensor dS0_2 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
-      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads2[0], grads2[1], grads2[2],
-                                grads2[3], dS0_2, segments, saved);
-      for (size_t i = 0; i < 4; ++i) {
-        CAPTURE(i);
-        CHECK_CLOSE_TENSOR(grads2[i].to(Device::cpu()), cpu[i].grad(), dt);
-      }
-      if (states) CHECK_CLOSE_TENSOR(dS0_2.to(Device::cpu()), S0_ref.grad(), dt);
+      const std::vector<Tensor> grads2 = chunked_backward(saved);
       // The forward saving the even chunks' states only (the same values, bit for bit), and the backward
       // advancing each odd chunk's from the one before.
       const int64_t nC = (N + 63) / 64, half_chunks = (nC + 1) / 2;
@@ -262,19 +259,13 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
         CAPTURE(j);
         CHECK(rel_error(half_cpu.narrow(2, j, 1).contiguous(), saved_cpu.narrow(2, 2 * j, 1).contiguous()) == 0.0);
       }
-      std::vector<Tensor> grads3;
-      for (const Tensor& t : in) grads3.push_back(poisoned(t.shape(), dt));
-      const Tensor dS0_3 = states ? poisoned(S0.shape(), DType::F32) : Tensor();
-      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, dS, grads3[0], grads3[1], grads3[2],
-                                grads3[3], dS0_3, segments, half);
+      const std::vector<Tensor> grads3 = chunked_backward(half);
       // dk, dv and dS0 read no S_c: the same bits as from every chunk's state.
-      for (size_t i = 0; i < 4; ++i) {
+      for (size_t i : {size_t(1), size_t(2)}) {
         CAPTURE(i);
-        CHECK_CLOSE_TENSOR(grads3[i].to(Device::cpu()), cpu[i].grad(), dt);
-        if (i == 1 || i == 2) CHECK(rel_error(grads3[i].to(Device::cpu()), grads2[i].to(Device::cpu())) == 0.0);
+        CHECK(rel_error(grads3[i].to(Device::cpu()), grads2[i].to(Device::cpu())) == 0.0);
       }
-      if (states) CHECK_CLOSE_TENSOR(dS0_3.to(Device::cpu()), S0_ref.grad(), dt);
-      if (states) CHECK(rel_error(dS0_3.to(Device::cpu()), dS0_2.to(Device::cpu())) == 0.0);
+      if (states) CHECK(rel_error(grads3[4].to(Device::cpu()), grads2[4].to(Device::cpu())) == 0.0);
     }
   }
 
