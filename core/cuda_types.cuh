@@ -1,6 +1,7 @@
 // For CUDA kernels: the device element type of each DType, float conversions, and the dispatch
 // helpers (LT_DISPATCH_FLOAT_CUDA binds T to float, double, __nv_bfloat16 or __half).
 #pragma once
+#include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,6 +23,9 @@ template <> __device__ __forceinline__ float to_acc(__half v) { return __half2fl
 template <class T> __device__ __forceinline__ T from_acc(acc_t<T> v) { return T(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_acc(float v) { return __float2bfloat16(v); }
 template <> __device__ __forceinline__ __half from_acc(float v) { return __float2half(v); }
+
+// Whether a pointer allows 16-byte vector accesses (Pack of 16 bytes).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // V elements in one aligned word (16 bytes for V = 16 / sizeof(T)): vector loads and stores.
 template <class T, int V>

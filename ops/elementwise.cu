@@ -15,7 +15,6 @@ constexpr int kThreads = 256;
 
 template <class T> constexpr int kVec = 16 / int(sizeof(T));
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Enough blocks for `work` threads, capped at a few waves of resident blocks (grid-stride beyond).
 unsigned blocks_for(int64_t work) { return std::min(grid_for(work, kThreads), 132u * 8 * 4); }

@@ -169,8 +169,6 @@ CUtensorMap tiled_map(const void* x, int64_t outer, int64_t inner, int box_rows,
                              strides, box, "swiglu_linear");
 }
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
-
 template <class T>
 void launch(const Tensor& dy, const Tensor& w, const Tensor& h, const Tensor& dh, const Tensor& s) {
   const int64_t rows = dy.size(0), C = dy.size(1), F = w.size(1);
@@ -201,7 +199,7 @@ bool swiglu_grad_product_cuda(const Tensor& dy, const Tensor& w, const Tensor& h
     return false;
   for (const Tensor* t : {&dy, &w, &h, &dh, &s}) {
     if (!t->defined()) continue;
-    if (t->dtype() != dt || !t->is_cuda() || t->device() != dh.device() || !t->is_contiguous() || !aligned16(*t))
+    if (t->dtype() != dt || !t->is_cuda() || t->device() != dh.device() || !t->is_contiguous() || !aligned16(t->data()))
       return false;
   }
   if (!wgmma_compiled() || !is_hopper(dh.device().index)) return false;

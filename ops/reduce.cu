@@ -21,7 +21,6 @@ constexpr int64_t kFillThreads = kFillWarps * 32;
 
 template <class T> constexpr int kVec = 16 / int(sizeof(T));
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 unsigned blocks_for(int64_t threads) { return unsigned(std::clamp<int64_t>(ceil_div(threads, kThreads), 1, 65535)); }
 
