@@ -267,6 +267,15 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
       }
       if (states) CHECK(rel_error(grads3[4].to(Device::cpu()), grads2[4].to(Device::cpu())) == 0.0);
     }
+    // The mma.sync forward too (the wgmma forward is the default where it runs).
+    struct RestoreForward {
+      ~RestoreForward() { fal_cuda::set_forward_kernel(fal_cuda::ForwardKernel::Auto); }
+    } restore_forward;
+    fal_cuda::set_forward_kernel(fal_cuda::ForwardKernel::Chunks);
+    const Tensor out4 = poisoned(o_ref.shape(), dt), state4 = poisoned({B, H, P, c.E}, DType::F32);
+    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out4, state4, segments);
+    CHECK_CLOSE_TENSOR(out4.to(Device::cpu()), o_ref, dt);
+    CHECK_CLOSE_TENSOR(state4.to(Device::cpu()), S_ref, dt);
   }
 
   // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states: every

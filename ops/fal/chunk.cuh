@@ -578,7 +578,12 @@ void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream
 bool walk_runs(const Args& a);
 void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st);
 // The fused forward: outputs and S_final, one kernel; with a.local, each segment's forward sum into a.boundary.
+// It runs the Hopper form where hopper_forward_runs says it takes the call.
 void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);
+// The fused forward on wgmma (ops/fal/chunk_fwd_hopper.cu): the kernel chosen (set_forward_kernel; Auto unless
+// LINTAPE_FAL_FORWARD=chunks), not a local pass, no documents, an sm_90a build on compute capability 9.0.
+bool hopper_forward_runs(const Args& a);
+void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);
 void gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // from a.states and a.rstates
 
 }  // namespace lintape::fal_cuda::chunk

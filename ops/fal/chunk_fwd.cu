@@ -481,6 +481,10 @@ void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream
 }
 
 void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
+  if (hopper_forward_runs(a)) {
+    hopper_forward(a, dtype, BH, st);
+    return;
+  }
   if (dtype == DType::BF16)
     launch_forward<__nv_bfloat16>(a, BH, st);
   else

@@ -11,7 +11,7 @@
 #include <string>
 #include "core/config.h"
 #include "core/cuda_wgmma.cuh"
-#include "ops/fal/noncausal.cuh"
+#include "ops/fal/chunk_wgmma.cuh"
 
 namespace lintape::fal_cuda {
 
@@ -27,13 +27,6 @@ namespace {
 
 constexpr int kWalkThreads = 512;
 
-// The 4 warpgroups over the PP x EP state: WGM along P (64 rows each) by WGN along E (NW columns each).
-template <int PP, int EP>
-struct WalkWarps {
-  static constexpr int WGM = PP / 64, WGN = 4 / WGM, NW = EP / WGN;
-  static_assert(WGM * WGN == 4 && NW % 16 == 0, "whole warpgroup tiles");
-};
-
 // One buffer's X (kC x PP) and Z (kC x EP) tiles in 8-column blocks (CoreColumnTile), in elements.
 template <int PP, int EP>
 struct WalkTiles {
@@ -48,34 +41,13 @@ constexpr size_t walk_smem_bytes(size_t elem) {
          sizeof(float) * noncausal::kAngleRows * DP + noncausal::FirstRowAngles<DP, kWalkThreads>::kBytes;
 }
 
-// Rows t0 ... t0 + kC - 1, columns [0, W) of x into stage ([kC][W]) through cp.async, zeros past the sequence
-// or past cols. A thread copies the pieces that it reads back (Raw's: fetch's order), so a wait and no barrier
-// lets it read them.
-template <class T, int W, int NThr>
-__device__ __forceinline__ void stage_raw(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t0, int cols,
-                                          T* stage) {
-#pragma unroll
-  for (int it = 0; it < Raw<W, NThr>::kIt; ++it) {
-    const int idx = threadIdx.x + it * NThr, i = idx / (W / 8), c = (idx % (W / 8)) * 8;
-    if (t0 + i < a.N && c < cols)
-      cp_async16(stage + i * W + c, x + (t0 + i) * ts + c);
-    else
-      *reinterpret_cast<uint4*>(stage + i * W + c) = make_uint4(0, 0, 0, 0);
-  }
-}
-template <class T, int W, int NThr>
-__device__ __forceinline__ uint4 staged(const T* stage, int it) {
-  const int idx = threadIdx.x + it * NThr;
-  return *reinterpret_cast<const uint4*>(stage + idx / (W / 8) * W + (idx % (W / 8)) * 8);
-}
-
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Only where LINTAPE_WGMMA was compiled (walk_runs checks).
 template <class T, int DP, int PP, int EP, bool Reverse>
 __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
-  using W = WalkWarps<PP, EP>;
+  using W = StateWarps<PP, EP>;
   using Tiles = WalkTiles<PP, EP>;
   constexpr int NThr = kWalkThreads, kBuffer = Tiles::kX + Tiles::kZ, kBlock = CoreColumnTile::kBlock;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -1,0 +1,391 @@
+// Causal FAL's fused forward on Hopper's warpgroup products (ops/fal/chunk.cuh has the chunk algebra): one
+// block of four warpgroups per walk (b, h and segment), sequential over its chunks with the whole D' x E f32
+// state in registers, split over the warpgroups as the state pass walks split it (ops/fal/chunk_wgmma.cuh).
+// Every product runs on wgmma with both operands in shared memory. Per chunk c:
+//   1. S_c (in T) into shared memory; with a.states, also to memory for the backward;
+//   2. issued together: the scores Q K^T (warpgroup g: keys 16 g ... 16 g + 15), Y = Q S_c (warpgroup g: E / 4
+//      columns) and S <- lambda^cl S + K^T diag(delta) V (the state's own tiles);
+//   3. the scores masked and decayed into shared memory (the four warpgroups' key columns make the chunk's
+//      masked scores); Y's rows times gamma; Y += (Q K^T o M) V;
+//   4. out = gb o Y (g's rows loaded while the products run);
+//   5. the next chunk's rows, staged by cp.async one chunk ahead, through the acts and the LRPE into the tiles.
+// The tiles use CoreColumnTile (8-column blocks of 16-byte rows): read K-major by the scores and Y's products,
+// MN-major by the state update. The mma.sync kernel of ops/fal/chunk_fwd.cu keeps the calls with documents and
+// the local passes of a cut, and every call where this one does not run.
+#include <cstdlib>
+#include <string>
+#include "core/cuda_wgmma.cuh"
+#include "ops/fal/chunk_wgmma.cuh"
+
+namespace lintape::fal_cuda {
+
+namespace {
+ForwardKernel g_forward = ForwardKernel::Auto;
+}  // namespace
+
+void set_forward_kernel(ForwardKernel kernel) { g_forward = kernel; }
+
+namespace chunk {
+
+namespace {
+
+constexpr int kHopperThreads = 512;
+
+// p, which the compiler must treat as unknown in each chunk: the addresses and descriptors computed from it are
+// computed again there rather than hoisted out of the chunk loop into registers, which the state fills.
+template <class T>
+__device__ __forceinline__ T* opaque_ptr(T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+// A descriptor moved by `bytes` (a multiple of 16) within shared memory: its start address field.
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, int bytes) { return desc + uint64_t(bytes >> 4); }
+constexpr int kBlock = CoreColumnTile::kBlock;
+
+// Shared memory, in elements of T from the start: Q and K (kC x PP), V and diag(delta) V (kC x EP), all in
+// CoreColumnTile; S_c (PP x EP, EP / 8 blocks of PP rows of 16 bytes, MN-major along E); the masked scores (kC x
+// kC, CoreColumnTile); the raw q, k, v rows of the next chunk; then the LRPE angle table in floats.
+template <int DP, int PP, int EP>
+struct HopperSmem {
+  static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kSBlock = PP * 8 + 8;
+  static constexpr int kQ = 0, kK = kQ + kTileP, kV = kK + kTileP, kVd = kV + kTileE, kS = kVd + kTileE;
+  static constexpr int kP = kS + EP / 8 * kSBlock, kRawQ = kP + kC / 8 * kBlock, kRawK = kRawQ + kC * DP;
+  static constexpr int kRawV = kRawK + kC * DP, kEnd = kRawV + kC * EP;
+  static constexpr size_t bytes(size_t elem) {
+    return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP;
+  }
+};
+
+// The staged q and k rows t0 ... t0 + kC - 1 (stage_raw's pieces of this thread) through their acts and the LRPE
+// into Q and K (CoreColumnTile), as noncausal::encode_rows does for one of them: a thread's pieces of q and k sit
+// at the same positions and share the angles (computed afresh at its first row, turned to the next ones). Each
+// piece is read from shared memory where it is used (the state holds most registers). Rows past a.N are zeros.
+template <class T, int DP, int NThr>
+__device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T* raw_k, const float* tab,
+                                          int64_t t0, T* qt, T* kt) {
+  constexpr int kStep = NThr / (DP / 8);
+  const int c8 = (threadIdx.x % (DP / 8)) * 8, i0 = threadIdx.x / (DP / 8);
+  const bool cosine = a.lrpe == FalStepSpec::kCosine;
+  float c[8], s[8];
+  if (cosine)
+#pragma unroll
+    for (int u = 0; u < 8; ++u) angle_cs(tab[c8 + u], a.position + t0 + i0, c[u], s[u]);
+#pragma unroll
+  for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
+    const int i = i0 + it * kStep;
+    const bool live = t0 + i < a.N;
+    if (cosine && it > 0)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) noncausal::rotate(c[u], s[u], tab[DP + c8 + u], tab[2 * DP + c8 + u]);
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+      float x[8];
+      unpack8<T>(staged<T, DP, NThr>(which == 0 ? raw_q : raw_k, it), x);
+      noncausal::row_act<DP>(x, which == 0 ? a.act_q : a.act_k);
+      if (!live)
+#pragma unroll
+        for (int u = 0; u < 8; ++u) x[u] = 0.0f;
+      T* tile = which == 0 ? qt : kt;
+      if (cosine) {
+        float xs[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) xs[u] = x[u] * s[u];
+        store8(tile + CoreColumnTile{}(i, DP + c8), xs);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) x[u] *= c[u];
+      }
+      store8(tile + CoreColumnTile{}(i, c8), x);
+    }
+  }
+}
+
+// DP = D, PP = D', EP = E rounded up to 64 or 128. Save: a.states receives S_c (every chunk's, or the even
+// chunks' with a.half_states). Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
+template <class T, int DP, int PP, int EP, bool Save>
+__global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args a) {
+#ifndef LINTAPE_WGMMA
+  __trap();
+#else
+  using W = StateWarps<PP, EP>;
+  using L = HopperSmem<DP, PP, EP>;
+  constexpr int NThr = kHopperThreads, EO = EP / 4;  // Y's columns per warpgroup
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const sm = reinterpret_cast<T*>(smem_raw);
+  T* const qt = sm + L::kQ;
+  T* const kt = sm + L::kK;
+  T* const vt = sm + L::kV;
+  T* const vdt = sm + L::kVd;
+  T* const sb = sm + L::kS;
+  T* const pt = sm + L::kP;
+  float* const angles = reinterpret_cast<float*>(sm + L::kEnd);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const int gm = wg % W::WGM, gn = wg / W::WGM;
+  const Walk w = walk_of(a, blockIdx.x, false);
+  const int64_t bh = w.bh, b = bh / a.H;
+  const int h = int(bh % a.H);
+  const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
+
+  // State value 4 j + r of this thread: row srow(r), column scol(j) + r % 2 (core/cuda_wgmma.cuh); the chunk
+  // row of value r of the scores and of Y.
+  float acc[W::NW / 2];
+  auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
+  auto scol = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
+  auto trow = [&](int r) { return 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
+#pragma unroll
+  for (int j = 0; j < W::NW / 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int e = scol(j) + (r & 1);
+      acc[4 * j + r] = w.start && e < a.E ? w.start[size_t(srow(r)) * a.E + e] : 0.0f;
+    }
+
+  auto chunk_len = [&](int c) { return int(a.N - int64_t(c) * kC < kC ? a.N - int64_t(c) * kC : kC); };
+  // The rows' addresses are rebuilt where they are used (b and h made opaque): held across the chunk loop, they
+  // would take registers from the state.
+  auto fetch_chunk = [&](int c) {
+    const int64_t t0 = int64_t(c) * kC, bo = opaque_index(b), ho = opaque_index(h);
+    stage_raw<T, DP, NThr>(a, at_head<T>(a.q, bo, a.sq_b, ho, a.D), a.sq_t, t0, a.D, sm + L::kRawQ);
+    stage_raw<T, DP, NThr>(a, at_head<T>(a.k, bo, a.sk_b, ho, a.D), a.sk_t, t0, a.D, sm + L::kRawK);
+    stage_raw<T, EP, NThr>(a, at_head<T>(a.v, bo, a.sv_b, ho, a.E), a.sv_t, t0, a.E, sm + L::kRawV);
+    cp_async_commit();
+  };
+  // Chunk c's fetched rows into the tiles (each thread reads back the pieces it fetched); wgmma reads them
+  // through the async proxy, so each writer fences.
+  auto encode_chunk = [&](int c) {
+    const int64_t t0 = int64_t(c) * kC;
+    const int cl = chunk_len(c);
+    cp_async_wait_all();
+    encode_qk<T, DP, NThr>(a, sm + L::kRawQ, sm + L::kRawK, angles, t0, qt, kt);
+#pragma unroll
+    for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
+      const int idx = threadIdx.x + it * NThr, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
+      float y[8];
+      unpack8<T>(staged<T, EP, NThr>(sm + L::kRawV, it), y);
+      act_n(y, a.act_v, i < cl && c8 < a.E);
+      store8(vt + CoreColumnTile{}(i, c8), y);
+      const float f = decay_pow(log2_lam, cl - 1 - i);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) y[u] *= f;
+      store8(vdt + CoreColumnTile{}(i, c8), y);
+    }
+    cuda::fence_proxy_async();
+  };
+
+  if (a.lrpe == FalStepSpec::kCosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), angles);
+  const int c0 = w.c0, c1 = w.c1;
+  if (c0 < c1) fetch_chunk(c0);
+  __syncthreads();  // the angles are in
+  if (c0 < c1) {
+    encode_chunk(c0);
+    if (c0 + 1 < c1) fetch_chunk(c0 + 1);
+  }
+  // Descriptors (core/cuda_wgmma.cuh): K-major tiles step 8 columns a block along K and 8 rows (128 bytes)
+  // along M / N; MN-major ones 8 rows along K and a block along M / N.
+  constexpr uint32_t kRows8 = 8 * 16, kTileBlock = kBlock * sizeof(T), kStateBlock = L::kSBlock * sizeof(T);
+  for (int c = c0; c < c1; ++c) {
+    const int64_t t0 = int64_t(c) * kC;
+    const int cl = chunk_len(c);
+    // 1. S_c into shared memory; the barrier also publishes chunk c's tiles.
+    T* const sbc = opaque_ptr(sb);
+#pragma unroll
+    for (int j = 0; j < W::NW / 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2)
+        store2(sbc + (scol(j) >> 3) * L::kSBlock + srow(r) * 8 + (scol(j) & 7), acc[4 * j + r], acc[4 * j + r + 1]);
+    cuda::fence_proxy_async();
+    __syncthreads();
+    if (Save && !(a.half_states && (c & 1))) {
+      T* dst = static_cast<T*>(a.states) +
+               (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
+      const int pieces = a.E / 8;  // E is a multiple of 8
+      for (int idx = threadIdx.x; idx < PP * pieces; idx += NThr) {
+        const int p = idx / pieces, e8 = (idx % pieces) * 8;
+        *reinterpret_cast<uint4*>(dst + size_t(p) * a.E + e8) =
+            *reinterpret_cast<const uint4*>(sbc + (e8 >> 3) * L::kSBlock + p * 8);
+      }
+    }
+
+    // 2. The scores and the state update (the old state is in shared memory).
+    const float carry = decay_pow(log2_lam, cl);
+#pragma unroll
+    for (int i = 0; i < W::NW / 2; ++i) acc[i] *= carry;
+    float sc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sc[i] = 0.0f;
+    {
+      T* const qc = opaque_ptr(qt);
+      T* const kc = opaque_ptr(kt);
+      const uint64_t q_k = cuda::wgmma_desc(qc, kTileBlock, kRows8);
+      const uint64_t k_k = cuda::wgmma_desc(kc + 16 * wg * 8, kTileBlock, kRows8);
+      const uint64_t k_mn = cuda::wgmma_desc(kc + gm * 8 * kBlock, kRows8, kTileBlock);
+      const uint64_t vd_mn = cuda::wgmma_desc(opaque_ptr(vdt) + gn * (W::NW / 8) * kBlock, kRows8, kTileBlock);
+      cuda::wgmma_fence_operand(acc);
+      cuda::wgmma_fence_operand(sc);
+      cuda::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < PP / 16; ++ks)
+        cuda::wgmma_mma<T, 16, 0, 0>(sc, desc_at(q_k, 2 * ks * kTileBlock), desc_at(k_k, 2 * ks * kTileBlock));
+      cuda::wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kC; kk += 16)
+        cuda::wgmma_mma<T, W::NW, 1, 1>(acc, desc_at(k_mn, kk * 16), desc_at(vd_mn, kk * 16));
+      cuda::wgmma_commit();
+    }
+
+    // The gate's values of this thread's outputs, loaded while the products run.
+    const int e0 = wg * EO + 2 * (lane & 3);
+    uint32_t graw[EO / 8][2];
+    {
+      const T* g = at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E);
+#pragma unroll
+      for (int j = 0; j < EO / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int64_t t = t0 + trow(r);
+          const int e = e0 + 8 * j;
+          graw[j][r / 2] = t < a.N && e < a.E ? *reinterpret_cast<const uint32_t*>(g + t * a.sg_t + e) : 0u;
+        }
+    }
+
+    // 3. The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
+    T* const pc = opaque_ptr(pt);
+    cuda::wgmma_wait<1>();
+    cuda::wgmma_fence_operand(sc);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        const int t = trow(r), s = 16 * wg + 8 * j + 2 * (lane & 3);
+        const float w0 = s <= t ? decay_pow(log2_lam, t - s) : 0.0f;
+        const float w1 = s + 1 <= t ? decay_pow(log2_lam, t - s - 1) : 0.0f;
+        store2(pc + (s >> 3) * kBlock + t * 8 + (s & 7), sc[4 * j + r] * w0, sc[4 * j + r + 1] * w1);
+      }
+    cuda::fence_proxy_async();
+    __syncthreads();  // every warpgroup's scores are in
+
+    // 4. Y = diag(gamma) Q S_c + (Q K^T o M) V, this warpgroup's E / 4 columns.
+    float y[EO / 2];
+#pragma unroll
+    for (int i = 0; i < EO / 2; ++i) y[i] = 0.0f;
+    {
+      const uint64_t q_k = cuda::wgmma_desc(opaque_ptr(qt), kTileBlock, kRows8);
+      const uint64_t s_mn = cuda::wgmma_desc(sbc + (wg * EO / 8) * L::kSBlock, kRows8, kStateBlock);
+      cuda::wgmma_fence_operand(y);
+      cuda::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < PP / 16; ++ks)
+        cuda::wgmma_mma<T, EO, 0, 1>(y, desc_at(q_k, 2 * ks * kTileBlock), desc_at(s_mn, 2 * ks * kRows8));
+      cuda::wgmma_commit();
+    }
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operand(y);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float gamma = decay_pow(log2_lam, trow(r) + 1);
+#pragma unroll
+      for (int j = 0; j < EO / 8; ++j) y[4 * j + r] *= gamma;
+    }
+    {
+      const uint64_t p_k = cuda::wgmma_desc(pc, kTileBlock, kRows8);
+      const uint64_t v_mn = cuda::wgmma_desc(opaque_ptr(vt) + (wg * EO / 8) * kBlock, kRows8, kTileBlock);
+      cuda::wgmma_fence_operand(y);
+      cuda::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kC / 16; ++ks)
+        cuda::wgmma_mma<T, EO, 0, 1>(y, desc_at(p_k, 2 * ks * kTileBlock), desc_at(v_mn, 2 * ks * kRows8));
+      cuda::wgmma_commit();
+    }
+    cuda::wgmma_wait<0>();
+    cuda::wgmma_fence_operand(y);
+    cuda::wgmma_fence_operand(acc);
+
+    // 5. out = gb o Y.
+    T* out = static_cast<T*>(a.out) + (opaque_index(b) * a.N * a.H + opaque_index(h)) * a.E;
+#pragma unroll
+    for (int j = 0; j < EO / 8; ++j) {
+      float gb[4];
+      load2(reinterpret_cast<const T*>(&graw[j][0]), gb[0], gb[1]);
+      load2(reinterpret_cast<const T*>(&graw[j][1]), gb[2], gb[3]);
+      act_n(gb, a.act_g, true);
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        const int64_t t = t0 + trow(r);
+        const int e = e0 + 8 * j;
+        if (t < a.N && e < a.E) store2(out + t * a.H * a.E + e, gb[r] * y[4 * j + r], gb[r + 1] * y[4 * j + r + 1]);
+      }
+    }
+    __syncthreads();  // every product is done with the tiles, S_c and the scores
+    // 6. The next chunk's tiles; the one after it in flight until then.
+    if (c + 1 < c1) {
+      encode_chunk(c + 1);
+      if (c + 2 < c1) fetch_chunk(c + 2);
+    }
+  }
+  // The walk's end, found again (held across the loop, its address would take registers).
+  float* last = walk_of(a, opaque_index(blockIdx.x), false).last;
+  if (last)
+#pragma unroll
+    for (int j = 0; j < W::NW / 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int e = scol(j) + (r & 1);
+        if (e < a.E) last[size_t(srow(r)) * a.E + e] = acc[4 * j + r];
+      }
+#endif
+}
+
+template <class T, int DP, int PP, int EP>
+void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
+  constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
+  auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true> : hopper_forward_kernel<T, DP, PP, EP, false>;
+  LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void launch_hopper_of(const Args& a, int64_t BH, cudaStream_t st) {
+  const bool wide = a.E > 64;
+  if (a.D == 128) {
+    if (a.P == 256)
+      wide ? launch_hopper<T, 128, 256, 128>(a, BH, st) : launch_hopper<T, 128, 256, 64>(a, BH, st);
+    else
+      wide ? launch_hopper<T, 128, 128, 128>(a, BH, st) : launch_hopper<T, 128, 128, 64>(a, BH, st);
+  } else {
+    if (a.P == 128)
+      wide ? launch_hopper<T, 64, 128, 128>(a, BH, st) : launch_hopper<T, 64, 128, 64>(a, BH, st);
+    else
+      wide ? launch_hopper<T, 64, 64, 128>(a, BH, st) : launch_hopper<T, 64, 64, 64>(a, BH, st);
+  }
+}
+
+// Whether the process asked for the mma.sync forward (LINTAPE_FAL_FORWARD=chunks), read once.
+bool env_wants_chunks() {
+  static const bool on = [] {
+    const char* v = std::getenv("LINTAPE_FAL_FORWARD");
+    return v && std::string(v) == "chunks";
+  }();
+  return on;
+}
+
+}  // namespace
+
+bool hopper_forward_runs(const Args& a) {
+  const ForwardKernel k = g_forward;
+  if (k == ForwardKernel::Chunks || (k == ForwardKernel::Auto && env_wants_chunks())) return false;
+  if (a.local || a.starts) return false;
+  int dev = 0;
+  LT_CUDA_CHECK(cudaGetDevice(&dev));
+  return cuda::wgmma_compiled() && cuda::is_hopper(dev);
+}
+
+void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
+  if (dtype == DType::BF16)
+    launch_hopper_of<__nv_bfloat16>(a, BH, st);
+  else
+    launch_hopper_of<__half>(a, BH, st);
+}
+
+}  // namespace chunk
+
+}  // namespace lintape::fal_cuda
