@@ -111,12 +111,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
   constexpr int NThr = kHopperThreads, EO = EP / 4;  // Y's columns per warpgroup
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
-  T* const qt = sm + L::kQ;
-  T* const kt = sm + L::kK;
-  T* const vt = sm + L::kV;
-  T* const vdt = sm + L::kVd;
-  T* const sb = sm + L::kS;
-  T* const pt = sm + L::kP;
   float* const angles = reinterpret_cast<float*>(sm + L::kEnd);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int gm = wg % W::WGM, gn = wg / W::WGM;
@@ -155,18 +149,18 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
     cp_async_wait_all();
-    encode_qk<T, DP, NThr>(a, sm + L::kRawQ, sm + L::kRawK, angles, t0, qt, kt);
+    encode_qk<T, DP, NThr>(a, sm + L::kRawQ, sm + L::kRawK, angles, t0, sm + L::kQ, sm + L::kK);
 #pragma unroll
     for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
       const int idx = threadIdx.x + it * NThr, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
       float y[8];
       unpack8<T>(staged<T, EP, NThr>(sm + L::kRawV, it), y);
       act_n(y, a.act_v, i < cl && c8 < a.E);
-      store8(vt + CoreColumnTile{}(i, c8), y);
+      store8(sm + L::kV + CoreColumnTile{}(i, c8), y);
       const float f = decay_pow(log2_lam, cl - 1 - i);
 #pragma unroll
       for (int u = 0; u < 8; ++u) y[u] *= f;
-      store8(vdt + CoreColumnTile{}(i, c8), y);
+      store8(sm + L::kVd + CoreColumnTile{}(i, c8), y);
     }
     cuda::fence_proxy_async();
   };
@@ -185,8 +179,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
   for (int c = c0; c < c1; ++c) {
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
+    // Shared memory's addresses from one opaque base per chunk (hoisted out of the loop, they would take
+    // registers from the state).
+    T* const base = opaque_ptr(sm);
+    T* const sbc = base + L::kS;
     // 1. S_c into shared memory; the barrier also publishes chunk c's tiles.
-    T* const sbc = opaque_ptr(sb);
 #pragma unroll
     for (int j = 0; j < W::NW / 8; ++j)
 #pragma unroll
@@ -194,16 +191,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
         store2(sbc + (scol(j) >> 3) * L::kSBlock + srow(r) * 8 + (scol(j) & 7), acc[4 * j + r], acc[4 * j + r + 1]);
     cuda::fence_proxy_async();
     __syncthreads();
-    if (Save && !(a.half_states && (c & 1))) {
-      T* dst = static_cast<T*>(a.states) +
-               (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
-      const int pieces = a.E / 8;  // E is a multiple of 8
-      for (int idx = threadIdx.x; idx < PP * pieces; idx += NThr) {
-        const int p = idx / pieces, e8 = (idx % pieces) * 8;
-        *reinterpret_cast<uint4*>(dst + size_t(p) * a.E + e8) =
-            *reinterpret_cast<const uint4*>(sbc + (e8 >> 3) * L::kSBlock + p * 8);
-      }
-    }
 
     // 2. The scores and the state update (the old state is in shared memory).
     const float carry = decay_pow(log2_lam, cl);
@@ -213,12 +200,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
 #pragma unroll
     for (int i = 0; i < 8; ++i) sc[i] = 0.0f;
     {
-      T* const qc = opaque_ptr(qt);
-      T* const kc = opaque_ptr(kt);
-      const uint64_t q_k = cuda::wgmma_desc(qc, kTileBlock, kRows8);
-      const uint64_t k_k = cuda::wgmma_desc(kc + 16 * wg * 8, kTileBlock, kRows8);
-      const uint64_t k_mn = cuda::wgmma_desc(kc + gm * 8 * kBlock, kRows8, kTileBlock);
-      const uint64_t vd_mn = cuda::wgmma_desc(opaque_ptr(vdt) + gn * (W::NW / 8) * kBlock, kRows8, kTileBlock);
+      const uint64_t q_k = cuda::wgmma_desc(base + L::kQ, kTileBlock, kRows8);
+      const uint64_t k_k = cuda::wgmma_desc(base + L::kK + 16 * wg * 8, kTileBlock, kRows8);
+      const uint64_t k_mn = cuda::wgmma_desc(base + L::kK + gm * 8 * kBlock, kRows8, kTileBlock);
+      const uint64_t vd_mn = cuda::wgmma_desc(base + L::kVd + gn * (W::NW / 8) * kBlock, kRows8, kTileBlock);
       cuda::wgmma_fence_operand(acc);
       cuda::wgmma_fence_operand(sc);
       cuda::wgmma_fence();
@@ -231,24 +216,23 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
         cuda::wgmma_mma<T, W::NW, 1, 1>(acc, desc_at(k_mn, kk * 16), desc_at(vd_mn, kk * 16));
       cuda::wgmma_commit();
     }
-
-    // The gate's values of this thread's outputs, loaded while the products run.
-    const int e0 = wg * EO + 2 * (lane & 3);
-    uint32_t graw[EO / 8][2];
-    {
-      const T* g = at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E);
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-          const int64_t t = t0 + trow(r);
-          const int e = e0 + 8 * j;
-          graw[j][r / 2] = t < a.N && e < a.E ? *reinterpret_cast<const uint32_t*>(g + t * a.sg_t + e) : 0u;
-        }
+    // S_c to memory for the backward while the products run (with half_states, the even chunks' only); the
+    // next chunk's barriers guard its shared copy.
+    if (Save && !(a.half_states && (c & 1))) {
+      T* dst = static_cast<T*>(a.states) +
+               (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
+      constexpr int kPieces = EP / 8;
+#pragma unroll 4
+      for (int idx = threadIdx.x; idx < PP * kPieces; idx += NThr) {
+        const int p = idx / kPieces, e8 = (idx % kPieces) * 8;
+        if (e8 < a.E)
+          *reinterpret_cast<uint4*>(dst + size_t(p) * a.E + e8) =
+              *reinterpret_cast<const uint4*>(sbc + (e8 >> 3) * L::kSBlock + p * 8);
+      }
     }
 
     // 3. The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
-    T* const pc = opaque_ptr(pt);
+    T* const pc = base + L::kP;
     cuda::wgmma_wait<1>();
     cuda::wgmma_fence_operand(sc);
 #pragma unroll
@@ -268,7 +252,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
 #pragma unroll
     for (int i = 0; i < EO / 2; ++i) y[i] = 0.0f;
     {
-      const uint64_t q_k = cuda::wgmma_desc(opaque_ptr(qt), kTileBlock, kRows8);
+      const uint64_t q_k = cuda::wgmma_desc(base + L::kQ, kTileBlock, kRows8);
       const uint64_t s_mn = cuda::wgmma_desc(sbc + (wg * EO / 8) * L::kSBlock, kRows8, kStateBlock);
       cuda::wgmma_fence_operand(y);
       cuda::wgmma_fence();
@@ -277,6 +261,21 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
         cuda::wgmma_mma<T, EO, 0, 1>(y, desc_at(q_k, 2 * ks * kTileBlock), desc_at(s_mn, 2 * ks * kRows8));
       cuda::wgmma_commit();
     }
+    // The gate's values of this thread's outputs, loaded while Y's products run.
+    const int e0 = wg * EO + 2 * (lane & 3);
+    uint32_t graw[EO / 8][2];
+    {
+      const T* g = at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E);
+#pragma unroll
+      for (int j = 0; j < EO / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int64_t t = t0 + trow(r);
+          const int e = e0 + 8 * j;
+          graw[j][r / 2] = t < a.N && e < a.E ? *reinterpret_cast<const uint32_t*>(g + t * a.sg_t + e) : 0u;
+        }
+    }
+
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operand(y);
 #pragma unroll
@@ -287,7 +286,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     }
     {
       const uint64_t p_k = cuda::wgmma_desc(pc, kTileBlock, kRows8);
-      const uint64_t v_mn = cuda::wgmma_desc(opaque_ptr(vt) + (wg * EO / 8) * kBlock, kRows8, kTileBlock);
+      const uint64_t v_mn = cuda::wgmma_desc(base + L::kV + (wg * EO / 8) * kBlock, kRows8, kTileBlock);
       cuda::wgmma_fence_operand(y);
       cuda::wgmma_fence();
 #pragma unroll
