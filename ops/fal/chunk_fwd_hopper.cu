@@ -14,6 +14,7 @@
 // the local passes of a cut, and every call where this one does not run.
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/chunk_wgmma.cuh"
 
@@ -57,44 +58,46 @@ struct HopperSmem {
 };
 
 // The staged q and k rows t0 ... t0 + kC - 1 (stage_raw's pieces of this thread) through their acts and the LRPE
-// into Q and K (CoreColumnTile), as noncausal::encode_rows does for one of them: a thread's pieces of q and k sit
-// at the same positions and share the angles (computed afresh at its first row, turned to the next ones). Each
-// piece is read from shared memory where it is used (the state holds most registers). Rows past a.N are zeros.
+// into Q and K (CoreColumnTile), as noncausal::encode_rows does for one of them (elementwise acts: the chunk
+// kernels take no softmax). A thread's pieces of q and k sit at the same positions and share the angles,
+// computed afresh at its first row and turned to the next ones; each piece is read from shared memory where it
+// is used, 4 columns at a time (the state holds most registers). Rows past a.N are zeros.
+// act_q, act_k and cosine are a's, passed apart so that a caller with constants gets code without dispatch.
 template <class T, int DP, int NThr>
 __device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T* raw_k, const float* tab,
-                                          int64_t t0, T* qt, T* kt) {
+                                          int64_t t0, T* qt, T* kt, int act_q, int act_k, bool cosine) {
   constexpr int kStep = NThr / (DP / 8);
-  const int c8 = (threadIdx.x % (DP / 8)) * 8, i0 = threadIdx.x / (DP / 8);
-  const bool cosine = a.lrpe == FalStepSpec::kCosine;
-  float c[8], s[8];
-  if (cosine)
+  const int i0 = threadIdx.x / (DP / 8);
 #pragma unroll
-    for (int u = 0; u < 8; ++u) angle_cs(tab[c8 + u], a.position + t0 + i0, c[u], s[u]);
+  for (int half = 0; half < 2; ++half) {
+    const int c4 = (threadIdx.x % (DP / 8)) * 8 + 4 * half;
+    float c[4], s[4];
+    if (cosine)
 #pragma unroll
-  for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
-    const int i = i0 + it * kStep;
-    const bool live = t0 + i < a.N;
-    if (cosine && it > 0)
+      for (int u = 0; u < 4; ++u) angle_cs(tab[c4 + u], a.position + t0 + i0, c[u], s[u]);
 #pragma unroll
-      for (int u = 0; u < 8; ++u) noncausal::rotate(c[u], s[u], tab[DP + c8 + u], tab[2 * DP + c8 + u]);
+    for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
+      const int i = i0 + it * kStep;
+      const bool live = t0 + i < a.N;
+      if (cosine && it > 0)
 #pragma unroll
-    for (int which = 0; which < 2; ++which) {
-      float x[8];
-      unpack8<T>(staged<T, DP, NThr>(which == 0 ? raw_q : raw_k, it), x);
-      noncausal::row_act<DP>(x, which == 0 ? a.act_q : a.act_k);
-      if (!live)
+        for (int u = 0; u < 4; ++u) noncausal::rotate(c[u], s[u], tab[DP + c4 + u], tab[2 * DP + c4 + u]);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) x[u] = 0.0f;
-      T* tile = which == 0 ? qt : kt;
-      if (cosine) {
-        float xs[8];
+      for (int which = 0; which < 2; ++which) {
+        float x[4];
+        unpack_part<T, 4>(staged<T, DP, NThr>(which == 0 ? raw_q : raw_k, it), 4 * half, x);
+        act_n(x, which == 0 ? act_q : act_k, live);
+        T* tile = which == 0 ? qt : kt;
+        if (cosine) {
+          float xs[4];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) xs[u] = x[u] * s[u];
-        store8(tile + CoreColumnTile{}(i, DP + c8), xs);
+          for (int u = 0; u < 4; ++u) xs[u] = x[u] * s[u];
+          store_part<T, 4>(tile + CoreColumnTile{}(i, DP + c4), xs);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) x[u] *= c[u];
+          for (int u = 0; u < 4; ++u) x[u] *= c[u];
+        }
+        store_part<T, 4>(tile + CoreColumnTile{}(i, c4), x);
       }
-      store8(tile + CoreColumnTile{}(i, c8), x);
     }
   }
 }
@@ -145,17 +148,26 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
   };
   // Chunk c's fetched rows into the tiles (each thread reads back the pieces it fetched); wgmma reads them
   // through the async proxy, so each writer fences.
-  auto encode_chunk = [&](int c) {
+  // The model's acts (silu on q, k and g, none on v) and the cosine LRPE as constants: the encode without
+  // dispatch, its chains free to interleave.
+  const bool model_acts = a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu &&
+                          a.act_v == FalStepSpec::kNone && a.act_g == FalStepSpec::kSilu &&
+                          a.lrpe == FalStepSpec::kCosine;
+  auto encode_acts = [&](int c, auto fixed) {
+    constexpr bool kFixed = decltype(fixed)::value;
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
+    const int act_v = kFixed ? int(FalStepSpec::kNone) : a.act_v;
     cp_async_wait_all();
-    encode_qk<T, DP, NThr>(a, sm + L::kRawQ, sm + L::kRawK, angles, t0, sm + L::kQ, sm + L::kK);
+    encode_qk<T, DP, NThr>(a, sm + L::kRawQ, sm + L::kRawK, angles, t0, sm + L::kQ, sm + L::kK,
+                           kFixed ? int(FalStepSpec::kSilu) : a.act_q, kFixed ? int(FalStepSpec::kSilu) : a.act_k,
+                           kFixed || a.lrpe == FalStepSpec::kCosine);
 #pragma unroll
     for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
       const int idx = threadIdx.x + it * NThr, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
       float y[8];
       unpack8<T>(staged<T, EP, NThr>(sm + L::kRawV, it), y);
-      act_n(y, a.act_v, i < cl && c8 < a.E);
+      act_n(y, act_v, i < cl && c8 < a.E);
       store8(sm + L::kV + CoreColumnTile{}(i, c8), y);
       const float f = decay_pow(log2_lam, cl - 1 - i);
 #pragma unroll
@@ -163,6 +175,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
       store8(sm + L::kVd + CoreColumnTile{}(i, c8), y);
     }
     cuda::fence_proxy_async();
+  };
+  auto encode_chunk = [&](int c) {
+    if (model_acts)
+      encode_acts(c, std::true_type{});
+    else
+      encode_acts(c, std::false_type{});
   };
 
   if (a.lrpe == FalStepSpec::kCosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), angles);
@@ -183,6 +201,13 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     // registers from the state).
     T* const base = opaque_ptr(sm);
     T* const sbc = base + L::kS;
+    // g's rows of this chunk toward L2 for the epilogue: a 16-byte piece per thread of each row's E columns.
+    for (int idx = threadIdx.x; idx < kC * (EP / 8); idx += NThr) {
+      const int i = idx / (EP / 8), e8 = (idx % (EP / 8)) * 8;
+      if (t0 + i < a.N && e8 < a.E && e8 % 64 == 0)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E) +
+                                                     (t0 + i) * a.sg_t + e8));
+    }
     // 1. S_c into shared memory; the barrier also publishes chunk c's tiles.
 #pragma unroll
     for (int j = 0; j < W::NW / 8; ++j)
@@ -221,13 +246,14 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     if (Save && !(a.half_states && (c & 1))) {
       T* dst = static_cast<T*>(a.states) +
                (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
-      constexpr int kPieces = EP / 8;
+      constexpr int kPieces = EP / 8, kRowsPer = NThr / kPieces;  // 16-byte pieces a row; rows a pass
+      const int e8 = (threadIdx.x % kPieces) * 8, p0 = threadIdx.x / kPieces;
+      if (e8 < a.E) {
+        T* d = dst + size_t(p0) * a.E + e8;
+        const T* src = sbc + (e8 >> 3) * L::kSBlock + p0 * 8;
 #pragma unroll 4
-      for (int idx = threadIdx.x; idx < PP * kPieces; idx += NThr) {
-        const int p = idx / kPieces, e8 = (idx % kPieces) * 8;
-        if (e8 < a.E)
-          *reinterpret_cast<uint4*>(dst + size_t(p) * a.E + e8) =
-              *reinterpret_cast<const uint4*>(sbc + (e8 >> 3) * L::kSBlock + p * 8);
+        for (int p = p0; p < PP; p += kRowsPer, d += kRowsPer * a.E, src += kRowsPer * 8)
+          *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(src);
       }
     }
 
@@ -261,20 +287,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
         cuda::wgmma_mma<T, EO, 0, 1>(y, desc_at(q_k, 2 * ks * kTileBlock), desc_at(s_mn, 2 * ks * kRows8));
       cuda::wgmma_commit();
     }
-    // The gate's values of this thread's outputs, loaded while Y's products run.
-    const int e0 = wg * EO + 2 * (lane & 3);
-    uint32_t graw[EO / 8][2];
-    {
-      const T* g = at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E);
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-          const int64_t t = t0 + trow(r);
-          const int e = e0 + 8 * j;
-          graw[j][r / 2] = t < a.N && e < a.E ? *reinterpret_cast<const uint32_t*>(g + t * a.sg_t + e) : 0u;
-        }
-    }
 
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operand(y);
@@ -298,19 +310,30 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     cuda::wgmma_fence_operand(y);
     cuda::wgmma_fence_operand(acc);
 
-    // 5. out = gb o Y.
-    T* out = static_cast<T*>(a.out) + (opaque_index(b) * a.N * a.H + opaque_index(h)) * a.E;
+    // 5. out = gb o Y (g's rows were brought to L2 at the chunk's start).
+    {
+      const int64_t bo = opaque_index(b), ho = opaque_index(h);
+      const T* g = at_head<T>(a.g, bo, a.sg_b, ho, a.E);
+      T* out = static_cast<T*>(a.out) + (bo * a.N * a.H + ho) * a.E;
+      const int e0 = wg * EO + 2 * (lane & 3);
 #pragma unroll
-    for (int j = 0; j < EO / 8; ++j) {
-      float gb[4];
-      load2(reinterpret_cast<const T*>(&graw[j][0]), gb[0], gb[1]);
-      load2(reinterpret_cast<const T*>(&graw[j][1]), gb[2], gb[3]);
-      act_n(gb, a.act_g, true);
-#pragma unroll
-      for (int r = 0; r < 4; r += 2) {
-        const int64_t t = t0 + trow(r);
+      for (int j = 0; j < EO / 8; ++j) {
         const int e = e0 + 8 * j;
-        if (t < a.N && e < a.E) store2(out + t * a.H * a.E + e, gb[r] * y[4 * j + r], gb[r + 1] * y[4 * j + r + 1]);
+        float gb[4];
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int64_t t = t0 + trow(r);
+          if (t < a.N && e < a.E)
+            load2(g + t * a.sg_t + e, gb[r], gb[r + 1]);
+          else
+            gb[r] = gb[r + 1] = 0.0f;
+        }
+        act_n(gb, model_acts ? int(FalStepSpec::kSilu) : a.act_g, true);
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int64_t t = t0 + trow(r);
+          if (t < a.N && e < a.E) store2(out + t * a.H * a.E + e, gb[r] * y[4 * j + r], gb[r + 1] * y[4 * j + r + 1]);
+        }
       }
     }
     __syncthreads();  // every product is done with the tiles, S_c and the scores
