@@ -70,7 +70,7 @@ __device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T
   const int i0 = threadIdx.x / (DP / 8);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int c4 = (threadIdx.x % (DP / 8)) * 8 + 4 * half;
+    const int c8 = (threadIdx.x % (DP / 8)) * 8, c4 = c8 + 4 * half;
     float c[4], s[4];
     if (cosine)
 #pragma unroll
@@ -92,11 +92,11 @@ __device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T
           float xs[4];
 #pragma unroll
           for (int u = 0; u < 4; ++u) xs[u] = x[u] * s[u];
-          store_part<T, 4>(tile + CoreColumnTile{}(i, DP + c4), xs);
+          store_part<T, 4>(tile + CoreColumnTile{}(i, DP + c8) + 4 * half, xs);
 #pragma unroll
           for (int u = 0; u < 4; ++u) x[u] *= c[u];
         }
-        store_part<T, 4>(tile + CoreColumnTile{}(i, c4), x);
+        store_part<T, 4>(tile + CoreColumnTile{}(i, c8) + 4 * half, x);
       }
     }
   }
