@@ -313,26 +313,35 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     // 5. out = gb o Y (g's rows were brought to L2 at the chunk's start).
     {
       const int64_t bo = opaque_index(b), ho = opaque_index(h);
-      const T* g = at_head<T>(a.g, bo, a.sg_b, ho, a.E);
-      T* out = static_cast<T*>(a.out) + (bo * a.N * a.H + ho) * a.E;
+      const T* __restrict__ g = at_head<T>(a.g, bo, a.sg_b, ho, a.E);
+      T* __restrict__ out = static_cast<T*>(a.out) + (bo * a.N * a.H + ho) * a.E;
       const int e0 = wg * EO + 2 * (lane & 3);
+      // Two column groups at a time: their loads before their stores (out might alias g for all the compiler
+      // knows), with few registers beside the state.
 #pragma unroll
-      for (int j = 0; j < EO / 8; ++j) {
-        const int e = e0 + 8 * j;
-        float gb[4];
+      for (int j0 = 0; j0 < EO / 8; j0 += 2) {
+        float gb[2][4];
 #pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-          const int64_t t = t0 + trow(r);
-          if (t < a.N && e < a.E)
-            load2(g + t * a.sg_t + e, gb[r], gb[r + 1]);
-          else
-            gb[r] = gb[r + 1] = 0.0f;
-        }
-        act_n(gb, model_acts ? int(FalStepSpec::kSilu) : a.act_g, true);
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-          const int64_t t = t0 + trow(r);
-          if (t < a.N && e < a.E) store2(out + t * a.H * a.E + e, gb[r] * y[4 * j + r], gb[r + 1] * y[4 * j + r + 1]);
+          for (int r = 0; r < 4; r += 2) {
+            const int64_t t = t0 + trow(r);
+            const int e = e0 + 8 * (j0 + j);
+            if (t < a.N && e < a.E)
+              load2(g + t * a.sg_t + e, gb[j][r], gb[j][r + 1]);
+            else
+              gb[j][r] = gb[j][r + 1] = 0.0f;
+          }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          act_n(gb[j], model_acts ? int(FalStepSpec::kSilu) : a.act_g, true);
+          const int e = e0 + 8 * (j0 + j);
+#pragma unroll
+          for (int r = 0; r < 4; r += 2) {
+            const int64_t t = t0 + trow(r);
+            if (t < a.N && e < a.E)
+              store2(out + t * a.H * a.E + e, gb[j][r] * y[4 * (j0 + j) + r], gb[j][r + 1] * y[4 * (j0 + j) + r + 1]);
+          }
         }
       }
     }
