@@ -1,17 +1,20 @@
 // Causal FAL's fused forward on Hopper's warpgroup products (ops/fal/chunk.cuh has the chunk algebra): one
 // block of four warpgroups per walk (b, h and segment), sequential over its chunks with the whole D' x E f32
 // state in registers, split over the warpgroups as the state pass walks split it (ops/fal/chunk_wgmma.cuh).
-// Every product runs on wgmma with both operands in shared memory. Per chunk c:
-//   1. S_c (in T) into shared memory; with a.states, also to memory for the backward;
-//   2. issued together: the scores Q K^T (warpgroup g: keys 16 g ... 16 g + 15), Y = Q S_c (warpgroup g: E / 4
-//      columns) and S <- lambda^cl S + K^T diag(delta) V (the state's own tiles);
-//   3. the scores masked and decayed into shared memory (the four warpgroups' key columns make the chunk's
-//      masked scores); Y's rows times gamma; Y += (Q K^T o M) V;
-//   4. out = gb o Y (g's rows loaded while the products run);
-//   5. the next chunk's rows, staged by cp.async one chunk ahead, through the acts and the LRPE into the tiles.
+// Every product runs on wgmma with both operands in shared memory. Per chunk c, between three barriers:
+//   1. S_c (in T) into shared memory;
+//   2. issued together: the scores Q K^T (warpgroup g: keys 16 g ... 16 g + 15) and S <- lambda^cl S + K^T
+//      diag(delta) V (each warpgroup its own state tiles); meanwhile S_c goes to memory for the backward (when
+//      asked) and g's rows toward L2; then the scores masked and decayed into a shared tile, the four
+//      warpgroups' key columns making the chunk's scores;
+//   3. Y = diag(gamma) Q S_c + (Q K^T o M) V (warpgroup g: E / 4 columns), out = gb o Y;
+//   4. the next chunk's rows, staged by cp.async one chunk ahead, through the acts and the LRPE into the tiles.
 // The tiles use CoreColumnTile (8-column blocks of 16-byte rows): read K-major by the scores and Y's products,
-// MN-major by the state update. The mma.sync kernel of ops/fal/chunk_fwd.cu keeps the calls with documents and
-// the local passes of a cut, and every call where this one does not run.
+// MN-major by the state update. 512 threads at 128 registers hold the state (64 values a thread at D' = 256,
+// E = 128) beside the products' accumulators, so the code keeps short live ranges: addresses rebuilt from an
+// opaque base each chunk, g loaded only in the epilogue (brought to L2 first), the encode 4 columns at a time.
+// The mma.sync kernel of ops/fal/chunk_fwd.cu keeps the calls with documents, the local passes of a cut and
+// every call where this one does not run. Notes and timings: bench/notes/fal-hopper.md (session 8).
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -147,9 +150,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     cp_async_commit();
   };
   // Chunk c's fetched rows into the tiles (each thread reads back the pieces it fetched); wgmma reads them
-  // through the async proxy, so each writer fences.
-  // The model's acts (silu on q, k and g, none on v) and the cosine LRPE as constants: the encode without
-  // dispatch, its chains free to interleave.
+  // through the async proxy, so each writer fences. The model's acts (silu on q, k and g, none on v) and the
+  // cosine LRPE are compiled as constants: the encode without dispatch, its chains free to interleave.
   const bool model_acts = a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu &&
                           a.act_v == FalStepSpec::kNone && a.act_g == FalStepSpec::kSilu &&
                           a.lrpe == FalStepSpec::kCosine;
@@ -201,7 +203,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     // registers from the state).
     T* const base = opaque_ptr(sm);
     T* const sbc = base + L::kS;
-    // g's rows of this chunk toward L2 for the epilogue: a 16-byte piece per thread of each row's E columns.
+    // g's rows of this chunk toward L2 for the epilogue, one prefetch a 128-byte line (64 elements). (This form
+    // of the loop, at the chunk's top, left the state's registers alone; others made ptxas spill.)
     for (int idx = threadIdx.x; idx < kC * (EP / 8); idx += NThr) {
       const int i = idx / (EP / 8), e8 = (idx % (EP / 8)) * 8;
       if (t0 + i < a.N && e8 < a.E && e8 % 64 == 0)
@@ -217,7 +220,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     cuda::fence_proxy_async();
     __syncthreads();
 
-    // 2. The scores and the state update (the old state is in shared memory).
+    // 2. The scores and the state update (S_c is in shared memory).
     const float carry = decay_pow(log2_lam, cl);
 #pragma unroll
     for (int i = 0; i < W::NW / 2; ++i) acc[i] *= carry;
@@ -257,7 +260,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
       }
     }
 
-    // 3. The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
+    // The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
     T* const pc = base + L::kP;
     cuda::wgmma_wait<1>();
     cuda::wgmma_fence_operand(sc);
@@ -273,7 +276,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     cuda::fence_proxy_async();
     __syncthreads();  // every warpgroup's scores are in
 
-    // 4. Y = diag(gamma) Q S_c + (Q K^T o M) V, this warpgroup's E / 4 columns.
+    // 3. Y = diag(gamma) Q S_c + (Q K^T o M) V, this warpgroup's E / 4 columns.
     float y[EO / 2];
 #pragma unroll
     for (int i = 0; i < EO / 2; ++i) y[i] = 0.0f;
@@ -310,7 +313,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     cuda::wgmma_fence_operand(y);
     cuda::wgmma_fence_operand(acc);
 
-    // 5. out = gb o Y (g's rows were brought to L2 at the chunk's start).
+    // out = gb o Y (g's rows were brought to L2 at the chunk's start).
     {
       const int64_t bo = opaque_index(b), ho = opaque_index(h);
       const T* __restrict__ g = at_head<T>(a.g, bo, a.sg_b, ho, a.E);
@@ -346,7 +349,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
       }
     }
     __syncthreads();  // every product is done with the tiles, S_c and the scores
-    // 6. The next chunk's tiles; the one after it in flight until then.
+    // 4. The next chunk's tiles; the one after it in flight until then.
     if (c + 1 < c1) {
       encode_chunk(c + 1);
       if (c + 2 < c1) fetch_chunk(c + 2);

@@ -227,12 +227,9 @@ bool walk_runs(const Args& a) {
   const StatePassKernel k = g_state_pass;
   if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && !env_wants_walks())) return false;
   if (a.starts) return false;  // documents: the slices' kernel
-  static const bool compiled = std::string(LINTAPE_CUDA_ARCHITECTURES).find("90a") != std::string::npos;
-  int dev = 0, major = 0, minor = 0;
+  int dev = 0;
   LT_CUDA_CHECK(cudaGetDevice(&dev));
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  return compiled && major == 9 && minor == 0;
+  return cuda::wgmma_compiled() && cuda::is_hopper(dev);
 }
 
 void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {

@@ -108,12 +108,11 @@ int64_t chunk_segments(const ChunkShape& shape, int sms, bool fused);
 enum class StatePassKernel { Auto, Slices, Walk };
 void set_state_pass_kernel(StatePassKernel kernel);
 
-// Which kernel runs the causal chunk kernels' forward (its local passes of a cut and calls with documents keep
-// the mma.sync kernel): Hopper, one wgmma block of four warpgroups per (b, h) and segment (ops/fal/
-// chunk_fwd_hopper.cu; sm_90a builds on a device of compute capability 9.0), or Chunks, the mma.sync kernel
-// (ops/fal/chunk_fwd.cu; every call). Auto: Hopper where it runs, unless LINTAPE_FAL_FORWARD=chunks. For tests,
-// which run each; process-wide, not thread-safe.
-enum class ForwardKernel { Auto, Chunks, Hopper };
+// Which kernel runs the causal chunk kernels' forward: Auto, the wgmma kernel (ops/fal/chunk_fwd_hopper.cu) where
+// it runs (sm_90a builds on a device of compute capability 9.0; not the local passes of a cut or calls with
+// documents) unless LINTAPE_FAL_FORWARD=chunks, else the mma.sync kernel (ops/fal/chunk_fwd.cu), which Chunks
+// picks for every call. For tests, which run each; process-wide, not thread-safe.
+enum class ForwardKernel { Auto, Chunks };
 void set_forward_kernel(ForwardKernel kernel);
 
 // Causal, N == M. q, k, v, g may be views whose last two dims are contiguous rows (e.g. slices of one
