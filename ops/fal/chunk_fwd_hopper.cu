@@ -377,22 +377,6 @@ void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
   LT_CUDA_CHECK_LAUNCH();
 }
 
-template <class T>
-void launch_hopper_of(const Args& a, int64_t BH, cudaStream_t st) {
-  const bool wide = a.E > 64;
-  if (a.D == 128) {
-    if (a.P == 256)
-      wide ? launch_hopper<T, 128, 256, 128>(a, BH, st) : launch_hopper<T, 128, 256, 64>(a, BH, st);
-    else
-      wide ? launch_hopper<T, 128, 128, 128>(a, BH, st) : launch_hopper<T, 128, 128, 64>(a, BH, st);
-  } else {
-    if (a.P == 128)
-      wide ? launch_hopper<T, 64, 128, 128>(a, BH, st) : launch_hopper<T, 64, 128, 64>(a, BH, st);
-    else
-      wide ? launch_hopper<T, 64, 64, 128>(a, BH, st) : launch_hopper<T, 64, 64, 64>(a, BH, st);
-  }
-}
-
 // Whether the process asked for the mma.sync forward (LINTAPE_FAL_FORWARD=chunks), read once.
 bool env_wants_chunks() {
   static const bool on = [] {
@@ -414,10 +398,13 @@ bool hopper_forward_runs(const Args& a) {
 }
 
 void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
-  if (dtype == DType::BF16)
-    launch_hopper_of<__nv_bfloat16>(a, BH, st);
-  else
-    launch_hopper_of<__half>(a, BH, st);
+  for_wgmma_shape(a, [&](auto shape) {
+    using S = decltype(shape);
+    if (dtype == DType::BF16)
+      launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, st);
+    else
+      launch_hopper<__half, S::kDP, S::kPP, S::kEP>(a, BH, st);
+  });
 }
 
 }  // namespace chunk

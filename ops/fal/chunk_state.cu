@@ -196,22 +196,6 @@ void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   LT_CUDA_CHECK_LAUNCH();
 }
 
-template <class T>
-void launch_walk_of(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
-  const bool wide = a.E > 64;
-  if (a.D == 128) {
-    if (a.P == 256)
-      wide ? launch_walk<T, 128, 256, 128>(a, BH, reverse, st) : launch_walk<T, 128, 256, 64>(a, BH, reverse, st);
-    else
-      wide ? launch_walk<T, 128, 128, 128>(a, BH, reverse, st) : launch_walk<T, 128, 128, 64>(a, BH, reverse, st);
-  } else {
-    if (a.P == 128)
-      wide ? launch_walk<T, 64, 128, 128>(a, BH, reverse, st) : launch_walk<T, 64, 128, 64>(a, BH, reverse, st);
-    else
-      wide ? launch_walk<T, 64, 64, 128>(a, BH, reverse, st) : launch_walk<T, 64, 64, 64>(a, BH, reverse, st);
-  }
-}
-
 // Whether the process asked for the walks (LINTAPE_FAL_STATE_PASS=new), read once.
 bool env_wants_walks() {
   static const bool on = [] {
@@ -233,10 +217,13 @@ bool walk_runs(const Args& a) {
 }
 
 void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
-  if (dtype == DType::BF16)
-    launch_walk_of<__nv_bfloat16>(a, BH, reverse, st);
-  else
-    launch_walk_of<__half>(a, BH, reverse, st);
+  for_wgmma_shape(a, [&](auto shape) {
+    using S = decltype(shape);
+    if (dtype == DType::BF16)
+      launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, reverse, st);
+    else
+      launch_walk<__half, S::kDP, S::kPP, S::kEP>(a, BH, reverse, st);
+  });
 }
 
 }  // namespace chunk

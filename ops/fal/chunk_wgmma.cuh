@@ -34,4 +34,26 @@ __device__ __forceinline__ uint4 staged(const T* stage, int it) {
   return *reinterpret_cast<const uint4*>(stage + idx / (W / 8) * W + (idx % (W / 8)) * 8);
 }
 
+// The instantiation of a wgmma chunk kernel for a's shape: f(WgmmaShape<DP, PP, EP>{}) with DP = D, PP = D'
+// and EP = E rounded up to 64 or 128 (D 64 or 128; D' = D or 2 D).
+template <int DP, int PP, int EP>
+struct WgmmaShape {
+  static constexpr int kDP = DP, kPP = PP, kEP = EP;
+};
+template <class F>
+void for_wgmma_shape(const Args& a, F&& f) {
+  const bool wide = a.E > 64;
+  if (a.D == 128) {
+    if (a.P == 256)
+      wide ? f(WgmmaShape<128, 256, 128>{}) : f(WgmmaShape<128, 256, 64>{});
+    else
+      wide ? f(WgmmaShape<128, 128, 128>{}) : f(WgmmaShape<128, 128, 64>{});
+  } else {
+    if (a.P == 128)
+      wide ? f(WgmmaShape<64, 128, 128>{}) : f(WgmmaShape<64, 128, 64>{});
+    else
+      wide ? f(WgmmaShape<64, 64, 128>{}) : f(WgmmaShape<64, 64, 64>{});
+  }
+}
+
 }  // namespace lintape::fal_cuda::chunk
