@@ -51,59 +51,14 @@ constexpr int kBlock = CoreColumnTile::kBlock;
 // kC, CoreColumnTile); the raw q, k, v rows of the next chunk; then the LRPE angle table in floats.
 template <int DP, int PP, int EP>
 struct HopperSmem {
-  static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kSBlock = PP * 8 + 8;
+  static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kSBlock = StateTile<PP, EP>::kBlock;
   static constexpr int kQ = 0, kK = kQ + kTileP, kV = kK + kTileP, kVd = kV + kTileE, kS = kVd + kTileE;
-  static constexpr int kP = kS + EP / 8 * kSBlock, kRawQ = kP + kC / 8 * kBlock, kRawK = kRawQ + kC * DP;
+  static constexpr int kP = kS + StateTile<PP, EP>::kElems, kRawQ = kP + kC / 8 * kBlock, kRawK = kRawQ + kC * DP;
   static constexpr int kRawV = kRawK + kC * DP, kEnd = kRawV + kC * EP;
   static constexpr size_t bytes(size_t elem) {
     return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP;
   }
 };
-
-// The staged q and k rows t0 ... t0 + kC - 1 (stage_raw's pieces of this thread) through their acts and the LRPE
-// into Q and K (CoreColumnTile), as noncausal::encode_rows does for one of them (elementwise acts: the chunk
-// kernels take no softmax). A thread's pieces of q and k sit at the same positions and share the angles,
-// computed afresh at its first row and turned to the next ones; each piece is read from shared memory where it
-// is used, 4 columns at a time (the state holds most registers). Rows past a.N are zeros.
-// act_q, act_k and cosine are a's, passed apart so that a caller with constants gets code without dispatch.
-template <class T, int DP, int NThr>
-__device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T* raw_k, const float* tab,
-                                          int64_t t0, T* qt, T* kt, int act_q, int act_k, bool cosine) {
-  constexpr int kStep = NThr / (DP / 8);
-  const int i0 = threadIdx.x / (DP / 8);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int c8 = (threadIdx.x % (DP / 8)) * 8, c4 = c8 + 4 * half;
-    float c[4], s[4];
-    if (cosine)
-#pragma unroll
-      for (int u = 0; u < 4; ++u) angle_cs(tab[c4 + u], a.position + t0 + i0, c[u], s[u]);
-#pragma unroll
-    for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
-      const int i = i0 + it * kStep;
-      const bool live = t0 + i < a.N;
-      if (cosine && it > 0)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) noncausal::rotate(c[u], s[u], tab[DP + c4 + u], tab[2 * DP + c4 + u]);
-#pragma unroll
-      for (int which = 0; which < 2; ++which) {
-        float x[4];
-        unpack_part<T, 4>(staged<T, DP, NThr>(which == 0 ? raw_q : raw_k, it), 4 * half, x);
-        act_n(x, which == 0 ? act_q : act_k, live);
-        T* tile = which == 0 ? qt : kt;
-        if (cosine) {
-          float xs[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) xs[u] = x[u] * s[u];
-          store_part<T, 4>(tile + CoreColumnTile{}(i, DP + c8) + 4 * half, xs);
-#pragma unroll
-          for (int u = 0; u < 4; ++u) x[u] *= c[u];
-        }
-        store_part<T, 4>(tile + CoreColumnTile{}(i, c8) + 4 * half, x);
-      }
-    }
-  }
-}
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Save: a.states receives S_c (every chunk's, or the even
 // chunks' with a.half_states). Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
@@ -212,11 +167,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
                                                      (t0 + i) * a.sg_t + e8));
     }
     // 1. S_c into shared memory; the barrier also publishes chunk c's tiles.
-#pragma unroll
-    for (int j = 0; j < W::NW / 8; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; r += 2)
-        store2(sbc + (scol(j) >> 3) * L::kSBlock + srow(r) * 8 + (scol(j) & 7), acc[4 * j + r], acc[4 * j + r + 1]);
+    state_to_tile<T, PP, EP, W::NW>(sbc, acc, srow, scol);
     cuda::fence_proxy_async();
     __syncthreads();
 
@@ -249,15 +200,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     if (Save && !(a.half_states && (c & 1))) {
       T* dst = static_cast<T*>(a.states) +
                (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
-      constexpr int kPieces = EP / 8, kRowsPer = NThr / kPieces;  // 16-byte pieces a row; rows a pass
-      const int e8 = (threadIdx.x % kPieces) * 8, p0 = threadIdx.x / kPieces;
-      if (e8 < a.E) {
-        T* d = dst + size_t(p0) * a.E + e8;
-        const T* src = sbc + (e8 >> 3) * L::kSBlock + p0 * 8;
-#pragma unroll 4
-        for (int p = p0; p < PP; p += kRowsPer, d += kRowsPer * a.E, src += kRowsPer * 8)
-          *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(src);
-      }
+      tile_to_memory<T, PP, EP, NThr>(sbc, dst, a.E);
     }
 
     // The masked, decayed scores of this warpgroup's keys into the chunk's score tile.

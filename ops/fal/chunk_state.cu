@@ -6,7 +6,9 @@
 //   reverse  store R_(c+1); R <- lambda^cl R + Q^T diag(gamma) dY     (c = c1 - 1 ... c0, dY = dO o gb)
 // as the slices' state kernel of ops/fal/chunk_fwd.cu does, which every call with documents keeps. Not the
 // default (LINTAPE_FAL_STATE_PASS=new): on an H100 the walks took about 1.6x the slices' time
-// (bench/notes/fal-hopper.md), one block an SM running each chunk's state stores, loads and encode in turn.
+// (bench/notes/fal-hopper.md), their state stores a chain of 4-byte stores from the registers; the state now
+// goes to memory through a shared tile in 16-byte pieces while the product runs, and the rows are encoded as
+// the wgmma forward encodes them (ops/fal/chunk_wgmma.cuh), angles afresh each chunk (session 8).
 #include <cstdlib>
 #include <string>
 #include "core/config.h"
@@ -33,12 +35,13 @@ struct WalkTiles {
   static constexpr int kX = PP / 8 * CoreColumnTile::kBlock, kZ = EP / 8 * CoreColumnTile::kBlock;
 };
 
-// Two buffers of tiles, the raw rows of the next chunk (x, z and, in reverse, dO), the angle table and the
-// threads' first-row angles.
+// Two buffers of tiles, the raw rows of the next chunk (x, z and, in reverse, dO), the state tile on its way to
+// memory and the angle table.
 template <int DP, int PP, int EP>
 constexpr size_t walk_smem_bytes(size_t elem) {
-  return elem * size_t(2 * (WalkTiles<PP, EP>::kX + WalkTiles<PP, EP>::kZ) + kC * (DP + 2 * EP)) +
-         sizeof(float) * noncausal::kAngleRows * DP + noncausal::FirstRowAngles<DP, kWalkThreads>::kBytes;
+  return elem * size_t(2 * (WalkTiles<PP, EP>::kX + WalkTiles<PP, EP>::kZ) + kC * (DP + 2 * EP) +
+                       StateTile<PP, EP>::kElems) +
+         sizeof(float) * noncausal::kAngleRows * DP;
 }
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Only where LINTAPE_WGMMA was compiled (walk_runs checks).
@@ -55,7 +58,8 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
   T* raw_x = tiles + 2 * kBuffer;
   T* raw_z = raw_x + kC * DP;
   T* raw_d = raw_z + kC * EP;
-  float* angles = reinterpret_cast<float*>(raw_d + kC * EP);
+  T* stile = raw_d + kC * EP;
+  float* angles = reinterpret_cast<float*>(stile + StateTile<PP, EP>::kElems);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gm = (warp >> 2) % W::WGM, gn = (warp >> 2) / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, Reverse);
@@ -95,8 +99,6 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
       stage_raw<T, EP, NThr>(a, static_cast<const T*>(a.dout) + bo * a.N * dts + ho * a.E, dts, t0, a.E, raw_d);
     cp_async_commit();
   };
-  noncausal::FirstRowAngles<DP, NThr> first;
-  first.kept = angles + noncausal::kAngleRows * DP;
   // The fetched rows of chunk c into buffer buf: X through the act and the LRPE, Z through its act (times dO in
   // reverse) and the row's decay (gamma_i reverse, delta_i forward; zeros past the sequence). wgmma reads them
   // through the async proxy: each writer fences.
@@ -105,10 +107,8 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
     const int cl = chunk_len(c);
     T* xs = tiles + buf * kBuffer;
     cp_async_wait_all();
-    Raw<DP, NThr> xr;
-#pragma unroll
-    for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) xr.u[it] = staged<T, DP, NThr>(raw_x, it);
-    noncausal::encode_rows<T, DP, NThr>(a, xr, Reverse ? a.act_q : a.act_k, angles, first, t0, xs, CoreColumnTile{});
+    encode_qk<T, DP, NThr>(a, raw_x, nullptr, angles, t0, xs, nullptr, Reverse ? a.act_q : a.act_k, 0,
+                           a.lrpe == FalStepSpec::kCosine);
 #pragma unroll
     for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
       const int idx = threadIdx.x + it * NThr, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
@@ -143,13 +143,11 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
   constexpr uint32_t kLbo = 8 * 16, kSbo = kBlock * sizeof(T);
   for (int s = 0; s < steps; ++s) {
     const int c = chunk_at(s);
+    // The state entering this step into the shared tile, then to memory in 16-byte pieces while the product
+    // runs (as 4-byte stores straight from the registers, each waited on the one before: 60% of the samples).
     if (states) {
-      T* dst = states + int64_t(c) * PE;
-#pragma unroll
-      for (int j = 0; j < W::NW / 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; r += 2)
-          if (col(j) < a.E) store2(dst + size_t(row(r)) * a.E + col(j), acc[4 * j + r], acc[4 * j + r + 1]);
+      state_to_tile<T, PP, EP, W::NW>(stile, acc, row, col);
+      __syncthreads();
     }
     const float carry = decay_pow(log2_lam, chunk_len(c));
 #pragma unroll
@@ -164,6 +162,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
       cuda::wgmma_mma<T, W::NW, 1, 1>(acc, cuda::wgmma_desc(xa + kk * 8, kLbo, kSbo),
                                       cuda::wgmma_desc(zb + kk * 8, kLbo, kSbo));
     cuda::wgmma_commit();
+    if (states) tile_to_memory<T, PP, EP, NThr>(stile, states + int64_t(c) * PE, a.E);  // before the next barrier
     const bool more = s + 1 < steps;
     if (more) store_chunk(chunk_at(s + 1), buf ^ 1);
     cuda::wgmma_wait<0>();

@@ -13,6 +13,38 @@ struct StateWarps {
   static_assert(WGM * WGN == 4 && NW % 16 == 0, "whole warpgroup tiles");
 };
 
+// The state in T in shared memory (S_c or R_(c+1)): PP rows by EP columns, EP / 8 blocks of PP rows of 16 bytes
+// (wgmma's MN-major layout along E, so that the forward's Y = Q S_c reads it), each block padded by 16 bytes.
+template <int PP, int EP>
+struct StateTile {
+  static constexpr int kBlock = PP * 8 + 8, kElems = EP / 8 * kBlock;
+};
+// A thread's state values (the accumulator layout of core/cuda_wgmma.cuh: value 4 j + r at row(r), column
+// col(j) + r % 2) into the tile. A warp's stores fall on 32 distinct banks.
+template <class T, int PP, int EP, int NW, class Row, class Col>
+__device__ __forceinline__ void state_to_tile(T* tile, const float (&acc)[NW / 2], Row row, Col col) {
+#pragma unroll
+  for (int j = 0; j < NW / 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2)
+      store2(tile + (col(j) >> 3) * StateTile<PP, EP>::kBlock + row(r) * 8 + (col(j) & 7), acc[4 * j + r],
+             acc[4 * j + r + 1]);
+}
+// The tile's first E columns to dst (PP rows of E, E a multiple of 8) in 16-byte pieces, a fixed piece of
+// every NThr / (EP / 8)-th row per thread. (This form kept the wgmma forward's state in its registers.)
+template <class T, int PP, int EP, int NThr>
+__device__ __forceinline__ void tile_to_memory(const T* tile, T* dst, int E) {
+  constexpr int kPieces = EP / 8, kRowsPer = NThr / kPieces;  // 16-byte pieces a row; rows a pass
+  const int e8 = (threadIdx.x % kPieces) * 8, p0 = threadIdx.x / kPieces;
+  if (e8 < E) {
+    T* d = dst + size_t(p0) * E + e8;
+    const T* src = tile + (e8 >> 3) * StateTile<PP, EP>::kBlock + p0 * 8;
+#pragma unroll 4
+    for (int p = p0; p < PP; p += kRowsPer, d += kRowsPer * E, src += kRowsPer * 8)
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(src);
+  }
+}
+
 // Rows t0 ... t0 + kC - 1, columns [0, W) of x into stage ([kC][W]) through cp.async, zeros past the sequence
 // or past cols. A thread copies the pieces that it reads back (Raw's: fetch's order), so a wait and no barrier
 // lets it read them.
@@ -32,6 +64,52 @@ template <class T, int W, int NThr>
 __device__ __forceinline__ uint4 staged(const T* stage, int it) {
   const int idx = threadIdx.x + it * NThr;
   return *reinterpret_cast<const uint4*>(stage + idx / (W / 8) * W + (idx % (W / 8)) * 8);
+}
+
+// The staged q and k rows t0 ... t0 + kC - 1 (stage_raw's pieces of this thread) through their acts and the LRPE
+// into Q and K (CoreColumnTile), as noncausal::encode_rows does (elementwise acts: the chunk kernels take no
+// softmax); with raw_k null, q's alone. A thread's pieces of q and k sit at the same positions and share the
+// angles, computed afresh at its first row and turned to the next ones; each piece is read from shared memory
+// where it is used, 4 columns at a time (the state holds most registers). Rows past a.N are zeros. act_q,
+// act_k and cosine are a's, passed apart so that a caller with constants gets code without dispatch.
+template <class T, int DP, int NThr>
+__device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T* raw_k, const float* tab,
+                                          int64_t t0, T* qt, T* kt, int act_q, int act_k, bool cosine) {
+  constexpr int kStep = NThr / (DP / 8);
+  const int i0 = threadIdx.x / (DP / 8);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int c8 = (threadIdx.x % (DP / 8)) * 8, c4 = c8 + 4 * half;
+    float c[4], s[4];
+    if (cosine)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) angle_cs(tab[c4 + u], a.position + t0 + i0, c[u], s[u]);
+#pragma unroll
+    for (int it = 0; it < Raw<DP, NThr>::kIt; ++it) {
+      const int i = i0 + it * kStep;
+      const bool live = t0 + i < a.N;
+      if (cosine && it > 0)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) noncausal::rotate(c[u], s[u], tab[DP + c4 + u], tab[2 * DP + c4 + u]);
+#pragma unroll
+      for (int which = 0; which < 2; ++which) {
+        if (which == 1 && !raw_k) break;
+        float x[4];
+        unpack_part<T, 4>(staged<T, DP, NThr>(which == 0 ? raw_q : raw_k, it), 4 * half, x);
+        act_n(x, which == 0 ? act_q : act_k, live);
+        T* tile = which == 0 ? qt : kt;
+        if (cosine) {
+          float xs[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) xs[u] = x[u] * s[u];
+          store_part<T, 4>(tile + CoreColumnTile{}(i, DP + c8) + 4 * half, xs);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) x[u] *= c[u];
+        }
+        store_part<T, 4>(tile + CoreColumnTile{}(i, c8) + 4 * half, x);
+      }
+    }
+  }
 }
 
 // The instantiation of a wgmma chunk kernel for a's shape: f(WgmmaShape<DP, PP, EP>{}) with DP = D, PP = D'
