@@ -573,7 +573,7 @@ bool supported(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec);
 // reverse R_(c+1) into a.rstates and dS0 from dS_final; with a.local, each segment's sum into a.boundary.
 void state_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st);
 // The state passes on wgmma (ops/fal/chunk_state.cu), which state_pass runs where walk_runs says they take the
-// call: the kernel chosen (set_state_pass_kernel, LINTAPE_FAL_STATE_PASS=new; the slices by default), no
+// call: the kernel chosen (set_state_pass_kernel; the walks unless LINTAPE_FAL_STATE_PASS=slices), no
 // documents, an sm_90a build on a device of compute capability 9.0.
 bool walk_runs(const Args& a);
 void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st);

@@ -4,11 +4,12 @@
 // (the pattern of the noncausal reduction, ops/fal/noncausal.cu, with its encoder). Per chunk c of the walk:
 //   forward  store S_c;     S <- lambda^cl S + K^T diag(delta) V      (c = c0 ... c1 - 1)
 //   reverse  store R_(c+1); R <- lambda^cl R + Q^T diag(gamma) dY     (c = c1 - 1 ... c0, dY = dO o gb)
-// as the slices' state kernel of ops/fal/chunk_fwd.cu does, which every call with documents keeps. Not the
-// default (LINTAPE_FAL_STATE_PASS=new): on an H100 the walks took about 1.6x the slices' time
-// (bench/notes/fal-hopper.md), their state stores a chain of 4-byte stores from the registers; the state now
-// goes to memory through a shared tile in 16-byte pieces while the product runs, and the rows are encoded as
-// the wgmma forward encodes them (ops/fal/chunk_wgmma.cuh), angles afresh each chunk (session 8).
+// as the slices' state kernel of ops/fal/chunk_fwd.cu does, which every call with documents keeps. The default
+// where it runs (LINTAPE_FAL_STATE_PASS=slices runs the slices): on an H200 the backward is 1.06-1.10x faster
+// than with the slices (bench/notes/fal-hopper.md, session 8). Each chunk's state goes to memory through a
+// shared tile in 16-byte pieces while the product runs (as a chain of 4-byte stores from the registers it made
+// the walks 1.6x slower than the slices on an H100, session 4), and the rows are encoded as the wgmma forward
+// encodes them (ops/fal/chunk_wgmma.cuh), their angles afresh each chunk.
 #include <cstdlib>
 #include <string>
 #include "core/config.h"
@@ -195,11 +196,11 @@ void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   LT_CUDA_CHECK_LAUNCH();
 }
 
-// Whether the process asked for the walks (LINTAPE_FAL_STATE_PASS=new), read once.
-bool env_wants_walks() {
+// Whether the process asked for the slices (LINTAPE_FAL_STATE_PASS=slices), read once.
+bool env_wants_slices() {
   static const bool on = [] {
     const char* v = std::getenv("LINTAPE_FAL_STATE_PASS");
-    return v && std::string(v) == "new";
+    return v && std::string(v) == "slices";
   }();
   return on;
 }
@@ -208,7 +209,7 @@ bool env_wants_walks() {
 
 bool walk_runs(const Args& a) {
   const StatePassKernel k = g_state_pass;
-  if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && !env_wants_walks())) return false;
+  if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && env_wants_slices())) return false;
   if (a.starts) return false;  // documents: the slices' kernel
   int dev = 0;
   LT_CUDA_CHECK(cudaGetDevice(&dev));

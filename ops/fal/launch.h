@@ -102,9 +102,9 @@ int64_t chunk_segments(const ChunkShape& shape, int sms, bool fused);
 // Which kernel runs the causal chunk kernels' state passes (the backward's; the forward's when it did not save
 // the chunk states; the local passes of a cut): Walk, one wgmma block per (b, h) and segment holding the whole
 // state (ops/fal/chunk_state.cu; sm_90a builds on a device of compute capability 9.0, calls without documents),
-// or Slices, mma.sync blocks per 64 x 64 state tile (ops/fal/chunk_fwd.cu; every call). Auto: Slices, or Walk
-// where it runs when LINTAPE_FAL_STATE_PASS=new (on an H100 the walks were slower: bench/notes/fal-hopper.md).
-// For tests, which run each; process-wide, not thread-safe.
+// or Slices, mma.sync blocks per 64 x 64 state tile (ops/fal/chunk_fwd.cu; every call). Auto: Walk where it
+// runs unless LINTAPE_FAL_STATE_PASS=slices, else Slices (bench/notes/fal-hopper.md, session 8). For tests,
+// which run each; process-wide, not thread-safe.
 enum class StatePassKernel { Auto, Slices, Walk };
 void set_state_pass_kernel(StatePassKernel kernel);
 
