@@ -34,6 +34,8 @@ inline bool is_hopper(int device) {
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   return major == 9 && minor == 0;
 }
+// Both: the warpgroup kernels may run on this device.
+inline bool wgmma_runs(int device) { return wgmma_compiled() && is_hopper(device); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LINTAPE_WGMMA 1

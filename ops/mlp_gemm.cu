@@ -202,7 +202,7 @@ bool swiglu_grad_product_cuda(const Tensor& dy, const Tensor& w, const Tensor& h
     if (t->dtype() != dt || !t->is_cuda() || t->device() != dh.device() || !t->is_contiguous() || !aligned16(t->data()))
       return false;
   }
-  if (!wgmma_compiled() || !is_hopper(dh.device().index)) return false;
+  if (!wgmma_runs(dh.device().index)) return false;
   if (dt == DType::BF16)
     launch<__nv_bfloat16>(dy, w, h, dh, s);
   else

@@ -337,7 +337,7 @@ bool hopper_forward_runs(const Args& a) {
   if (a.local || a.starts) return false;
   int dev = 0;
   LT_CUDA_CHECK(cudaGetDevice(&dev));
-  return cuda::wgmma_compiled() && cuda::is_hopper(dev);
+  return cuda::wgmma_runs(dev);
 }
 
 void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {

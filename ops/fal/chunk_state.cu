@@ -12,7 +12,6 @@
 // encodes them (ops/fal/chunk_wgmma.cuh), their angles afresh each chunk.
 #include <cstdlib>
 #include <string>
-#include "core/config.h"
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/chunk_wgmma.cuh"
 
@@ -213,7 +212,7 @@ bool walk_runs(const Args& a) {
   if (a.starts) return false;  // documents: the slices' kernel
   int dev = 0;
   LT_CUDA_CHECK(cudaGetDevice(&dev));
-  return cuda::wgmma_compiled() && cuda::is_hopper(dev);
+  return cuda::wgmma_runs(dev);
 }
 
 void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {

@@ -378,7 +378,7 @@ ForwardKernel kernel_from_env() {
 }  // namespace
 
 std::vector<ForwardKernel> forward_kernels(int device) {
-  if (!wgmma_compiled() || !is_hopper(device)) return {ForwardKernel::MmaSync};
+  if (!wgmma_runs(device)) return {ForwardKernel::MmaSync};
   return {ForwardKernel::MmaSync,      ForwardKernel::Warpgroup,           ForwardKernel::WarpgroupTma,
           ForwardKernel::WarpgroupPingPong, ForwardKernel::WarpgroupPersistent,
           ForwardKernel::WarpgroupPersistentPingPong};

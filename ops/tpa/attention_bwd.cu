@@ -515,7 +515,7 @@ BackwardKernel backward_kernel_from_env() {
 }  // namespace
 
 std::vector<BackwardKernel> backward_kernels(int device) {
-  if (!wgmma_compiled() || !is_hopper(device)) return {BackwardKernel::MmaSync};
+  if (!wgmma_runs(device)) return {BackwardKernel::MmaSync};
   return {BackwardKernel::MmaSync, BackwardKernel::Warpgroup, BackwardKernel::WarpgroupSplit,
           BackwardKernel::WarpgroupTma};
 }
