@@ -276,6 +276,16 @@ void check_fused_sequence(const StepConfig& c, bool causal, DType dt, uint64_t s
     fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out4, state4, segments);
     CHECK_CLOSE_TENSOR(out4.to(Device::cpu()), o_ref, dt);
     CHECK_CLOSE_TENSOR(state4.to(Device::cpu()), S_ref, dt);
+    // The mma.sync gradient kernel too (the wgmma kernel is the default where it runs): from the state passes,
+    // then from the even chunks' saved states.
+    struct RestoreGradient {
+      ~RestoreGradient() { fal_cuda::set_gradient_kernel(fal_cuda::GradientKernel::Auto); }
+    } restore_gradient;
+    fal_cuda::set_gradient_kernel(fal_cuda::GradientKernel::Chunks);
+    chunked_backward(Tensor());
+    const Tensor half = poisoned({B, H, ((N + 63) / 64 + 1) / 2, P, c.E}, dt);
+    fal_cuda::causal_forward(in[0], in[1], in[2], in[3], spec, S0, out4, state4, segments, half);
+    chunked_backward(half);
   }
 
   // The same through Impl::Fused, which records the kernels' backward on the tape (saving the chunk states: every

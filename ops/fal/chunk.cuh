@@ -584,7 +584,12 @@ void forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);
 // LINTAPE_FAL_FORWARD=chunks), not a local pass, no documents, an sm_90a build on compute capability 9.0.
 bool hopper_forward_runs(const Args& a);
 void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st);
-void gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st);  // from a.states and a.rstates
+// The gradients from a.states and a.rstates; the Hopper form where hopper_gradients_run says it takes the call.
+void gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st);
+// The gradient kernel on wgmma (ops/fal/chunk_bwd_hopper.cu): the kernel chosen (set_gradient_kernel; Auto unless
+// LINTAPE_FAL_GRADIENT=chunks), no documents, an sm_90a build on compute capability 9.0.
+bool hopper_gradients_run(const Args& a);
+void hopper_gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st);
 
 }  // namespace lintape::fal_cuda::chunk
 

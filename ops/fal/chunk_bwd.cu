@@ -419,6 +419,10 @@ void launch_grad(const Args& a, int64_t BH, cudaStream_t st) {
 
 void gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   if (a.nC == 0 || BH == 0) return;  // no tokens: no input gradients (an empty grid is no launch)
+  if (hopper_gradients_run(a)) {
+    hopper_gradients(a, dtype, BH, st);
+    return;
+  }
   const bool wide = a.E > 64;
   if (dtype == DType::BF16)
     wide ? launch_grad<__nv_bfloat16, 128>(a, BH, st) : launch_grad<__nv_bfloat16, 64>(a, BH, st);

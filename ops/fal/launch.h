@@ -115,6 +115,13 @@ void set_state_pass_kernel(StatePassKernel kernel);
 enum class ForwardKernel { Auto, Chunks };
 void set_forward_kernel(ForwardKernel kernel);
 
+// Which kernel runs the causal chunk kernels' gradients (dq, dk, dv, dg from the chunk states): Auto, the wgmma
+// kernel (ops/fal/chunk_bwd_hopper.cu) where it runs (sm_90a builds on a device of compute capability 9.0; not
+// calls with documents) unless LINTAPE_FAL_GRADIENT=chunks, else the mma.sync kernel (ops/fal/chunk_bwd.cu),
+// which Chunks picks for every call. For tests, which run each; process-wide, not thread-safe.
+enum class GradientKernel { Auto, Chunks };
+void set_gradient_kernel(GradientKernel kernel);
+
 // Causal, N == M. q, k, v, g may be views whose last two dims are contiguous rows (e.g. slices of one
 // projection): the chunk kernels read them in place, the sweep copies them. S0 (B, H, D', E) f32 or undefined
 // (zeros); writes out and S_final (B, H, D', E) f32. segments: 0 cuts the sequence as the shapes want (see
