@@ -48,7 +48,8 @@ struct GradTiles {
   static constexpr int kPrev = kC * (DP + EP), kR0Elems = StateTile<DP, EP>::kElems;
   static constexpr int kEnd = kR0 + (kR0Elems > kPrev ? kR0Elems : kPrev);
   static_assert(2 * kC * DP <= kS - kV, "the raw q and k rows fit over V, dY and the scores");
-  static_assert(StateTile<DP, EP>::kElems <= StateTile<PP, EP>::kElems, "R's second half fits S_c's place");
+  static_assert(StateTile<DP, EP>::kElems <= StateTile<PP, EP>::kElems && kTileE <= StateTile<PP, EP>::kElems,
+                "R's second half and an advance's diag(delta) V fit S_c's place");
   static constexpr size_t bytes(size_t elem) {
     return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP;
   }
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   } else {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
     // products and roundings from S_(c-1) as saved in T, the state split over the warpgroups as the walks split
-    // it. K passes through K's tile, diag(delta) V through Q's.
+    // it. K passes through K's tile, diag(delta) V through S_c's place (Q's is too narrow where E > D').
     using W = StateWarps<PP, EP>;
     const int gm = wg % W::WGM, gn = wg / W::WGM;
     const int64_t tp = t0 - kC;
@@ -149,13 +150,13 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       const float f = decay_pow(log2_lam, kC - 1 - i);
 #pragma unroll
       for (int u = 0; u < 8; ++u) y[u] *= f;
-      store8(sm + L::kQ + CoreColumnTile{}(i, c8), y);
+      store8(sm + L::kS + CoreColumnTile{}(i, c8), y);
     }
     cuda::fence_proxy_async();
     __syncthreads();
     {
       const uint64_t k_mn = cuda::wgmma_desc(sm + L::kK + gm * 8 * kBlock, kRows8, kTileBytes);
-      const uint64_t vd_mn = cuda::wgmma_desc(sm + L::kQ + gn * (W::NW / 8) * kBlock, kRows8, kTileBytes);
+      const uint64_t vd_mn = cuda::wgmma_desc(sm + L::kS + gn * (W::NW / 8) * kBlock, kRows8, kTileBytes);
       cuda::wgmma_fence_operand(acc);
       cuda::wgmma_fence();
 #pragma unroll
@@ -165,6 +166,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_wait<0>();
       cuda::wgmma_fence_operand(acc);
     }
+    __syncthreads();  // every warpgroup's product has read diag(delta) V: S_c takes its place
     state_to_tile<T, PP, EP, W::NW>(sm + L::kS, acc, srow, scol);
     cuda::fence_proxy_async();
   }
