@@ -14,6 +14,7 @@
 // K-major by dQ and dK. Calls with documents keep the mma.sync kernel. Notes: bench/notes/fal-hopper.md.
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/chunk_wgmma.cuh"
 
@@ -72,6 +73,81 @@ __device__ __forceinline__ void load_state_tile(const Args& a, const T* __restri
   }
 }
 
+// This thread's pairs of x in the accumulator layout of an n-column warpgroup tile (core/cuda_wgmma.cuh): rows
+// t_first and t_first + 8, columns col0 + 8 j + 2 (lane % 4) and the next, as loaded (two a word; zeros past the
+// sequence or past cols).
+template <class T, int NCOL>
+__device__ __forceinline__ void load_pairs(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t_first,
+                                           int col0, int cols, uint32_t (&raw)[NCOL / 8][2]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t t = t_first + 8 * r;
+#pragma unroll
+    for (int j = 0; j < NCOL / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      raw[j][r] = t < a.N && col < cols ? *reinterpret_cast<const uint32_t*>(x + t * ts + col) : 0u;
+    }
+  }
+}
+
+// dst = act'(x) d for those elements, d = acc (o mul when given); x and mul from load_pairs.
+template <class T, int NCOL>
+__device__ __forceinline__ void store_act_grad(const Args& a, const float (&acc)[NCOL / 2],
+                                               const uint32_t (&raw)[NCOL / 8][2], const uint32_t (*mul)[NCOL / 8][2],
+                                               int act, T* dst, int64_t ts, int64_t t_first, int col0) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t t = t_first + 8 * r;
+#pragma unroll
+    for (int j = 0; j < NCOL / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      float x[2], d[2] = {acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]};
+      load2(reinterpret_cast<const T*>(&raw[j][r]), x[0], x[1]);
+      if (mul) {
+        float m[2];
+        load2(reinterpret_cast<const T*>(&(*mul)[j][r]), m[0], m[1]);
+        d[0] *= m[0], d[1] *= m[1];
+      }
+      act_grad_n(x, d, act);
+      if (t < a.N && col < a.E) store2(dst + t * ts + col, d[0], d[1]);
+    }
+  }
+}
+
+// The raw rows' gradient dst = act'(x) (cos d0 + sin d1) for those elements of D / 4 raw columns (d0 alone without
+// the LRPE): the transposed LRPE folds both halves of the encoded rows' gradient. The angles at the thread's first
+// row are turned by 8 tokens (tab: noncausal::fill_angles) for its second.
+template <class T, int DP, int DO, bool Two>
+__device__ __forceinline__ void store_folded(const Args& a, const float (&d0)[DO / 2], const float (&d1)[DO / 2],
+                                             const uint32_t (&raw)[DO / 8][2], const float* tab, int act, T* dst,
+                                             int64_t ts, int64_t t_first, int col0) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < DO / 8; ++j) {
+    const int col = col0 + 8 * j + 2 * (lane & 3);
+    float cs[2] = {1.0f, 1.0f}, sn[2] = {0.0f, 0.0f};
+    if (Two)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) angle_cs(tab[col + u], a.position + t_first, cs[u], sn[u]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (Two && r == 1)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) noncausal::rotate(cs[u], sn[u], tab[3 * DP + col + u], tab[4 * DP + col + u]);
+      float x[2], gx[2];
+      load2(reinterpret_cast<const T*>(&raw[j][r]), x[0], x[1]);
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        gx[u] = Two ? cs[u] * d0[4 * j + 2 * r + u] + sn[u] * d1[4 * j + 2 * r + u] : d0[4 * j + 2 * r + u];
+      act_grad_n(x, gx, act);
+      const int64_t t = t_first + 8 * r;
+      if (t < a.N) store2(dst + t * ts + col, gx[0], gx[1]);
+    }
+  }
+}
+
 template <class T, int DP, int PP, int EP, bool Half>
 __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
@@ -106,12 +182,16 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   auto trow = [&](int r) { return 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
   auto tcol = [&](int c0, int j) { return c0 + 8 * j + 2 * (lane & 3); };
 
-  // 1. The raw q, k rows (group 1), then S_c (group 2) unless it is advanced here.
+  // 1. The raw q, k rows (group 1), then S_c (group 2) unless it is advanced here (then chunk c - 1's raw k and v
+  // rows come first, group 0).
   if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
-  stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
-  stage_raw<T, DP, NThr>(a, k, a.sk_t, t0, a.D, sm + L::kV + kC * DP);
-  cp_async_commit();
+  auto stage_qk = [&] {
+    stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
+    stage_raw<T, DP, NThr>(a, k, a.sk_t, t0, a.D, sm + L::kV + kC * DP);
+    cp_async_commit();
+  };
   if (!advance) {
+    stage_qk();
     load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
     cp_async_commit();
   } else {
@@ -124,22 +204,20 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_raw<T, DP, NThr>(a, k, a.sk_t, tp, a.D, sm + L::kR0);
     stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
     cp_async_commit();
+    stage_qk();
     auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
     auto scol = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
-    float acc[W::NW / 2];
-    const float carry = decay_pow(log2_lam, kC);
+    // S_(c-1)'s values of this thread as loaded (two a word), unpacked once the encode has hidden their latency.
+    uint32_t sraw[W::NW / 4];
 #pragma unroll
     for (int j = 0; j < W::NW / 8; ++j)
 #pragma unroll
       for (int r = 0; r < 4; r += 2) {
         const int e = scol(j);
-        float x0 = 0.0f, x1 = 0.0f;
-        if (e < a.E) load2(S + size_t(srow(r)) * a.E + e, x0, x1);
-        acc[4 * j + r] = x0 * carry;
-        acc[4 * j + r + 1] = x1 * carry;
+        sraw[2 * j + r / 2] = e < a.E ? *reinterpret_cast<const uint32_t*>(S + size_t(srow(r)) * a.E + e) : 0u;
       }
-    cp_async_wait<0>();
-    __syncthreads();  // the angle table
+    cp_async_wait<1>();  // chunk c - 1's rows (the chunk's own q and k may still be in flight)
+    __syncthreads();     // the angle table
     encode_qk<T, DP, NThr>(a, sm + L::kR0, nullptr, tab, tp, sm + L::kK, nullptr, a.act_k, a.act_k, cosine);
 #pragma unroll
     for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
@@ -153,6 +231,14 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       store8(sm + L::kS + CoreColumnTile{}(i, c8), y);
     }
     cuda::fence_proxy_async();
+    float acc[W::NW / 2];
+    const float carry = decay_pow(log2_lam, kC);
+#pragma unroll
+    for (int i = 0; i < W::NW / 4; ++i) {
+      load2(reinterpret_cast<const T*>(&sraw[i]), acc[2 * i], acc[2 * i + 1]);
+      acc[2 * i] *= carry;
+      acc[2 * i + 1] *= carry;
+    }
     __syncthreads();
     {
       const uint64_t k_mn = cuda::wgmma_desc(sm + L::kK + gm * 8 * kBlock, kRows8, kTileBytes);
@@ -228,13 +314,18 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   cuda::fence_proxy_async();
   __syncthreads();
 
-  // 3. Y and dQ from S_c.
+  // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load during the second
+  // products (during the first, ptxas spills).
+  const bool model_acts = a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu &&
+                          a.act_v == FalStepSpec::kNone && a.act_g == FalStepSpec::kSilu;
+  const int64_t t_first = t0 + trow(0);  // the thread's rows: t_first and t_first + 8
   {
     float y[EO / 2], d0[DO / 2], d1[DO / 2];
 #pragma unroll
     for (int i = 0; i < EO / 2; ++i) y[i] = 0.0f;
 #pragma unroll
     for (int i = 0; i < DO / 2; ++i) d0[i] = d1[i] = 0.0f;
+    uint32_t graw[EO / 8][2], draw[EO / 8][2], qraw[DO / 8][2];
     {
       const uint64_t q_k = cuda::wgmma_desc(sm + L::kQ, kTileBytes, kRows8);
       const uint64_t s_mn = cuda::wgmma_desc(sm + L::kS + (wg * EO / 8) * L::kSBlock, kRows8, kSBytes);
@@ -292,69 +383,36 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
                                        desc_at(k_mn, DP / 8 * kTileBytes + 2 * ks * kRows8));
       }
       cuda::wgmma_commit();
+      load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
+      load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
+      load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
+      cuda::wgmma_wait<0>();
+      cuda::wgmma_fence_operand(y);
+      cuda::wgmma_fence_operand(d0);
+      cuda::wgmma_fence_operand(d1);
     }
-    // The raw g, dO and q values of this thread's dg and dq elements load while the products run.
-    uint32_t graw[EO / 8][2], draw[EO / 8][2], qraw[DO / 8][2];
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int64_t t = t0 + trow(r);
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j) {
-        const int e = tcol(wg * EO, j);
-        const bool in = t < a.N && e < a.E;
-        graw[j][r / 2] = in ? *reinterpret_cast<const uint32_t*>(g + t * a.sg_t + e) : 0u;
-        draw[j][r / 2] = in ? *reinterpret_cast<const uint32_t*>(dout + t * out_ts + e) : 0u;
-      }
-#pragma unroll
-      for (int j = 0; j < DO / 8; ++j)
-        qraw[j][r / 2] = t < a.N ? *reinterpret_cast<const uint32_t*>(q + t * a.sq_t + tcol(wg * DO, j)) : 0u;
-    }
-    cuda::wgmma_wait<0>();
-    cuda::wgmma_fence_operand(y);
-    cuda::wgmma_fence_operand(d0);
-    cuda::wgmma_fence_operand(d1);
-    // dg = act_g'(g) (dO o Y); dq = act_q'(q) (cos dQ_0 + sin dQ_1).
+    // dg = act_g'(g) (dO o Y); dq = act_q'(q) (cos dQ_0 + sin dQ_1). The model's acts as constants: code without
+    // dispatch.
     T* dg = at_head<T>(a.dg, b, a.sdg_b, h, a.E);
     T* dq = at_head<T>(a.dq, b, a.sdq_b, h, a.D);
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int64_t t = t0 + trow(r);
-      if (t >= a.N) continue;
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j) {
-        const int e = tcol(wg * EO, j);
-        if (e >= a.E) continue;
-        float gv[2], dv[2];
-        load2(reinterpret_cast<const T*>(&graw[j][r / 2]), gv[0], gv[1]);
-        load2(reinterpret_cast<const T*>(&draw[j][r / 2]), dv[0], dv[1]);
-        dv[0] *= y[4 * j + r], dv[1] *= y[4 * j + r + 1];
-        act_grad_n(gv, dv, a.act_g);
-        store2(dg + t * a.sdg_t + e, dv[0], dv[1]);
-      }
-#pragma unroll
-      for (int j = 0; j < DO / 8; ++j) {
-        const int d = tcol(wg * DO, j);
-        float x[2], gx[2];
-        load2(reinterpret_cast<const T*>(&qraw[j][r / 2]), x[0], x[1]);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          gx[u] = d0[4 * j + r + u];
-          if (kTwo) {
-            float cs, sn;
-            angle_cs(tab[d + u], a.position + t, cs, sn);
-            gx[u] = cs * gx[u] + sn * d1[4 * j + r + u];
-          }
-        }
-        act_grad_n(x, gx, a.act_q);
-        store2(dq + t * a.sdq_t + d, gx[0], gx[1]);
-      }
-    }
+    auto epilogue = [&](auto fixed) {
+      constexpr bool kFixed = decltype(fixed)::value;
+      store_act_grad<T, EO>(a, y, graw, &draw, kFixed ? int(FalStepSpec::kSilu) : a.act_g, dg, a.sdg_t, t_first,
+                            wg * EO);
+      store_folded<T, DP, DO, kTwo>(a, d0, d1, qraw, tab, kFixed ? int(FalStepSpec::kSilu) : a.act_q, dq, a.sdq_t,
+                                    t_first, wg * DO);
+    };
+    if (model_acts)
+      epilogue(std::true_type{});
+    else
+      epilogue(std::false_type{});
   }
   cp_async_wait<0>();  // R_(c+1) is in
   cuda::fence_proxy_async();
   __syncthreads();
 
-  // 4. dV and dK from R_(c+1): its first half in R0's place, its second in S_c's.
+  // 4. dV and dK from R_(c+1): its first half in R0's place, its second in S_c's. The raw v (when it has an act)
+  // and k values of this thread's dv and dk elements load meanwhile.
   {
     const T* r_half[2] = {sm + L::kR0, sm + L::kS};
     float dvo[EO / 2], k0[DO / 2], k1[DO / 2];
@@ -362,6 +420,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     for (int i = 0; i < EO / 2; ++i) dvo[i] = 0.0f;
 #pragma unroll
     for (int i = 0; i < DO / 2; ++i) k0[i] = k1[i] = 0.0f;
+    uint32_t vraw[EO / 8][2], kraw[DO / 8][2];
     {
       const uint64_t v_k = cuda::wgmma_desc(sm + L::kV, kTileBytes, kRows8);
       cuda::wgmma_fence_operand(dvo);
@@ -385,6 +444,8 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
         }
       }
       cuda::wgmma_commit();
+      if (a.act_v != FalStepSpec::kNone) load_pairs<T, EO>(a, v, a.sv_t, t_first, wg * EO, a.E, vraw);
+      load_pairs<T, DO>(a, k, a.sk_t, t_first, wg * DO, a.D, kraw);
       cuda::wgmma_wait<0>();
       cuda::wgmma_fence_operand(dvo);
       cuda::wgmma_fence_operand(k0);
@@ -416,59 +477,24 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
                                        desc_at(q_mn, DP / 8 * kTileBytes + 2 * ks * kRows8));
       }
       cuda::wgmma_commit();
+      cuda::wgmma_wait<0>();
+      cuda::wgmma_fence_operand(dvo);
+      cuda::wgmma_fence_operand(k0);
+      cuda::wgmma_fence_operand(k1);
     }
-    // The raw v (when it has an act) and k values of this thread's dv and dk elements load meanwhile.
-    const bool v_act = a.act_v != FalStepSpec::kNone;
-    uint32_t vraw[EO / 8][2], kraw[DO / 8][2];
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int64_t t = t0 + trow(r);
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j) {
-        const int e = tcol(wg * EO, j);
-        vraw[j][r / 2] = v_act && t < a.N && e < a.E ? *reinterpret_cast<const uint32_t*>(v + t * a.sv_t + e) : 0u;
-      }
-#pragma unroll
-      for (int j = 0; j < DO / 8; ++j)
-        kraw[j][r / 2] = t < a.N ? *reinterpret_cast<const uint32_t*>(k + t * a.sk_t + tcol(wg * DO, j)) : 0u;
-    }
-    cuda::wgmma_wait<0>();
-    cuda::wgmma_fence_operand(dvo);
-    cuda::wgmma_fence_operand(k0);
-    cuda::wgmma_fence_operand(k1);
     T* dv = at_head<T>(a.dv, b, a.sdv_b, h, a.E);
     T* dk = at_head<T>(a.dk, b, a.sdk_b, h, a.D);
-#pragma unroll
-    for (int r = 0; r < 4; r += 2) {
-      const int64_t t = t0 + trow(r);
-      if (t >= a.N) continue;
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j) {
-        const int e = tcol(wg * EO, j);
-        if (e >= a.E) continue;
-        float x[2], d[2] = {dvo[4 * j + r], dvo[4 * j + r + 1]};
-        load2(reinterpret_cast<const T*>(&vraw[j][r / 2]), x[0], x[1]);
-        act_grad_n(x, d, a.act_v);
-        store2(dv + t * a.sdv_t + e, d[0], d[1]);
-      }
-#pragma unroll
-      for (int j = 0; j < DO / 8; ++j) {
-        const int d = tcol(wg * DO, j);
-        float x[2], gx[2];
-        load2(reinterpret_cast<const T*>(&kraw[j][r / 2]), x[0], x[1]);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          gx[u] = k0[4 * j + r + u];
-          if (kTwo) {
-            float cs, sn;
-            angle_cs(tab[d + u], a.position + t, cs, sn);
-            gx[u] = cs * gx[u] + sn * k1[4 * j + r + u];
-          }
-        }
-        act_grad_n(x, gx, a.act_k);
-        store2(dk + t * a.sdk_t + d, gx[0], gx[1]);
-      }
-    }
+    auto epilogue = [&](auto fixed) {
+      constexpr bool kFixed = decltype(fixed)::value;
+      store_act_grad<T, EO>(a, dvo, vraw, nullptr, kFixed ? int(FalStepSpec::kNone) : a.act_v, dv, a.sdv_t, t_first,
+                            wg * EO);
+      store_folded<T, DP, DO, kTwo>(a, k0, k1, kraw, tab, kFixed ? int(FalStepSpec::kSilu) : a.act_k, dk, a.sdk_t,
+                                    t_first, wg * DO);
+    };
+    if (model_acts)
+      epilogue(std::true_type{});
+    else
+      epilogue(std::false_type{});
   }
 #endif
 }
