@@ -30,12 +30,7 @@ namespace chunk {
 
 namespace {
 
-// The warpgroups over the PP x EP state of an advance: WGM along P by WGN along E, each MT tiles of 64 rows.
-template <int PP, int EP, int NWG>
-struct AdvanceWarps {
-  static constexpr int WGM = PP / 64 < NWG ? PP / 64 : NWG, WGN = NWG / WGM, MT = PP / 64 / WGM, NW = EP / WGN;
-  static_assert(WGM * WGN == NWG && NW % 16 == 0, "whole warpgroup tiles");
-};
+constexpr int kGradWgThreads = 512;
 constexpr int kBlock = CoreColumnTile::kBlock;
 
 // A descriptor moved by `bytes` (a multiple of 16) within shared memory.
@@ -153,13 +148,13 @@ __device__ __forceinline__ void store_folded(const Args& a, const float (&d0)[DO
   }
 }
 
-template <class T, int DP, int PP, int EP, int NWG, bool Half>
-__global__ void __launch_bounds__(128 * NWG, 1) hopper_grad_kernel(Args a) {
+template <class T, int DP, int PP, int EP, bool Half>
+__global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
   using L = GradTiles<DP, PP, EP>;
-  constexpr int NThr = 128 * NWG, EO = EP / NWG, DO = DP / NWG, KS = kC / NWG;  // a warpgroup's E, raw D and key columns
+  constexpr int NThr = kGradWgThreads, EO = EP / 4, DO = DP / 4;  // a warpgroup's E and raw D columns
   constexpr bool kTwo = PP == 2 * DP;                              // the cosine LRPE's two halves
   constexpr uint32_t kRows8 = 8 * 16, kTileBytes = kBlock * sizeof(T);
   constexpr uint32_t kSBytes = L::kSBlock * sizeof(T), kRBytes = L::kRBlock * sizeof(T);
@@ -203,27 +198,24 @@ __global__ void __launch_bounds__(128 * NWG, 1) hopper_grad_kernel(Args a) {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
     // products and roundings from S_(c-1) as saved in T, the state split over the warpgroups as the walks split
     // it. K passes through K's tile, diag(delta) V through S_c's place (Q's is too narrow where E > D').
-    using W = AdvanceWarps<PP, EP, NWG>;
+    using W = StateWarps<PP, EP>;
     const int gm = wg % W::WGM, gn = wg / W::WGM;
     const int64_t tp = t0 - kC;
     stage_raw<T, DP, NThr>(a, k, a.sk_t, tp, a.D, sm + L::kR0);
     stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
     cp_async_commit();
     stage_qk();
-    auto srow = [&](int mt, int r) { return 64 * (gm * W::MT + mt) + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
+    auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
     auto scol = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
     // S_(c-1)'s values of this thread as loaded (two a word), unpacked once the encode has hidden their latency.
-    uint32_t sraw[W::MT][W::NW / 4];
+    uint32_t sraw[W::NW / 4];
 #pragma unroll
-    for (int mt = 0; mt < W::MT; ++mt)
+    for (int j = 0; j < W::NW / 8; ++j)
 #pragma unroll
-      for (int j = 0; j < W::NW / 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-          const int e = scol(j);
-          sraw[mt][2 * j + r / 2] =
-              e < a.E ? *reinterpret_cast<const uint32_t*>(S + size_t(srow(mt, r)) * a.E + e) : 0u;
-        }
+      for (int r = 0; r < 4; r += 2) {
+        const int e = scol(j);
+        sraw[2 * j + r / 2] = e < a.E ? *reinterpret_cast<const uint32_t*>(S + size_t(srow(r)) * a.E + e) : 0u;
+      }
     cp_async_wait<1>();  // chunk c - 1's rows (the chunk's own q and k may still be in flight)
     __syncthreads();     // the angle table
     encode_qk<T, DP, NThr>(a, sm + L::kR0, nullptr, tab, tp, sm + L::kK, nullptr, a.act_k, a.act_k, cosine);
@@ -239,38 +231,29 @@ __global__ void __launch_bounds__(128 * NWG, 1) hopper_grad_kernel(Args a) {
       store8(sm + L::kS + CoreColumnTile{}(i, c8), y);
     }
     cuda::fence_proxy_async();
-    float acc[W::MT][W::NW / 2];
+    float acc[W::NW / 2];
     const float carry = decay_pow(log2_lam, kC);
 #pragma unroll
-    for (int mt = 0; mt < W::MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < W::NW / 4; ++i) {
-        load2(reinterpret_cast<const T*>(&sraw[mt][i]), acc[mt][2 * i], acc[mt][2 * i + 1]);
-        acc[mt][2 * i] *= carry;
-        acc[mt][2 * i + 1] *= carry;
-      }
+    for (int i = 0; i < W::NW / 4; ++i) {
+      load2(reinterpret_cast<const T*>(&sraw[i]), acc[2 * i], acc[2 * i + 1]);
+      acc[2 * i] *= carry;
+      acc[2 * i + 1] *= carry;
+    }
     __syncthreads();
     {
+      const uint64_t k_mn = cuda::wgmma_desc(sm + L::kK + gm * 8 * kBlock, kRows8, kTileBytes);
       const uint64_t vd_mn = cuda::wgmma_desc(sm + L::kS + gn * (W::NW / 8) * kBlock, kRows8, kTileBytes);
-#pragma unroll
-      for (int mt = 0; mt < W::MT; ++mt) cuda::wgmma_fence_operand(acc[mt]);
+      cuda::wgmma_fence_operand(acc);
       cuda::wgmma_fence();
 #pragma unroll
-      for (int mt = 0; mt < W::MT; ++mt) {
-        const uint64_t k_mn = cuda::wgmma_desc(sm + L::kK + (gm * W::MT + mt) * 8 * kBlock, kRows8, kTileBytes);
-#pragma unroll
-        for (int kk = 0; kk < kC; kk += 16)
-          cuda::wgmma_mma<T, W::NW, 1, 1>(acc[mt], desc_at(k_mn, kk * 16), desc_at(vd_mn, kk * 16));
-      }
+      for (int kk = 0; kk < kC; kk += 16)
+        cuda::wgmma_mma<T, W::NW, 1, 1>(acc, desc_at(k_mn, kk * 16), desc_at(vd_mn, kk * 16));
       cuda::wgmma_commit();
       cuda::wgmma_wait<0>();
-#pragma unroll
-      for (int mt = 0; mt < W::MT; ++mt) cuda::wgmma_fence_operand(acc[mt]);
+      cuda::wgmma_fence_operand(acc);
     }
     __syncthreads();  // every warpgroup's product has read diag(delta) V: S_c takes its place
-#pragma unroll
-    for (int mt = 0; mt < W::MT; ++mt)
-      state_to_tile<T, PP, EP, W::NW>(sm + L::kS, acc[mt], [&](int r) { return srow(mt, r); }, scol);
+    state_to_tile<T, PP, EP, W::NW>(sm + L::kS, acc, srow, scol);
     cuda::fence_proxy_async();
   }
   Raw<EP, NThr> vr, gr, dr;
@@ -294,31 +277,31 @@ __global__ void __launch_bounds__(128 * NWG, 1) hopper_grad_kernel(Args a) {
 
   // 2. The masked, decayed scores Am and Bm, this warpgroup's keys.
   {
-    float sc[KS / 2], bc[KS / 2];
+    float sc[8], bc[8];
 #pragma unroll
-    for (int i = 0; i < KS / 2; ++i) sc[i] = bc[i] = 0.0f;
+    for (int i = 0; i < 8; ++i) sc[i] = bc[i] = 0.0f;
     const uint64_t q_k = cuda::wgmma_desc(sm + L::kQ, kTileBytes, kRows8);
-    const uint64_t k_k = cuda::wgmma_desc(sm + L::kK + KS * wg * 8, kTileBytes, kRows8);
+    const uint64_t k_k = cuda::wgmma_desc(sm + L::kK + 16 * wg * 8, kTileBytes, kRows8);
     const uint64_t dy_k = cuda::wgmma_desc(sm + L::kDY, kTileBytes, kRows8);
-    const uint64_t v_k = cuda::wgmma_desc(sm + L::kV + KS * wg * 8, kTileBytes, kRows8);
+    const uint64_t v_k = cuda::wgmma_desc(sm + L::kV + 16 * wg * 8, kTileBytes, kRows8);
     cuda::wgmma_fence_operand(sc);
     cuda::wgmma_fence_operand(bc);
     cuda::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < PP / 16; ++ks)
-      cuda::wgmma_mma<T, KS, 0, 0>(sc, desc_at(q_k, 2 * ks * kTileBytes), desc_at(k_k, 2 * ks * kTileBytes));
+      cuda::wgmma_mma<T, 16, 0, 0>(sc, desc_at(q_k, 2 * ks * kTileBytes), desc_at(k_k, 2 * ks * kTileBytes));
 #pragma unroll
     for (int ks = 0; ks < EP / 16; ++ks)
-      cuda::wgmma_mma<T, KS, 0, 0>(bc, desc_at(dy_k, 2 * ks * kTileBytes), desc_at(v_k, 2 * ks * kTileBytes));
+      cuda::wgmma_mma<T, 16, 0, 0>(bc, desc_at(dy_k, 2 * ks * kTileBytes), desc_at(v_k, 2 * ks * kTileBytes));
     cuda::wgmma_commit();
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operand(sc);
     cuda::wgmma_fence_operand(bc);
 #pragma unroll
-    for (int j = 0; j < KS / 8; ++j)
+    for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int r = 0; r < 4; r += 2) {
-        const int t = trow(r), s = tcol(KS * wg, j);
+        const int t = trow(r), s = tcol(16 * wg, j);
         const float w0 = s <= t ? decay_pow(log2_lam, t - s) : 0.0f;
         const float w1 = s + 1 <= t ? decay_pow(log2_lam, t - s - 1) : 0.0f;
         const int at = (s >> 3) * kBlock + t * 8 + (s & 7);
@@ -516,13 +499,12 @@ __global__ void __launch_bounds__(128 * NWG, 1) hopper_grad_kernel(Args a) {
 #endif
 }
 
-template <class T, int DP, int PP, int EP, int NWG>
+template <class T, int DP, int PP, int EP>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
-  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, NWG, true>
-                              : hopper_grad_kernel<T, DP, PP, EP, NWG, false>;
+  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), 128 * NWG, smem, st>>>(a);
+  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -531,13 +513,6 @@ bool env_wants_chunks() {
   static const bool on = [] {
     const char* v = std::getenv("LINTAPE_FAL_GRADIENT");
     return v && std::string(v) == "chunks";
-  }();
-  return on;
-}
-bool env_wants_two() {
-  static const bool on = [] {
-    const char* v = std::getenv("LINTAPE_FAL_GRADIENT");
-    return v && std::string(v) == "wg2";
   }();
   return on;
 }
@@ -556,16 +531,10 @@ bool hopper_gradients_run(const Args& a) {
 void hopper_gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
-    if (env_wants_two()) {
-      if (dtype == DType::BF16)
-        launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, 2>(a, BH, st);
-      else
-        launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP, 2>(a, BH, st);
-    } else if (dtype == DType::BF16) {
-      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, 4>(a, BH, st);
-    } else {
-      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP, 4>(a, BH, st);
-    }
+    if (dtype == DType::BF16)
+      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, st);
+    else
+      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP>(a, BH, st);
   });
 }
 
