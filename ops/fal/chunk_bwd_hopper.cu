@@ -57,29 +57,20 @@ struct GradTiles {
 };
 
 // Rows [p0, p0 + ROWS) of a chunk's stored state (P x E in T) into a StateTile<ROWS, EP> by cp.async (no commit);
-// columns past E are zeros. A thread copies one 16-byte column piece of every NThr / (EP / 8)-th row; where E is
-// EP the rows' distance is a constant, so that the copies' addresses are one register and immediate offsets
-// (computed apart, each copy held the registers the next one's address needed).
-template <class T, int ROWS, int EP, int NThr, bool kFixedRows = true>
+// columns past E are zeros.
+template <class T, int ROWS, int EP, int NThr>
 __device__ __forceinline__ void load_state_tile(const Args& a, const T* __restrict__ st, int p0, T* tile) {
-  constexpr int kPieces = EP / 8, kRowsPer = NThr / kPieces, kIt = ROWS / kRowsPer;
-  static_assert(NThr % kPieces == 0 && ROWS % kRowsPer == 0, "whole pieces per thread");
-  const int p = threadIdx.x / kPieces, e8 = (threadIdx.x % kPieces) * 8;
-  T* dst = tile + (e8 >> 3) * StateTile<ROWS, EP>::kBlock + p * 8;
-  if (e8 >= a.E) {
+  constexpr int kPieces = EP / 8;
+  static_assert(ROWS * kPieces % NThr == 0, "whole pieces per thread");
 #pragma unroll
-    for (int it = 0; it < kIt; ++it) *reinterpret_cast<uint4*>(dst + it * kRowsPer * 8) = make_uint4(0, 0, 0, 0);
-    return;
+  for (int it = 0; it < ROWS * kPieces / NThr; ++it) {
+    const int idx = threadIdx.x + it * NThr, p = idx / kPieces, e8 = (idx % kPieces) * 8;
+    T* dst = tile + (e8 >> 3) * StateTile<ROWS, EP>::kBlock + p * 8;
+    if (e8 < a.E)
+      cp_async16(dst, st + int64_t(p0 + p) * a.E + e8);
+    else
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
-  auto copy = [&](auto E) {
-    const T* src = st + int64_t(p0 + p) * E + e8;
-#pragma unroll
-    for (int it = 0; it < kIt; ++it) cp_async16(dst + it * kRowsPer * 8, src + int64_t(it * kRowsPer) * E);
-  };
-  if (kFixedRows && a.E == EP)
-    copy(std::integral_constant<int, EP>{});
-  else
-    copy(a.E);
 }
 
 // This thread's pairs of x in the accumulator layout of an n-column warpgroup tile (core/cuda_wgmma.cuh): rows
@@ -363,7 +354,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     }
     __syncthreads();  // every warpgroup has read S_c: R's second half takes its place (group 4)
     if constexpr (kTwo) {
-      load_state_tile<T, DP, EP, NThr, false>(a, R, DP, sm + L::kS);  // (the fixed form spills here)
+      load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
       cp_async_commit();
     }
 #pragma unroll
