@@ -1,6 +1,7 @@
 // Internal to the FAL family: what the causal chunk kernels on Hopper's warpgroup products share (the state
-// pass walks of ops/fal/chunk_state.cu and the forward of ops/fal/chunk_fwd_hopper.cu): the split of a D' x E
-// f32 state over four warpgroups, and the staging of a chunk's raw rows in shared memory by cp.async.
+// pass walks of ops/fal/chunk_state.cu, the forward of ops/fal/chunk_fwd_hopper.cu, the gradient kernel of
+// ops/fal/chunk_bwd_hopper.cu): the split of a D' x E f32 state over four warpgroups, its shared tile, the
+// staging of a chunk's raw rows in shared memory by cp.async and their encode.
 #pragma once
 #include "ops/fal/noncausal.cuh"
 
