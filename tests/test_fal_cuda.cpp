@@ -1,10 +1,11 @@
 // FAL family on CUDA: the fused decoding step against the CPU reference (whole sequence in f64), its launcher
 // on poisoned outputs, and the fused sequence kernels
 // (noncausal and causal, called directly on poisoned outputs and through Impl::Fused) against the reference,
-// the step and their memory budget.
+// the step.
 #include <cmath>
 #include <string>
 #include <vector>
+#include "fal_cuda_helpers.h"
 #include "helpers.h"
 #include "ops/fal/fal.h"
 #include "core/allocator.h"
@@ -17,34 +18,9 @@
 
 using namespace lintape;
 using namespace lintape::test;
+using namespace lintape::test::fal_cuda_cases;
 
 namespace {
-
-struct StepConfig {
-  std::string name;
-  FalLrpe lrpe;
-  int64_t D, E;
-  ActSpec q, k, v, g;
-  bool decay;
-  int64_t theta_cols = 0;  // rotate: theta (H, theta_cols) when > 0, else (1, D/2)
-};
-
-FalOptions step_options(const StepConfig& c, int64_t H, Device dev) {
-  FalOptions o;
-  o.q = c.q;
-  o.k = c.k;
-  o.v = c.v;
-  o.g = c.g;
-  o.lrpe = c.lrpe;
-  o.causal = true;
-  if (c.lrpe == FalLrpe::Cosine) o.theta = rates({H, c.D}, dev);
-  if (c.lrpe == FalLrpe::Rotate) o.theta = c.theta_cols > 0 ? rates({H, c.theta_cols}, dev) : rates({1, c.D / 2}, dev);
-  if (c.decay) o.decay = from_vector({0.9, 0.99, 0.5}, {H}, DType::F32, dev);
-  return o;
-}
-
-const ActSpec kNone{}, kSilu{Act::Silu, ActDim::None}, kSoft{Act::Softmax, ActDim::Feature},
-    kSigmoid{Act::Sigmoid, ActDim::None}, kRelu{Act::Relu, ActDim::None};
 
 const std::vector<StepConfig> kStepConfigs = {
     {"cosine D 128 E 128 silu decay", FalLrpe::Cosine, 128, 128, kSilu, kSilu, kNone, kSilu, true},
@@ -115,37 +91,7 @@ TEST_CASE("cuda fal step launcher writes every element" * LT_CUDA_CASE) {
 
 namespace {
 
-#if LINTAPE_WITH_CUDA
-// The launchers' description of a StepConfig (as ops/fal/fal.cpp builds it).
-FalStepSpec kernel_spec(const StepConfig& c, const FalOptions& o) {
-  auto code = [](const ActSpec& a) {
-    return a.act == Act::Relu      ? FalStepSpec::kRelu
-           : a.act == Act::Sigmoid ? FalStepSpec::kSigmoid
-           : a.act == Act::Silu    ? FalStepSpec::kSilu
-           : a.act == Act::Softmax ? FalStepSpec::kSoftmaxFeature
-                                   : FalStepSpec::kNone;
-  };
-  FalStepSpec spec;
-  spec.act_q = code(c.q);
-  spec.act_k = code(c.k);
-  spec.act_v = code(c.v);
-  spec.act_g = code(c.g);
-  spec.lrpe = c.lrpe == FalLrpe::Cosine   ? FalStepSpec::kCosine
-              : c.lrpe == FalLrpe::Rotate ? FalStepSpec::kRotate
-                                          : FalStepSpec::kNoLrpe;
-  spec.theta = o.theta;
-  spec.position = o.offset;
-  spec.decay = o.decay;
-  return spec;
-}
-#endif
 
-const std::vector<StepConfig> kSequenceConfigs = {
-    {"cosine D 64 E 32 silu decay", FalLrpe::Cosine, 64, 32, kSilu, kSilu, kNone, kSilu, true},
-    {"rotate D 128 E 64 softmax q and g, relu v", FalLrpe::Rotate, 128, 64, kSoft, kSilu, kRelu, kSoft, false},
-    {"cosine D 128 E 128 sigmoid k, softmax v", FalLrpe::Cosine, 128, 128, kSilu, kSigmoid, kSoft, kSilu, true},
-    {"none D 64 E 80 no acts", FalLrpe::None, 64, 80, kNone, kNone, kNone, kNone, true},
-};
 
 // Fused (launchers on poisoned outputs, then Impl::Auto through the tape) against the f64 reference: the
 // output, the final state, the four input gradients and dS0, with the final state's gradient fed in.
@@ -761,76 +707,3 @@ TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CU
 // Forward through the op: the output and the states. Backward through the launchers (the tape adds its own
 // buffers for the incoming gradients): the states only, the gradients being allocated by the caller. Noncausal
 // f32 and causal f32 run the sweeps; noncausal and causal bf16 the chunk kernels.
-TEST_CASE("cuda fal fused peak memory" * LT_CUDA_CASE) {
-  LT_REQUIRE_CUDA();
-#if LINTAPE_WITH_CUDA
-  const int64_t B = 2, N = 300, H = 3, slack = 8 * 512;
-  const StepConfig& c = kSequenceConfigs[0];
-  const int64_t P = fal_state_rows(c.lrpe, c.D);
-  for (int kind = 0; kind < 4; ++kind) {
-    const bool causal = kind == 1 || kind == 2;
-    const DType dt = kind == 1 || kind == 3 ? DType::F32 : DType::BF16;
-    CAPTURE(causal);
-    CAPTURE(dtype_name(dt));
-    std::vector<Tensor> in;
-    uint64_t seed = 500;
-    for (const Shape& s : {Shape{B, N, H, c.D}, Shape{B, N, H, c.D}, Shape{B, N, H, c.E}, Shape{B, N, H, c.E}})
-      in.push_back(randn(s, dt, gpu(), seed++));
-    const Tensor S0 = causal ? randn({B, H, P, c.E}, DType::F32, gpu(), seed++) : Tensor();
-    FalOptions o = step_options(c, H, gpu());
-    o.causal = causal;
-    if (!causal) o.decay = Tensor();
-    const FalStepSpec spec = kernel_spec(c, o);
-    const bool chunked = causal && fal_cuda::causal_chunked(dt, c.D, c.E, spec);
-    const bool nc_chunked = !causal && fal_cuda::noncausal_chunked(dt, c.D, c.E, spec);
-    CHECK(chunked == (kind == 2));
-    CHECK(nc_chunked == (kind == 0));
-    const Tensor dout = randn({B, N, H, c.E}, dt, gpu(), seed++);
-    const int64_t state_bytes = B * H * P * c.E * 4, out_bytes = B * N * H * c.E * int64_t(dtype_size(dt));
-    // Noncausal sweep reductions keep one partial state per slice of the sequence (64 tokens or more each); the
-    // noncausal chunk reductions one (b, h) state per (b, h) and per run of 8 or more chunks; causal sweeps one
-    // state per segment when they cut the sequence (B x H = 6 is far below the SMs: they do); the causal chunk
-    // kernels one state per inner segment boundary (they cut too), in the backward with two states per 64-token
-    // chunk in the inputs' dtype (S_c and R_(c+1)).
-    const int sms = cuda::sm_count(gpu().index);
-    const int64_t segments = fal_cuda::causal_segments(B * H, N, sms), nC = (N + 63) / 64;
-    if (causal) CHECK(segments > 1);
-    const fal_cuda::ChunkShape shape{B * H, nC, c.D, P, c.E};
-    const int64_t fwd_cut = fal_cuda::chunk_segments(shape, sms, true);
-    const int64_t bwd_cut = fal_cuda::chunk_segments(shape, sms, false);
-    if (chunked) CHECK(fwd_cut > 1);
-    if (chunked) CHECK(bwd_cut > 1);
-    const int64_t partials = causal ? (segments > 1 ? segments : 0) : (N + 63) / 64;
-    const int64_t chunk_states = B * H * nC * P * c.E * int64_t(dtype_size(dt));
-    const int64_t nc_partials = ((B * H * ((N + 63) / 64) + 7) / 8 + B * H) * P * c.E * 4;
-    const int64_t fwd_extra = chunked      ? (fwd_cut - 1) * state_bytes
-                              : nc_chunked ? nc_partials
-                                           : partials * state_bytes;
-
-    int64_t base = int64_t(memory_stats(gpu()).in_use);
-    reset_peak_memory(gpu());
-    Tensor out = causal ? fal_with_state(in[0], in[1], in[2], in[3], S0, o, Impl::Fused).first
-                        : fal(in[0], in[1], in[2], in[3], o, Impl::Fused);
-    CHECK(int64_t(memory_stats(gpu()).peak) - base <= out_bytes + state_bytes + fwd_extra + slack);
-
-    Tensor state = empty({B, H, P, c.E}, DType::F32, gpu());
-    std::vector<Tensor> grads;
-    for (const Tensor& t : in) grads.push_back(empty(t.shape(), dt, gpu()));
-    Tensor dS0 = causal ? empty(S0.shape(), DType::F32, gpu()) : Tensor();
-    if (!causal) fal_cuda::noncausal_forward(in[0], in[1], in[2], in[3], spec, state, out);
-    base = int64_t(memory_stats(gpu()).in_use);
-    reset_peak_memory(gpu());
-    if (causal)
-      fal_cuda::causal_backward(in[0], in[1], in[2], in[3], spec, S0, dout, Tensor(), grads[0], grads[1], grads[2],
-                                grads[3], dS0);
-    else
-      fal_cuda::noncausal_backward(in[0], in[1], in[2], in[3], spec, state, dout, grads[0], grads[1], grads[2],
-                                   grads[3]);
-    const int64_t bwd_extra = chunked      ? 2 * chunk_states + (bwd_cut - 1) * state_bytes
-                              : causal     ? partials * state_bytes
-                              : nc_chunked ? state_bytes + nc_partials  // dkv, partials
-                                           : (1 + partials) * state_bytes;
-    CHECK(int64_t(memory_stats(gpu()).peak) - base <= bwd_extra + slack);
-  }
-#endif
-}
