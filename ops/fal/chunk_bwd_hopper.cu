@@ -73,6 +73,20 @@ __device__ __forceinline__ void load_state_tile(const Args& a, const T* __restri
   }
 }
 
+// Row r's values (value 4 j + r of the accumulator layout) of one accumulator tile and of two others times
+// f(r): the decays gamma and delta of the chunk's rows.
+template <int NE, int ND, class F>
+__device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], float (&d1)[ND], F f) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float x = f(r);
+#pragma unroll
+    for (int j = 0; j < NE / 4; ++j) e[4 * j + r] *= x;
+#pragma unroll
+    for (int j = 0; j < ND / 4; ++j) d0[4 * j + r] *= x, d1[4 * j + r] *= x;
+  }
+}
+
 // This thread's pairs of x in the accumulator layout of an n-column warpgroup tile (core/cuda_wgmma.cuh): rows
 // t_first and t_first + 8, columns col0 + 8 j + 2 (lane % 4) and the next, as loaded (two a word; zeros past the
 // sequence or past cols).
@@ -357,14 +371,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
       cp_async_commit();
     }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float gamma = decay_pow(log2_lam, trow(r) + 1);
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j) y[4 * j + r] *= gamma;
-#pragma unroll
-      for (int j = 0; j < DO / 8; ++j) d0[4 * j + r] *= gamma, d1[4 * j + r] *= gamma;
-    }
+    scale_acc_rows(y, d0, d1, [&](int r) { return decay_pow(log2_lam, trow(r) + 1); });  // gamma
     {
       const uint64_t am_k = cuda::wgmma_desc(sm + L::kAm, kTileBytes, kRows8);
       const uint64_t v_mn = cuda::wgmma_desc(sm + L::kV + (wg * EO / 8) * kBlock, kRows8, kTileBytes);
@@ -451,14 +458,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(k0);
       cuda::wgmma_fence_operand(k1);
     }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float delta = decay_pow(log2_lam, cl - 1 - trow(r));
-#pragma unroll
-      for (int j = 0; j < EO / 8; ++j) dvo[4 * j + r] *= delta;
-#pragma unroll
-      for (int j = 0; j < DO / 8; ++j) k0[4 * j + r] *= delta, k1[4 * j + r] *= delta;
-    }
+    scale_acc_rows(dvo, k0, k1, [&](int r) { return decay_pow(log2_lam, cl - 1 - trow(r)); });  // delta
     {
       const uint64_t am_mn = cuda::wgmma_desc(sm + L::kAm, kRows8, kTileBytes);
       const uint64_t dy_mn = cuda::wgmma_desc(sm + L::kDY + (wg * EO / 8) * kBlock, kRows8, kTileBytes);
