@@ -33,8 +33,6 @@ namespace {
 constexpr int kGradWgThreads = 512;
 constexpr int kBlock = CoreColumnTile::kBlock;
 
-// A descriptor moved by `bytes` (a multiple of 16) within shared memory.
-__device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) { return desc + uint64_t(bytes >> 4); }
 
 // Shared memory in elements of T: Q, K (kC x PP), V, dY (kC x EP), Am, Bm (kC x kC), all CoreColumnTile; S_c
 // (StateTile<PP, EP>); R_(c+1)'s first LRPE half (StateTile<DP, EP>; its second half takes S_c's place); then

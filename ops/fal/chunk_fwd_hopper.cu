@@ -42,8 +42,6 @@ __device__ __forceinline__ T* opaque_ptr(T* p) {
   asm volatile("" : "+l"(p));
   return p;
 }
-// A descriptor moved by `bytes` (a multiple of 16) within shared memory: its start address field.
-__device__ __forceinline__ uint64_t desc_at(uint64_t desc, int bytes) { return desc + uint64_t(bytes >> 4); }
 constexpr int kBlock = CoreColumnTile::kBlock;
 
 // Shared memory, in elements of T from the start: Q and K (kC x PP), V and diag(delta) V (kC x EP), all in

@@ -7,6 +7,10 @@
 
 namespace lintape::fal_cuda::chunk {
 
+// A wgmma descriptor (core/cuda_wgmma.cuh) moved by `bytes` (a multiple of 16) within shared memory: its start
+// address field.
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) { return desc + uint64_t(bytes >> 4); }
+
 // The 4 warpgroups over the PP x EP state: WGM along P (64 rows each) by WGN along E (NW columns each).
 template <int PP, int EP>
 struct StateWarps {
