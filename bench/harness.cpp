@@ -8,10 +8,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <set>
 #include <fmt/format.h>
 #include "autograd/tape.h"
 #include "bench/report.h"
+#include "train/step_graph.h"
 #if LINTAPE_WITH_CUDA
 #include "core/cuda.h"
 #endif
@@ -44,7 +46,7 @@ int64_t in_use(Device d) { return int64_t(memory_stats(d).in_use); }
 
 // Speed: one input set, then as many more (up to 4) as it takes for all of them together to exceed twice
 // the cache, so that rotating among them keeps the cache from flattering the time.
-double time_case(const Config& cfg, Case c, size_t cache_bytes, int min_reps, double min_ms) {
+double time_case(const Config& cfg, Case c, size_t cache_bytes, int min_reps, double min_ms, bool cuda_graph) {
   int64_t before = in_use(c.device);
   std::vector<Call> sets{cfg.make(c)};
   synchronize(c.device);
@@ -54,7 +56,19 @@ double time_case(const Config& cfg, Case c, size_t cache_bytes, int min_reps, do
     c.seed = uint64_t(s);
     sets.push_back(cfg.make(c));
   }
-  return median_ms(sets, c.device, min_reps, min_ms);
+  if (!cuda_graph || !c.device.is_cuda()) return median_ms(sets, c.device, min_reps, min_ms);
+  // One graph per input set: its first run is eager (lazy state), the second captures it; timing replays.
+  std::vector<std::unique_ptr<StepGraph>> graphs;
+  std::vector<Call> replays;
+  for (const Call& call : sets) {
+    graphs.push_back(std::make_unique<StepGraph>(c.device, true));
+    StepGraph* g = graphs.back().get();
+    replays.push_back([g, call] { g->run(call); });
+    for (int i = 0; i < 2; ++i) replays.back()();
+  }
+  synchronize(c.device);
+  LT_CHECK(graphs.front()->replaying(), "not captured as a CUDA graph: ", graphs.front()->why());
+  return median_ms(replays, c.device, min_reps, min_ms);
 }
 
 // Memory: the peak bytes in use while one call runs, counted from before its inputs were built (so
@@ -240,8 +254,9 @@ void run(const std::vector<const Benchmark*>& benchmarks, const RunOptions& o) {
                                                   info.sms, double(info.memory_bytes) / (kMiB * 1024),
                                                   double(info.l2_bytes) / kMiB, info.cc_major, info.cc_minor)
                                     : info.name;
-  fmt::print("lintape bench on {}: {}; dtype {}{}\n", dev.name(), where, dtype_name(o.dtype),
-             o.quick ? "; quick" : "");
+  LT_CHECK(!o.cuda_graph || dev.is_cuda(), "[bench] --cuda-graph needs a CUDA device; got ", dev.name());
+  fmt::print("lintape bench on {}: {}; dtype {}{}{}\n", dev.name(), where, dtype_name(o.dtype),
+             o.quick ? "; quick" : "", o.cuda_graph ? "; times of CUDA graph replays" : "");
 
   // The copy bandwidth every floor is measured against: bytes read + written over the median time.
   const int64_t copy_bytes = copy_reference_mib(dev) << 20;
@@ -262,6 +277,7 @@ void run(const std::vector<const Benchmark*>& benchmarks, const RunOptions& o) {
                         {"device_id", dev.name()},
                         {"dtype", dtype_name(o.dtype)},
                         {"quick", o.quick},
+                        {"cuda_graph", o.cuda_graph},
                         {"copy_GBps", copy_bytes_per_ms / 1e6},
                         {"rows", nlohmann::json::array()}};
   std::set<std::string> noted;
@@ -287,7 +303,8 @@ void run(const std::vector<const Benchmark*>& benchmarks, const RunOptions& o) {
             for (size_t p = 0; p < b->providers.size(); ++p) {
               Case c{ns[i], b->providers[p], mode, dev, o.dtype, 0};
               try {
-                t.values[p][i] = metric == Metric::Speed ? time_case(cfg, c, cache_bytes, min_reps, min_ms)
+                t.values[p][i] = metric == Metric::Speed
+                                     ? time_case(cfg, c, cache_bytes, min_reps, min_ms, o.cuda_graph)
                                                          : memory_case(cfg, c);
               } catch (const Error& e) {  // the table shows -1; each distinct reason is said once
                 if (noted.insert(e.what()).second) {

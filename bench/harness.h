@@ -32,6 +32,10 @@ struct RunOptions {
   int reps = 0;             // least number of timed calls; 0: 20 (quick: 10 on CUDA, 5 on the CPU)
   std::string json_path;    // rows go here, one plot per table into <json_path>.plots/<title>.svg; empty: neither
   int64_t document_length = 0;  // ops that take documents: cut every row into documents of this many tokens
+  // CUDA: time each call replayed from a CUDA graph captured once per input set (the kernels' time without the
+  // host's launch work, as a graphed decode or training step runs them); a call that cannot be captured runs
+  // eagerly and is said so.
+  bool cuda_graph = false;
 };
 
 // What one input set is built for. Each set of a case gets its own seed.

@@ -14,7 +14,7 @@ namespace {
 
 struct BenchArgs {
   std::string op, device, mode = "all", metric = "all", n, dtype = "bf16", json;
-  bool list = false, quick = false;
+  bool list = false, quick = false, cuda_graph = false;
   int reps = 0;
   int64_t documents = 0;
   bench::TrainBenchOptions train;  // `bench train` only
@@ -67,6 +67,9 @@ std::vector<const bench::Benchmark*> pick_benchmarks(const std::string& op) {
 void bench_command(const BenchArgs& a) {
   if (a.list) return list_benchmarks();
   if (a.op == "train") {
+    if (a.cuda_graph)
+      throw UsageError("--cuda-graph is for the ops' tables: bench train replays its step as a CUDA graph already "
+                       "(--no-cuda-graph turns that off)");
     bench::TrainBenchOptions train = a.train;
     if (a.dtype_given) train.compute_dtype = dtype_from_name(a.dtype);
     train.document_length = a.documents;
@@ -83,6 +86,9 @@ void bench_command(const BenchArgs& a) {
   o.reps = a.reps;
   o.json_path = a.json;
   o.document_length = a.documents;
+  o.cuda_graph = a.cuda_graph;
+  if (o.cuda_graph && !o.device.is_cuda())
+    throw UsageError(fmt::format("--cuda-graph needs a CUDA device; got {}", o.device.name()));
   if (!a.n.empty()) o.ns = parse_sizes(a.n);
   if (a.mode != "all") o.modes = {a.mode == "fwd" ? bench::Mode::Fwd : bench::Mode::Bwd};
   if (a.metric != "all") o.metrics = {a.metric == "speed" ? bench::Metric::Speed : bench::Metric::Memory};
@@ -122,6 +128,8 @@ Command add_bench_command(CLI::App& app) {
       ->each([a](const std::string&) { a->dtype_given = true; });
   bench->add_option("--json", a->json, "Write JSON rows to FILE and an SVG plot per table into FILE.plots/");
   bench->add_flag("--quick", a->quick, "Fewer sizes and repetitions");
+  bench->add_flag("--cuda-graph", a->cuda_graph,
+                  "CUDA: time each call replayed from a CUDA graph (the kernels without the host's launch work)");
   bench->add_option("--reps", a->reps, "Least number of timed calls per measurement (default 20; quick: 10, CPU 5)")
       ->check(at_least_one());
   bench->add_option("--documents", a->documents,

@@ -68,6 +68,8 @@ if(NOT EXISTS "${WORK}/train.json")
 endif()
 expect(2 "--batch applies to bench train only" bench copy --device cpu --batch 4)
 expect(2 "--no-cuda-graph applies to bench train only" bench copy --device cpu --no-cuda-graph)
+expect(2 "--cuda-graph needs a CUDA device; got cpu" bench copy --device cpu --cuda-graph)
+expect(2 "bench train replays its step as a CUDA graph already" bench train --device cpu --cuda-graph)
 # On the CPU the step is never a graph: --no-cuda-graph is accepted and the table is the same.
 expect(0 "tokens/s +ms/step +MFU.*\n +[0-9]+ +[0-9.]+ +n/a" bench train --device cpu --preset tiny --batch 1 --seq 32
        --vocab 256 --steps 1 --warmup 0 --no-cuda-graph)
