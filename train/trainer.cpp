@@ -215,8 +215,9 @@ bool Trainer::checkpoint(TrainResult& result) {
   // complete before any rank goes on (and a later run with any number of ranks can resume from it).
   // Sharded: gathered, by every rank.
   const std::map<std::string, Tensor> moments = session_.optimizer->state_dict();
+  const int64_t position = next_batches_ ? position_before_next_ : data_->position();  // before a step drawn ahead
   if (comm.rank() == 0)
-    save_checkpoint(options_.checkpoint_dir, *session_.model, moments, config_, {step_, data_->position()},
+    save_checkpoint(options_.checkpoint_dir, *session_.model, moments, config_, {step_, position},
                     config_.keep_checkpoints);
   comm.barrier();
   return true;
@@ -282,8 +283,6 @@ std::vector<std::pair<Batch, double>> Trainer::draw_step_batches() {
   double targets = 0;  // this rank's, then every rank's
   for (int64_t m = 0; m < config_.grad_accum; ++m) {
     Batch b = rank_slice(data_->next_train(), comm);
-    context_sum_ += mean_causal_context(b.documents, config_.model.seq_len);
-    ++context_batches_;
     const std::vector<int64_t> t = b.targets.to_vector<int64_t>();
     const double count = double(std::count_if(t.begin(), t.end(), [](int64_t v) { return v >= 0; }));
     targets += count;
@@ -294,6 +293,21 @@ std::vector<std::pair<Batch, double>> Trainer::draw_step_batches() {
   // the gradients' reduction takes the mean), the step's loss is the mean over all of them, exactly.
   for (auto& [b, w] : micro)
     w = targets > 0 ? w * double(comm.size()) / targets : 1.0 / double(config_.grad_accum);
+  return micro;
+}
+
+std::vector<std::pair<Batch, double>> Trainer::take_step_batches() {
+  std::vector<std::pair<Batch, double>> micro;
+  if (next_batches_) {
+    micro = std::move(*next_batches_);
+    next_batches_.reset();
+  } else {
+    micro = draw_step_batches();
+  }
+  for (const auto& batch : micro) {
+    context_sum_ += mean_causal_context(batch.first.documents, config_.model.seq_len);
+    ++context_batches_;
+  }
   last_batch_ = micro.back().first;
   return micro;
 }
@@ -302,7 +316,7 @@ double Trainer::forward_backward() {
   Communicator& comm = Communicator::world();
   session_.model->zero_grad();
   double loss = 0;
-  const std::vector<std::pair<Batch, double>> batches = draw_step_batches();
+  const std::vector<std::pair<Batch, double>> batches = take_step_batches();
   for (size_t micro = 0; micro < batches.size(); ++micro) {
     const auto& [b, weight] = batches[micro];
     Tensor l = session_.model->loss(b.tokens.to(options_.device), b.targets.to(options_.device),
@@ -325,7 +339,7 @@ double Trainer::forward_backward() {
 std::pair<double, std::optional<Trainer::StepNumbers>> Trainer::queued_step() {
   // The data's tokens are below the model's vocabulary (checked when it opens), so the embedding's and the
   // loss's checks, which a captured step skips, would not fire.
-  const std::vector<std::pair<Batch, double>> batches = draw_step_batches();
+  const std::vector<std::pair<Batch, double>> batches = take_step_batches();
   inputs_.resize(batches.size());
   for (size_t m = 0; m < batches.size(); ++m) {
     const auto& [b, weight] = batches[m];
@@ -335,6 +349,13 @@ std::pair<double, std::optional<Trainer::StepNumbers>> Trainer::queued_step() {
   AdamW& optimizer = *session_.optimizer;
   optimizer.set_learning_rate(lr);
   graph_->run([this] { session_.queue_step(inputs_, config_.grad_clip); });
+  // While the device runs the step, the host draws the next one's batches (each rank makes the global batch
+  // and keeps its rows, and the ranks sum their targets), off the step's path: on four GPUs that took the
+  // step from 92.6% to 94.7% of four times one GPU. A checkpoint saves the data's position before them.
+  if (step_ + 1 < config_.steps) {
+    position_before_next_ = data_->position();
+    next_batches_ = draw_step_batches();
+  }
   // Several ranks: the wait for the step (the queued all-reduces) under the timeout, so that a rank that
   // fails or stops ends the job instead of hanging it.
   Communicator::world().wait_device(options_.device);

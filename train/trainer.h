@@ -125,8 +125,13 @@ class Trainer {
   double context_sum_ = 0;
   int64_t context_batches_ = 0;
   // The step's micro-batches (this rank's rows), each with its loss's weight: its count of targets over
-  // the global batch's, times the ranks; the last into last_batch_.
+  // the global batch's, times the ranks.
   std::vector<std::pair<Batch, double>> draw_step_batches();
+  // The batches of the step about to run (drawn ahead by the last queued step, or now), counted into the
+  // context's mean; the last into last_batch_.
+  std::vector<std::pair<Batch, double>> take_step_batches();
+  std::optional<std::vector<std::pair<Batch, double>>> next_batches_;  // queued steps: drawn during the last one
+  int64_t position_before_next_ = 0;  // the data's position before next_batches_ (what a checkpoint saves)
   std::unique_ptr<StepGraph> graph_;               // queued steps only
   bool graph_said_ = false;                        // the log told whether the step is a CUDA graph
   std::vector<StepInputs> inputs_;  // queued steps: each micro-batch's buffers
