@@ -685,22 +685,16 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
   int64_t resident = 0;
   if (cluster) {
-    // The cluster sizes up to the one asked for, each with the blocks it runs at once with every cluster of
-    // the grid resident (a grid past the resident clusters runs a second wave); the largest size within a
-    // tenth of the most blocks wins. Each cluster leaves one partial result, and the sequence's last block
-    // reads them all: at B 8, M 8192 clusters of 1 (33 a sequence) against 4 (8 clusters) took 43.6 against
-    // 37.0 us on an H100, the last block's combine 12.5 against 6.8 of it.
+    // Each size up to the one asked for runs some blocks at once with every cluster of the grid resident (past
+    // that, a second wave); the largest within a tenth of the most wins, as each cluster leaves one partial for
+    // the last block to read (H100, B 8 M 8192: clusters of 1, 32 partials, 43.6 us; of 4, 8 partials, 37.0).
     int64_t blocks[kMaxCluster + 1] = {}, most = 0;
     for (int c = cluster; c >= 1; --c) {
       blocks[c] = resident_with(c) / c / B * c;
       most = std::max(most, blocks[c]);
     }
-    int best = 1;
-    for (int c = cluster; c >= 1; --c)
-      if (10 * blocks[c] >= 9 * most) {
-        best = c;
-        break;
-      }
+    int best = cluster;
+    while (best > 1 && 10 * blocks[best] < 9 * most) --best;
     cluster = best;
     resident = std::max<int64_t>(blocks[best], 1) * B;
   } else {
