@@ -1,7 +1,7 @@
-// Launch-cost probe for the TPA decode's short-cache floor (bench/notes/tpa-decode.md, session 10): a call of the
-// decode kernel takes ~13 us at M = 1 even replayed from a CUDA graph or when it returns at once. This times kernels
+// Launch-cost probe for the TPA decode's short-cache floor (bench/notes/tpa-decode.md, session 10): the decode kernel
+// takes ~13 us at M = 1 replayed from a CUDA graph (eager calls are host-bound at about as long). This times kernels
 // that do nothing, one attribute of the decode's launch added at a time, with the bench's event pattern (an event
-// pair around each launch, back to back, median), eager and as one-node CUDA graphs.
+// pair around each launch, back to back, median), eager and as one-node CUDA graphs: what the launch itself costs.
 //   nvcc -O2 -arch=sm_90a -std=c++17 bench/notes/launch-probe.cu -o /tmp/launch-probe && /tmp/launch-probe
 #include <cuda_runtime.h>
 #include <algorithm>
