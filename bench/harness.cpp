@@ -67,7 +67,7 @@ double time_case(const Config& cfg, Case c, size_t cache_bytes, int min_reps, do
     for (int i = 0; i < 2; ++i) replays.back()();
   }
   synchronize(c.device);
-  LT_CHECK(graphs.front()->replaying(), "not captured as a CUDA graph: ", graphs.front()->why());
+  for (const auto& g : graphs) LT_CHECK(g->replaying(), "not captured as a CUDA graph: ", g->why());
   return median_ms(replays, c.device, min_reps, min_ms);
 }
 
@@ -305,7 +305,7 @@ void run(const std::vector<const Benchmark*>& benchmarks, const RunOptions& o) {
               try {
                 t.values[p][i] = metric == Metric::Speed
                                      ? time_case(cfg, c, cache_bytes, min_reps, min_ms, o.cuda_graph)
-                                                         : memory_case(cfg, c);
+                                     : memory_case(cfg, c);
               } catch (const Error& e) {  // the table shows -1; each distinct reason is said once
                 if (noted.insert(e.what()).second) {
                   std::fflush(stdout);
