@@ -391,6 +391,62 @@ TEST_CASE("cuda tpa attention backward kernels at the tiles' edges, ranks 1 and 
 #endif
 }
 
+// The batch split over launches (one entry a launch, then two: a short last launch) gives the bits of one launch,
+// forward (every forward kernel the device runs) and backward (every backward kernel), outputs poisoned first.
+TEST_CASE("cuda tpa attention: the batch in several launches gives the bits of one" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  const AttnShape s{3, 200, 200, 3, 6, 2, 2, 128, true};
+  const FactorInputs in = attention_inputs(s, DType::BF16, 31);
+  tpa_cuda::AttentionArgs a{in.gpu[0], in.gpu[1], in.gpu[2], in.gpu[3], in.gpu[4], in.gpu[5], s.causal,
+                            1.0 / std::sqrt(double(s.D))};
+  auto forward = [&](int per_launch) {
+    a.batch_per_launch = per_launch;
+    Tensor out = empty({s.B, s.N, s.H, s.D}, DType::BF16, gpu()), lse = empty({s.B, s.N, s.H}, DType::F32, gpu());
+    poison_(out);
+    poison_(lse);
+    tpa_cuda::attention_forward(a, out, lse);
+    return std::make_pair(out, lse);
+  };
+  for (tpa_cuda::ForwardKernel k : tpa_cuda::forward_kernels(gpu().index)) {
+    CAPTURE(int(k));
+    a.forward_kernel = k;
+    const auto [out, lse] = forward(0);
+    CHECK(all_finite(out));
+    for (int per_launch : {1, 2}) {
+      CAPTURE(per_launch);
+      const auto [o, l] = forward(per_launch);
+      CHECK(o.to(Device::cpu()).to_vector<double>() == out.to(Device::cpu()).to_vector<double>());
+      CHECK(l.to(Device::cpu()).to_vector<double>() == lse.to(Device::cpu()).to_vector<double>());
+    }
+  }
+  a.forward_kernel = tpa_cuda::ForwardKernel::Auto;
+  const auto [out, lse] = forward(0);
+  const Tensor dout = randn(out.shape(), DType::BF16, gpu(), 33);
+  for (tpa_cuda::BackwardKernel k : tpa_cuda::backward_kernels(gpu().index)) {
+    CAPTURE(int(k));
+    a.backward_kernel = k;
+    std::vector<std::vector<double>> runs[3];
+    for (int per_launch : {0, 1, 2}) {
+      a.batch_per_launch = per_launch;
+      tpa_cuda::FactorGrads fg;
+      Tensor* grads[] = {&fg.aq, &fg.bq, &fg.ak, &fg.bk, &fg.av, &fg.bv};
+      for (size_t i = 0; i < 6; ++i) {
+        *grads[i] = empty(in.gpu[i].shape(), DType::BF16, gpu());
+        poison_(*grads[i]);
+      }
+      tpa_cuda::attention_backward(a, out, lse, dout, fg);
+      for (Tensor* t : grads) {
+        CHECK(all_finite(*t));
+        runs[per_launch].push_back(t->to(Device::cpu()).to_vector<double>());
+      }
+    }
+    CHECK(runs[1] == runs[0]);
+    CHECK(runs[2] == runs[0]);
+  }
+#endif
+}
+
 TEST_CASE("cuda tpa attention fused keeps no q, k, v or scores" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
   const AttnShape s{2, 512, 512, 4, 6, 2, 2, 64, true};
@@ -431,7 +487,7 @@ TEST_CASE("cuda tpa attention fused backward keeps no dq, dk or dv" * LT_CUDA_CA
   for (const Tensor& t : leaves) CHECK(all_finite(t.grad()));
 }
 
-TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces within their bound" * LT_CUDA_CASE) {
+TEST_CASE("cuda tpa attention split backward: dk and dv through 16-bit workspaces within their bound" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   // Both split forms (the second fed by a TMA producer warp), where the device runs them.
@@ -462,11 +518,11 @@ TEST_CASE("cuda tpa attention split backward: dk and dv through f32 workspaces w
       reset_peak_memory(gpu());
       const size_t before = memory_stats(gpu()).in_use;
       tpa_cuda::attention_backward(a, out, lse, dout, fg);
-      // Beside the gradients: dq, dk and dv in f32 (N H + 2 M H) D floats a batch entry (here the whole batch in
-      // one launch), the bf16 q (and with the producer warp the bf16 k and v rows), Delta, and the turns' counters
-      // within 4 KiB; no basis workspaces.
+      // Beside the gradients: dq in f32 (N H D floats a batch entry; here the whole batch in one launch), dk and
+      // dv in bf16 (2 M H D), the bf16 q (and with the producer warp the bf16 k and v rows), Delta, and the turns'
+      // counters within 4 KiB; no basis workspaces.
       const size_t kv = k == BackwardKernel::WarpgroupTma ? size_t(2 * s.B * s.M * s.H * s.D) * 2 : 0;
-      const size_t ws = size_t(s.B * (s.N * s.H + 2 * s.M * s.H) * s.D) * 4 + out.nbytes() + kv;
+      const size_t ws = size_t(s.B * s.N * s.H * s.D) * 4 + size_t(2 * s.B * s.M * s.H * s.D) * 2 + out.nbytes() + kv;
       CHECK(memory_stats(gpu()).peak - before <= ws + size_t(s.B * s.N * s.H) * 4 + 4096);
       for (size_t i = 0; i < 6; ++i) {
         CAPTURE(kAttentionNames[i + 1]);

@@ -7,7 +7,8 @@ attention: batch 8, head 16 (--attention-shapes 8x16,16x6 adds the small model's
            (6, 2, 2), causal: einsum for q, k, v then scaled_dot_product_attention, forward and
            forward + backward (reported as backward alone).
 
-Medians of CUDA-event timings after a warm-up; peak memory from torch.cuda.max_memory_allocated.
+Medians of CUDA-event timings after a warm-up; peak memory from torch.cuda.max_memory_allocated, counted from
+before the call's inputs are built (inputs, dout and fresh gradients included), as `lintape bench` counts it.
 Usage: python3 bench/peers/tpa_peer.py [--quick] [--decode-ms 2048,32768] [--attention-ns 2048,8192]
        [--attention-shapes 8x16,16x6] [--no-decode] [--json FILE]
 (torch.compile recompiles for every decode shape, so a short --decode-ms list keeps the run short.)
@@ -23,13 +24,18 @@ from timing import median_ms
 DT = torch.bfloat16
 
 
-def peak_mib(fn):
+def peak_mib(make, run):
+    """Peak MiB of run(make()), counted as `lintape bench --metric memory` counts: from before the inputs are
+    built, so the inputs, dout and the gradients (fresh, none kept from an earlier call) are included."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fn()
+    args = make()
+    run(*args)
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    peak = torch.cuda.max_memory_allocated() - base
+    del args
+    return peak / 2**20
 
 
 def naive_decode(aq, bq, ak, bk, av, bv):
@@ -85,8 +91,14 @@ def main():
                 torch.autograd.backward(out, dout)
 
             both = median_ms(fwd_bwd)
-            mem_f = peak_mib(lambda: einsum_sdpa(*f))
-            mem_b = peak_mib(fwd_bwd)
+            def fresh():
+                return factors(B, n, H, D, (6, 2, 2), True), torch.randn(B, H, n, D, device="cuda", dtype=DT)
+
+            def fwd_bwd_of(g, d):
+                torch.autograd.backward(einsum_sdpa(*g), d)
+
+            mem_f = peak_mib(fresh, lambda g, d: einsum_sdpa(*g))
+            mem_b = peak_mib(fresh, fwd_bwd_of)
             print(f"{n:>6} {fwd:>9.3f} {both - fwd:>9.3f} {mem_f:>9.1f} {mem_b:>12.1f}")
             rows.append({"op": "tpa_attention", "batch": B, "head": H, "n": n, "fwd_ms": fwd, "bwd_ms": both - fwd,
                          "fwd_mib": mem_f, "fwd_bwd_mib": mem_b})
@@ -109,7 +121,7 @@ def main():
             a = (aq, bq, ak, bk, av, bv)
             t_naive = median_ms(lambda: naive_decode(*a))
             t_comp = median_ms(lambda: compiled(*a))
-            mem = peak_mib(lambda: naive_decode(*a))
+            mem = peak_mib(lambda: ([t.clone() for t in a],), lambda c: naive_decode(*c))
             print(f"{m:>6} {t_naive:>9.4f} {t_comp:>9.4f} {mem:>10.1f}")
             rows.append({"op": "tpa_decode", "batch": B, "m": m, "naive_ms": t_naive, "compiled_ms": t_comp,
                          "naive_mib": mem})

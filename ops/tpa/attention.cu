@@ -263,7 +263,7 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   const int64_t B = a.aq.size(0), kv_len = int64_t(p.M) * p.H * HD, query_tiles = (p.N + rows - 1) / rows;
   const int64_t launches =
       batch_launches(B, 2 * kv_len * int64_t(sizeof(T)), B * p.N * p.H * HD * int64_t(sizeof(T)), query_tiles * p.H,
-                     dev.index);
+                     dev.index, a.batch_per_launch);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor kv = empty({2 * chunk * kv_len}, a.aq.dtype(), dev);
   T* k = static_cast<T*>(kv.data());

@@ -287,11 +287,11 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const Pai
   }
 }
 
-// The same contraction for any pair, ranks G at a time: the token's rows (x, f32, (tokens, H, HD) from token t0)
-// are read once per G ranks, and the G dot products of a row reduced together. The same arithmetic in the same
-// order as attention_q_factor_grads. The split backward's three contractions (dQ, dK, dV).
-template <class T, int HD>
-__global__ void rows_factor_grads(const float* __restrict__ x, const Pair<T> f, T* __restrict__ da,
+// The same contraction for any pair, ranks G at a time: the token's rows (x, X: f32 for dQ, T for dK and dV;
+// (tokens, H, HD) from token t0) are read once per G ranks, and the G dot products of a row reduced together. The
+// same arithmetic in the same order as attention_q_factor_grads. The split backward's three contractions.
+template <class T, int HD, class X>
+__global__ void rows_factor_grads(const X* __restrict__ x, const Pair<T> f, T* __restrict__ da,
                                   T* __restrict__ db, int64_t t0, int64_t tokens, int H, float mul) {
   constexpr int E = HD / 32, G = 4;
   const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -312,7 +312,7 @@ __global__ void rows_factor_grads(const float* __restrict__ x, const Pair<T> f, 
     for (int h = 0; h < H; ++h) {
       float xv[E], dot[G];
 #pragma unroll
-      for (int e = 0; e < E; ++e) xv[e] = x[(w * H + h) * HD + lane + 32 * e];
+      for (int e = 0; e < E; ++e) xv[e] = to_acc(x[(w * H + h) * HD + lane + 32 * e]);
 #pragma unroll
       for (int u = 0; u < G; ++u) {
         dot[u] = 0.f;
@@ -375,18 +375,20 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
   // g.bv, then the turns' counters (H query tiles + kChunks a key tile, a batch entry) and the blocks'
   // ticket; and Q (N H HD in T a batch entry). SPLIT: no basis workspaces (the per-token kernel writes g.bk,
-  // g.bv) but dK / scale and dV (M H HD f32 each a batch entry, every row written once, not zeroed).
+  // g.bv) but dK / scale and dV (M H HD in T each a batch entry, every row written once, not zeroed; rounded to T
+  // before the per-token contraction, as einsum + SDPA's dK and dV are: 22% less workspace than f32 rows at the
+  // model's shape and 1-3% faster, bench/notes/tpa-hopper.md section 10).
   const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = SPLIT ? 0 : int64_t(p.M) * p.fk.R * HD,
                 dbv_len = SPLIT ? 0 : int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
                 turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks + 1,
                 ws_len = dq_len + dbk_len + dbv_len + turns, rows_len = SPLIT ? int64_t(p.M) * p.H * HD : 0;
   // TMA: K and V rows too (M H HD in T each a batch entry), built beforehand and brought in by the producer.
   const int64_t kv_len = TMA ? int64_t(p.M) * p.H * HD : 0;
-  const int64_t launches = batch_launches(B, (ws_len + 2 * rows_len) * 4 + (dq_len + 2 * kv_len) * 2,
-                                          B * dq_len * 2, key_tiles * p.H, dev.index);
+  const int64_t launches = batch_launches(B, ws_len * 4 + (dq_len + 2 * rows_len + 2 * kv_len) * 2,
+                                          B * dq_len * 2, key_tiles * p.H, dev.index, a.batch_per_launch);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * ws_len}, DType::F32, dev);
-  Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, DType::F32, dev) : Tensor();
+  Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, a.aq.dtype(), dev) : Tensor();
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   Tensor kbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
   Tensor vbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
@@ -418,7 +420,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.db_turn = p.dq_turn + n * p.H * ((p.N + kSmall - 1) / kSmall);
     p.ticket = p.db_turn + n * key_tiles * kChunks;
     if constexpr (SPLIT) {
-      p.dk_rows = rows_ws.data_ptr<float>();
+      p.dk_rows = static_cast<T*>(rows_ws.data());
       p.dv_rows = p.dk_rows + n * rows_len;
     }
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * ws_len) * 4, st));
@@ -456,8 +458,9 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
       if (!old_rows) {  // dQ, then dK (dK / scale, as dQ) and dV in one launch
         using attention_rows::GradsJob;
         T* const dbq = static_cast<T*>(g.bq.data());
-        const GradsJob<T> jq{p.dq, p.fq, p.daq, dbq, b0 * p.N, tokens, p.fq.inv_r * p.scale},
-            jk{p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys, p.fk.inv_r * p.scale},
+        const GradsJob<T> jq{p.dq, p.fq, p.daq, dbq, b0 * p.N, tokens, p.fq.inv_r * p.scale};
+        const GradsJob<T, T> jk{p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys,
+                                p.fk.inv_r * p.scale},
             jv{p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.fv.inv_r};
         attention_rows::launch_factor_grads<T, HD>(jq, GradsJob<T>{}, p.H, st);
         attention_rows::launch_factor_grads<T, HD>(jk, jv, p.H, st);

@@ -8,7 +8,7 @@
 //   dQ = dS' K (kSmall queries x 64 columns, warpgroup w columns 64 w..: A dS'^T from shared memory, MN-major,
 //   written by both warpgroups; B K, MN-major), in the next tile's barrier interval as in attention_bwd, issued
 //   before that tile's S^T and dP^T and added to the workspace while they run.
-// SPLIT: the block ends by writing its dK / scale and dV rows into f32 workspaces, which a bandwidth-bound kernel
+// SPLIT: the block ends by writing its dK / scale and dV rows into workspaces in T, which a bandwidth-bound kernel
 // contracts to the factors per token, as it does dQ; otherwise the block contracts them itself (basis_turns).
 // Every tile is stored with the 128-byte swizzle (attention_tma::SwizzleTile): K and V built from their
 // factors, Q (built once per launch) and dO copied by cp.async, double-buffered, and dS'^T (kBig keys x
@@ -49,20 +49,21 @@ __device__ __forceinline__ void store_wg_acc(float* t, const float (&acc)[HD / 2
   }
 }
 
-// The same accumulator's rows below M into an f32 workspace x (entries, M, H, HD) at entry e, head h; key is this
-// thread's first row (the second 8 further). A quad writes 32 contiguous bytes of a row; streaming stores (read
-// only by a later launch), so that they evict them first rather than the Q and dO rows other blocks reread.
-template <int HD>
-__device__ __forceinline__ void store_wg_acc_rows(float* x, const float (&acc)[HD / 2], int64_t e, int M, int H,
-                                                  int h, int key) {
+// The same accumulator's rows below M, rounded to T, into a workspace x (entries, M, H, HD) at entry e, head h;
+// key is this thread's first row (the second 8 further). A quad writes 16 contiguous bytes of a row; streaming
+// stores (read only by a later launch), so that they evict them first rather than the Q and dO rows other blocks
+// reread.
+template <int HD, class T>
+__device__ __forceinline__ void store_wg_acc_rows(T* x, const float (&acc)[HD / 2], int64_t e, int M, int H, int h,
+                                                  int key) {
   const int c = (threadIdx.x % 4) * 2;
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     if (key + 8 * rr >= M) break;
-    float* row = x + ((e * M + key + 8 * rr) * H + h) * HD + c;
+    T* row = x + ((e * M + key + 8 * rr) * H + h) * HD + c;
 #pragma unroll
     for (int j = 0; j < HD / 8; ++j)
-      __stcs(reinterpret_cast<float2*>(row + j * 8), make_float2(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]));
+      __stcs(reinterpret_cast<unsigned*>(row + j * 8), pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]));
   }
 }
 

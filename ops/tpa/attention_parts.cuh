@@ -7,6 +7,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
 #include "core/cuda_wgmma.cuh"
@@ -49,7 +50,7 @@ struct Params {
   T *daq, *dak, *dav;        // written once per (token, head, rank)
   float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads in head order
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles in order
-  float *dk_rows, *dv_rows;  // the split backward's f32 workspaces (batch entries, M, H, HD): dK / scale, dV
+  T *dk_rows, *dv_rows;      // the split backward's workspaces (batch entries, M, H, HD) in T: dK / scale, dV
   int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see wait_turn
   int* db_turn;              // zeroed, a counter per (batch entry, key tile, chunk of 16 keys)
   int* ticket;               // zeroed: hands the blocks their places in the grid in the order they start
@@ -500,16 +501,21 @@ Params<T> make_params(const AttentionArgs& a) {
 // Launches over the batch for kernels with per-launch workspaces. A launch's workspace stays within
 // max(budget_bytes, kWorkspaceFloor), budget_bytes being the output's (or its gradient's) bytes, as long as
 // the launch still fills the device twice over; the launches share the batch evenly (their sizes differ by
-// at most one entry). Below the floor one launch costs less than the memory it saves: the model's shape
-// (B = 16, H = 6, N = 2048) ran its backward 10% faster in one launch than in four.
-constexpr int64_t kWorkspaceFloor = int64_t(256) << 20;
+// at most one entry). The floor keeps small batches in one launch. It was 256 MiB: at the model's shape
+// (B = 16, H = 6, N = 2048) the backward's workspace was then 45% of its peak; at 64 MiB it runs six launches
+// instead of two, 4% slower, and its peak is 0.58x einsum + SDPA's (0.77x at 256 MiB with the same rows).
+constexpr int64_t kWorkspaceFloor = int64_t(64) << 20;
+// per_launch > 0 caps a launch's entries (AttentionArgs::batch_per_launch: tests run several launches).
 inline int64_t batch_launches(int64_t B, int64_t ws_entry_bytes, int64_t budget_bytes, int64_t entry_blocks,
-                              int device) {
+                              int device, int64_t per_launch = 0) {
   int sms = 0;
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t by_memory = std::max<int64_t>(1, std::max(budget_bytes, kWorkspaceFloor) / ws_entry_bytes);
+  // LINTAPE_TPA_WORKSPACE_MIB sets the floor instead (to time the launches against the memory they save).
+  const char* env = std::getenv("LINTAPE_TPA_WORKSPACE_MIB");
+  const int64_t floor_bytes = env && std::atoll(env) > 0 ? int64_t(std::atoll(env)) << 20 : kWorkspaceFloor;
+  const int64_t by_memory = std::max<int64_t>(1, std::max(budget_bytes, floor_bytes) / ws_entry_bytes);
   const int64_t to_fill = (2 * int64_t(sms) + entry_blocks - 1) / entry_blocks;
-  const int64_t chunk = std::min(B, std::max(by_memory, to_fill));
+  const int64_t chunk = std::min(per_launch > 0 ? std::min(B, per_launch) : B, std::max(by_memory, to_fill));
   return (B + chunk - 1) / chunk;
 }
 

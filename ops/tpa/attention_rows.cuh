@@ -141,11 +141,11 @@ __device__ __forceinline__ float butterfly_scatter(float (&v)[G], int lane) {
   return v[0];
 }
 
-// Gradient rows x (f32, (tokens, H, HD) from token t0) of one pair, to da and db scaled by mul (see
-// rows_factor_grads).
-template <class T>
+// Gradient rows x (X: f32 for dQ, T for dK and dV; (tokens, H, HD) from token t0) of one pair, to da and db
+// scaled by mul (see rows_factor_grads).
+template <class T, class X = float>
 struct GradsJob {
-  const float* x;
+  const X* x;
   Pair<T> f;
   T *da, *db;
   int64_t t0, tokens;
@@ -155,12 +155,12 @@ struct GradsJob {
 // rows_factor_grads for job blockIdx.y (one or two), G ranks a pass (G = 8: ranks up to 8 read the rows once).
 // The dot products of a row go through butterfly_scatter (G values reduced by about G + 3 shuffles, each of G
 // lanes writing one); the sums, their order and the writes are rows_factor_grads': the same bits.
-template <class T, int HD, int G>
-__global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const GradsJob<T> j0, const GradsJob<T> j1,
-                                                                  int H) {
+template <class T, int HD, int G, class X>
+__global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const GradsJob<T, X> j0,
+                                                                  const GradsJob<T, X> j1, int H) {
   constexpr int E = HD / 32, LOG = G == 2 ? 1 : G == 4 ? 2 : 3;
   static_assert(G == 2 || G == 4 || G == 8, "2, 4 or 8 ranks a pass");
-  const GradsJob<T> j = blockIdx.y == 0 ? j0 : j1;
+  const GradsJob<T, X> j = blockIdx.y == 0 ? j0 : j1;
   const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= j.tokens) return;
   const int lane = threadIdx.x % 32, mine = lane >> (5 - LOG);  // the rank of this lane's dot products
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const Grad
 #pragma unroll
     for (int i = 0; i < kAhead; ++i)
 #pragma unroll
-      for (int e = 0; e < E; ++e) ahead[i][e] = i < H ? j.x[(w * H + i) * HD + lane + 32 * e] : 0.f;
+      for (int e = 0; e < E; ++e) ahead[i][e] = i < H ? to_acc(j.x[(w * H + i) * HD + lane + 32 * e]) : 0.f;
 #pragma unroll 2
     for (int h = 0; h < H; ++h) {
       float xv[E], dot[G], wr[G];
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const Grad
         xv[e] = ahead[0][e];
 #pragma unroll
         for (int i = 0; i + 1 < kAhead; ++i) ahead[i][e] = ahead[i + 1][e];
-        ahead[kAhead - 1][e] = h + kAhead < H ? j.x[(w * H + h + kAhead) * HD + lane + 32 * e] : 0.f;
+        ahead[kAhead - 1][e] = h + kAhead < H ? to_acc(j.x[(w * H + h + kAhead) * HD + lane + 32 * e]) : 0.f;
       }
       const T* ah = j.f.a_at(t, h);
 #pragma unroll
@@ -219,17 +219,17 @@ __global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const Grad
 }
 
 // Launches rows_factor_grads_wide over one job (j1.x null) or two.
-template <class T, int HD>
-void launch_factor_grads(const GradsJob<T>& j0, const GradsJob<T>& j1, int H, cudaStream_t st) {
+template <class T, int HD, class X>
+void launch_factor_grads(const GradsJob<T, X>& j0, const GradsJob<T, X>& j1, int H, cudaStream_t st) {
   const int r = std::max(j0.f.R, j1.x ? j1.f.R : 0), g = r <= 2 ? 2 : r <= 4 ? 4 : 8;
   const int64_t tokens = j1.x ? std::max(j0.tokens, j1.tokens) : j0.tokens;
   const dim3 grid(unsigned(grid_for(tokens, kWarps)), j1.x ? 2u : 1u);
   if (g == 2)
-    rows_factor_grads_wide<T, HD, 2><<<grid, kThreads, 0, st>>>(j0, j1, H);
+    rows_factor_grads_wide<T, HD, 2, X><<<grid, kThreads, 0, st>>>(j0, j1, H);
   else if (g == 4)
-    rows_factor_grads_wide<T, HD, 4><<<grid, kThreads, 0, st>>>(j0, j1, H);
+    rows_factor_grads_wide<T, HD, 4, X><<<grid, kThreads, 0, st>>>(j0, j1, H);
   else
-    rows_factor_grads_wide<T, HD, 8><<<grid, kThreads, 0, st>>>(j0, j1, H);
+    rows_factor_grads_wide<T, HD, 8, X><<<grid, kThreads, 0, st>>>(j0, j1, H);
   LT_CUDA_CHECK_LAUNCH();
 }
 

@@ -90,6 +90,7 @@ struct AttentionArgs {
   // the wide ones (ops/tpa/attention_rows.cuh); the same bits. LINTAPE_TPA_FWD_ROWS=old / LINTAPE_TPA_BWD_ROWS=old
   // set it for every forward / backward call.
   bool old_rows = false;
+  int batch_per_launch = 0;  // > 0: at most this many batch entries a launch (tests: several launches)
   // Documents (N == M): starts (B, N) int32 contiguous on the factors' device (ops/documents.h); query n sees
   // key m iff starts[n] <= m <= n (causal) or starts[m] == starts[n]. Undefined: no boundaries. The forward
   // then runs the mma.sync kernel (the warpgroup kernel takes no documents).
