@@ -375,20 +375,22 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   // over key tiles) and the k, v basis gradients (M (R_k + R_v) HD, summed over heads), cast into g.bk,
   // g.bv, then the turns' counters (H query tiles + kChunks a key tile, a batch entry) and the blocks'
   // ticket; and Q (N H HD in T a batch entry). SPLIT: no basis workspaces (the per-token kernel writes g.bk,
-  // g.bv) but dK / scale and dV (M H HD in T each a batch entry, every row written once, not zeroed; rounded to T
-  // before the per-token contraction, as einsum + SDPA's dK and dV are: 22% less workspace than f32 rows at the
-  // model's shape and 1-3% faster, bench/notes/tpa-hopper.md section 10).
+  // g.bv) but dK / scale and dV (M H HD each a batch entry, every row written once, not zeroed; in DkvRow<T>, bf16
+  // for bf16 factors: 22% less workspace than f32 rows at the model's shape and 1-3% faster, bench/notes/
+  // tpa-hopper.md section 10).
+  using Row = DkvRow<T>;
   const int64_t dq_len = int64_t(p.N) * p.H * HD, dbk_len = SPLIT ? 0 : int64_t(p.M) * p.fk.R * HD,
                 dbv_len = SPLIT ? 0 : int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
                 turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks + 1,
                 ws_len = dq_len + dbk_len + dbv_len + turns, rows_len = SPLIT ? int64_t(p.M) * p.H * HD : 0;
   // TMA: K and V rows too (M H HD in T each a batch entry), built beforehand and brought in by the producer.
   const int64_t kv_len = TMA ? int64_t(p.M) * p.H * HD : 0;
-  const int64_t launches = batch_launches(B, ws_len * 4 + (dq_len + 2 * rows_len + 2 * kv_len) * 2,
-                                          B * dq_len * 2, key_tiles * p.H, dev.index, a.batch_per_launch);
+  const int64_t entry_bytes = ws_len * 4 + 2 * rows_len * int64_t(sizeof(Row)) + (dq_len + 2 * kv_len) * 2;
+  const int64_t launches =
+      batch_launches(B, entry_bytes, B * dq_len * 2, key_tiles * p.H, dev.index, a.batch_per_launch);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * ws_len}, DType::F32, dev);
-  Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, a.aq.dtype(), dev) : Tensor();
+  Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, sizeof(Row) == 4 ? DType::F32 : DType::BF16, dev) : Tensor();
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   Tensor kbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
   Tensor vbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
@@ -420,7 +422,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.db_turn = p.dq_turn + n * p.H * ((p.N + kSmall - 1) / kSmall);
     p.ticket = p.db_turn + n * key_tiles * kChunks;
     if constexpr (SPLIT) {
-      p.dk_rows = static_cast<T*>(rows_ws.data());
+      p.dk_rows = static_cast<Row*>(rows_ws.data());
       p.dv_rows = p.dk_rows + n * rows_len;
     }
     LT_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, size_t(n * ws_len) * 4, st));
@@ -459,7 +461,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
         using attention_rows::GradsJob;
         T* const dbq = static_cast<T*>(g.bq.data());
         const GradsJob<T> jq{p.dq, p.fq, p.daq, dbq, b0 * p.N, tokens, p.fq.inv_r * p.scale};
-        const GradsJob<T, T> jk{p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys,
+        const GradsJob<T, Row> jk{p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys,
                                 p.fk.inv_r * p.scale},
             jv{p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.fv.inv_r};
         attention_rows::launch_factor_grads<T, HD>(jq, GradsJob<T>{}, p.H, st);

@@ -49,21 +49,26 @@ __device__ __forceinline__ void store_wg_acc(float* t, const float (&acc)[HD / 2
   }
 }
 
-// The same accumulator's rows below M, rounded to T, into a workspace x (entries, M, H, HD) at entry e, head h;
-// key is this thread's first row (the second 8 further). A quad writes 16 contiguous bytes of a row; streaming
-// stores (read only by a later launch), so that they evict them first rather than the Q and dO rows other blocks
-// reread.
-template <int HD, class T>
-__device__ __forceinline__ void store_wg_acc_rows(T* x, const float (&acc)[HD / 2], int64_t e, int M, int H, int h,
+// The same accumulator's rows below M into a workspace x (entries, M, H, HD; X f32 or bf16, DkvRow) at entry e,
+// head h; key is this thread's first row (the second 8 further). A quad writes 32 (f32) or 16 contiguous bytes of
+// a row; streaming stores (read only by a later launch), so that they evict them first rather than the Q and dO
+// rows other blocks reread.
+template <int HD, class X>
+__device__ __forceinline__ void store_wg_acc_rows(X* x, const float (&acc)[HD / 2], int64_t e, int M, int H, int h,
                                                   int key) {
   const int c = (threadIdx.x % 4) * 2;
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     if (key + 8 * rr >= M) break;
-    T* row = x + ((e * M + key + 8 * rr) * H + h) * HD + c;
+    X* row = x + ((e * M + key + 8 * rr) * H + h) * HD + c;
 #pragma unroll
-    for (int j = 0; j < HD / 8; ++j)
-      __stcs(reinterpret_cast<unsigned*>(row + j * 8), pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]));
+    for (int j = 0; j < HD / 8; ++j) {
+      const float lo = acc[4 * j + 2 * rr], hi = acc[4 * j + 2 * rr + 1];
+      if constexpr (std::is_same<X, float>::value)
+        __stcs(reinterpret_cast<float2*>(row + j * 8), make_float2(lo, hi));
+      else
+        __stcs(reinterpret_cast<unsigned*>(row + j * 8), pack2<X>(lo, hi));
+    }
   }
 }
 

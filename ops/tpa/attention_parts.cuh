@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 #include "core/cuda.h"
 #include "core/cuda_types.cuh"
 #include "core/cuda_wgmma.cuh"
@@ -40,6 +41,11 @@ struct Pair {
   __device__ __forceinline__ const T* b_at(int64_t t) const { return b + t * b_tok; }
 };
 
+// The split backward's dK and dV rows: bf16 for bf16 factors (f32's range; rounded as einsum + SDPA's dK and dV
+// are), f32 for f16 factors (f16 would flush small gradients: a one-token document's dK lost 2-100% of itself).
+template <class T>
+using DkvRow = std::conditional_t<std::is_same<T, __nv_bfloat16>::value, __nv_bfloat16, float>;
+
 template <class T>
 struct Params {
   Pair<T> fq, fk, fv;
@@ -50,7 +56,7 @@ struct Params {
   T *daq, *dak, *dav;        // written once per (token, head, rank)
   float *dbk, *dbv;          // f32 workspaces, zeroed, summed over heads in head order
   float* dq;                 // f32 workspace (batch entries, N, H, HD), zeroed: dQ summed over key tiles in order
-  T *dk_rows, *dv_rows;      // the split backward's workspaces (batch entries, M, H, HD) in T: dK / scale, dV
+  DkvRow<T> *dk_rows, *dv_rows;  // the split backward's workspaces (batch entries, M, H, HD): dK / scale, dV
   int* dq_turn;              // zeroed, a counter per (batch entry, head, query tile): see wait_turn
   int* db_turn;              // zeroed, a counter per (batch entry, key tile, chunk of 16 keys)
   int* ticket;               // zeroed: hands the blocks their places in the grid in the order they start
