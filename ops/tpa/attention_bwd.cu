@@ -7,8 +7,9 @@
 // workspace, key tile by key tile in order, then a second kernel contracts it to aq and bq per token, over
 // all heads at once. The fixed orders (attention_parts' turns) make the gradients the same bits run to run.
 // On Hopper (sm_90a builds, D = 128, no documents) the same schedule on warpgroup products
-// (ops/tpa/attention_bwd_wg.cuh); its split form writes dK and dV to f32 workspaces instead, contracted per token
-// as dQ is (no head turns in the tensor-core kernel; (N + 2 M) H D floats a batch entry). The default there: the
+// (ops/tpa/attention_bwd_wg.cuh); its split form writes dK and dV rows to workspaces instead (bf16 for bf16 factors,
+// else f32: DkvRow), contracted per token as dQ is (no head turns in the tensor-core kernel; N H D floats and 2 M H D
+// rows a batch entry). The default there: the
 // split form fed by a producer warpgroup (ops/tpa/attention_bwd_tma.cuh), with K and V rows built beforehand
 // like Q's (M H D each a batch entry) and dQ staged for bulk reductions. The rows (Q, K and V in one launch) and
 // the per-token contractions (dQ, then dK and dV in one launch): ops/tpa/attention_rows.cuh;
@@ -287,7 +288,7 @@ __global__ void attention_q_factor_grads(const float* __restrict__ dq, const Pai
   }
 }
 
-// The same contraction for any pair, ranks G at a time: the token's rows (x, X: f32 for dQ, T for dK and dV;
+// The same contraction for any pair, ranks G at a time: the token's rows (x, X: f32 for dQ, DkvRow<T> for dK and dV;
 // (tokens, H, HD) from token t0) are read once per G ranks, and the G dot products of a row reduced together. The
 // same arithmetic in the same order as attention_q_factor_grads. The split backward's three contractions.
 template <class T, int HD, class X>

@@ -21,7 +21,7 @@
 // adds the boxes to the workspace by bulk tensor reductions (the copy engine adds in L2 whole lines at a time),
 // gives the buffer back once they have read it and counts the turn once they are complete. Per-thread float4
 // atomics by three reducer warps (before) kept the consumers waiting for the buffer about a fifth of their time
-// (bench/notes/tpa-hopper.md section 9). The block ends as the split form does (f32 dK and dV rows to their
+// (bench/notes/tpa-hopper.md section 9). The block ends as the split form does (dK and dV rows to their
 // workspaces, contracted per token by rows_factor_grads).
 #pragma once
 #include "ops/tpa/attention_bwd_wg.cuh"

@@ -8,7 +8,7 @@
 //   dQ = dS' K (kSmall queries x 64 columns, warpgroup w columns 64 w..: A dS'^T from shared memory, MN-major,
 //   written by both warpgroups; B K, MN-major), in the next tile's barrier interval as in attention_bwd, issued
 //   before that tile's S^T and dP^T and added to the workspace while they run.
-// SPLIT: the block ends by writing its dK / scale and dV rows into workspaces in T, which a bandwidth-bound kernel
+// SPLIT: the block ends by writing its dK / scale and dV rows into workspaces (DkvRow), which a bandwidth-bound kernel
 // contracts to the factors per token, as it does dQ; otherwise the block contracts them itself (basis_turns).
 // Every tile is stored with the 128-byte swizzle (attention_tma::SwizzleTile): K and V built from their
 // factors, Q (built once per launch) and dO copied by cp.async, double-buffered, and dS'^T (kBig keys x

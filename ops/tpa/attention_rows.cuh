@@ -141,7 +141,7 @@ __device__ __forceinline__ float butterfly_scatter(float (&v)[G], int lane) {
   return v[0];
 }
 
-// Gradient rows x (X: f32 for dQ, T for dK and dV; (tokens, H, HD) from token t0) of one pair, to da and db
+// Gradient rows x (X: f32 for dQ, DkvRow<T> for dK and dV; (tokens, H, HD) from token t0) of one pair, to da and db
 // scaled by mul (see rows_factor_grads).
 template <class T, class X = float>
 struct GradsJob {
