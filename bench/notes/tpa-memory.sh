@@ -11,32 +11,10 @@ out=$(mkdir -p "$1" && cd "$1" && pwd)
 stage=$2
 floors=${3:-0 256 0}
 ns=${4:-2048,8192}
-root=$(pwd)
-mkdir -p "$root/build/tests"
-tar xzf "$stage/lintape-bin.tgz" -C "$root/build"
-mv "$root/build/lintape_tests" "$root/build/lintape_comm_checks" "$root/build/tests/" 2>/dev/null
-export LD_LIBRARY_PATH=$root/build${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-cli=$root/build/lintape
-tests=$root/build/tests/lintape_tests
-log() { echo "[$(date -u +%T)] $*" | tee -a "$out/summary.txt"; }
-counts() { grep -E '^\[doctest\] (test cases|assertions)' "$1" | tr '\n' ' '; }
-log "tree $(cat "$stage/commit.txt" 2>/dev/null); floors $floors; n $ns"
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee -a "$out/summary.txt"
-
-cases='*cuda tpa attention: the batch in several launches*,*cuda tpa attention split backward*'
-timeout 240 "$tests" -tc='*cuda*tpa*' >"$out/tests.log" 2>&1 &
-pids=($!)
-for tool in memcheck racecheck synccheck; do
-  timeout 240 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="$cases" >"$out/$tool.log" 2>&1 &
-  pids+=($!)
-done
-names=(tests memcheck racecheck synccheck)
-for i in 0 1 2 3; do
-  wait "${pids[$i]}"
-  rc=$?
-  log "${names[$i]} rc=$rc $(counts "$out/${names[$i]}.log") $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/${names[$i]}.log")"
-done
-cat "$out"/{memcheck,racecheck,synccheck}.log >"$out/sanitizer.log" && rm -f "$out"/{memcheck,racecheck,synccheck}.log
+. "$(dirname "$0")/staged.sh"
+log "floors $floors; n $ns"
+sanitize '*cuda tpa attention: the batch in several launches*,*cuda tpa attention split backward*' \
+  '*cuda tpa attention: the batch in several launches*,*cuda tpa attention split backward*'
 
 for f in $floors; do
   log "bench floor $f MiB"
