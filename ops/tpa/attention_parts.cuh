@@ -516,9 +516,17 @@ inline int64_t batch_launches(int64_t B, int64_t ws_entry_bytes, int64_t budget_
                               int device, int64_t per_launch = 0) {
   int sms = 0;
   LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // LINTAPE_TPA_WORKSPACE_MIB sets the floor instead (to time the launches against the memory they save).
-  const char* env = std::getenv("LINTAPE_TPA_WORKSPACE_MIB");
-  const int64_t floor_bytes = env && std::atoll(env) > 0 ? int64_t(std::atoll(env)) << 20 : kWorkspaceFloor;
+  // LINTAPE_TPA_WORKSPACE_MIB sets the floor instead, in MiB (0: the built-in one), read once.
+  static const int64_t floor_bytes = [] {
+    const char* env = std::getenv("LINTAPE_TPA_WORKSPACE_MIB");
+    if (!env || !*env) return kWorkspaceFloor;
+    char* end = nullptr;
+    const long long mib = std::strtoll(env, &end, 10);
+    LT_CHECK(*end == '\0' && mib >= 0 && mib <= (int64_t(1) << 30),
+             "[tpa_attention] LINTAPE_TPA_WORKSPACE_MIB is a whole number of MiB (0: the built-in ",
+             kWorkspaceFloor >> 20, "); got '", env, "'");
+    return mib > 0 ? int64_t(mib) << 20 : kWorkspaceFloor;
+  }();
   const int64_t by_memory = std::max<int64_t>(1, std::max(budget_bytes, floor_bytes) / ws_entry_bytes);
   const int64_t to_fill = (2 * int64_t(sms) + entry_blocks - 1) / entry_blocks;
   const int64_t chunk = std::min(per_launch > 0 ? std::min(B, per_launch) : B, std::max(by_memory, to_fill));
