@@ -152,16 +152,13 @@ struct GradsJob {
   float mul;
 };
 
-// rows_factor_grads for job blockIdx.y (one or two), G ranks a pass (G = 8: ranks up to 8 read the rows once).
+// rows_factor_grads for token w of job j (a warp), G ranks a pass (G = 8: ranks up to 8 read the rows once).
 // The dot products of a row go through butterfly_scatter (G values reduced by about G + 3 shuffles, each of G
 // lanes writing one); the sums, their order and the writes are rows_factor_grads': the same bits.
 template <class T, int HD, int G, class X>
-__global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const GradsJob<T, X> j0,
-                                                                  const GradsJob<T, X> j1, int H) {
+__device__ __forceinline__ void factor_grads_token(const GradsJob<T, X> j, int H, int64_t w) {
   constexpr int E = HD / 32, LOG = G == 2 ? 1 : G == 4 ? 2 : 3;
   static_assert(G == 2 || G == 4 || G == 8, "2, 4 or 8 ranks a pass");
-  const GradsJob<T, X> j = blockIdx.y == 0 ? j0 : j1;
-  const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (w >= j.tokens) return;
   const int lane = threadIdx.x % 32, mine = lane >> (5 - LOG);  // the rank of this lane's dot products
   const bool writer = lane % (32 / G) == 0;
@@ -218,7 +215,12 @@ __global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const Grad
   }
 }
 
-// Launches rows_factor_grads_wide over one job (j1.x null) or two.
+// TEMPORARY (the two-launch form, LINTAPE_TPA_BWD_GRADS=two, to time against the one below): job blockIdx.y.
+template <class T, int HD, int G, class X>
+__global__ void __launch_bounds__(kThreads, 2) rows_factor_grads_wide(const GradsJob<T, X> j0,
+                                                                  const GradsJob<T, X> j1, int H) {
+  factor_grads_token<T, HD, G>(blockIdx.y == 0 ? j0 : j1, H, int64_t(blockIdx.x) * kWarps + threadIdx.x / 32);
+}
 template <class T, int HD, class X>
 void launch_factor_grads(const GradsJob<T, X>& j0, const GradsJob<T, X>& j1, int H, cudaStream_t st) {
   const int r = std::max(j0.f.R, j1.x ? j1.f.R : 0), g = r <= 2 ? 2 : r <= 4 ? 4 : 8;
@@ -230,6 +232,49 @@ void launch_factor_grads(const GradsJob<T, X>& j0, const GradsJob<T, X>& j1, int
     rows_factor_grads_wide<T, HD, 4, X><<<grid, kThreads, 0, st>>>(j0, j1, H);
   else
     rows_factor_grads_wide<T, HD, 8, X><<<grid, kThreads, 0, st>>>(j0, j1, H);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+// The split backward's three contractions in one launch: dQ (blockIdx.y 0; f32 rows, GQ ranks a pass) and dK, dV
+// (1 and 2; rows in X, GKV ranks a pass), each a warp a token; each job's arithmetic is the one it had alone.
+template <class T, int HD, int GQ, int GKV, class X>
+__global__ void __launch_bounds__(kThreads, 2) factor_grads_qkv(const GradsJob<T> jq, const GradsJob<T, X> jk,
+                                                             const GradsJob<T, X> jv, int H) {
+  const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (blockIdx.y == 0)
+    factor_grads_token<T, HD, GQ>(jq, H, w);
+  else
+    factor_grads_token<T, HD, GKV>(blockIdx.y == 1 ? jk : jv, H, w);
+}
+
+// Ranks a pass for R ranks: 2, 4 or 8.
+constexpr int grads_pass(int r) { return r <= 2 ? 2 : r <= 4 ? 4 : 8; }
+
+template <class T, int HD, int GQ, class X>
+void launch_factor_grads_kv(const dim3& grid, const GradsJob<T>& jq, const GradsJob<T, X>& jk, const GradsJob<T, X>& jv,
+                            int H, cudaStream_t st) {
+  const int gkv = grads_pass(std::max(jk.f.R, jv.f.R));
+  if (gkv == 2)
+    factor_grads_qkv<T, HD, GQ, 2, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, H);
+  else if (gkv == 4)
+    factor_grads_qkv<T, HD, GQ, 4, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, H);
+  else
+    factor_grads_qkv<T, HD, GQ, 8, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, H);
+}
+
+// Launches factor_grads_qkv over the three jobs.
+template <class T, int HD, class X>
+void launch_factor_grads(const GradsJob<T>& jq, const GradsJob<T, X>& jk, const GradsJob<T, X>& jv, int H,
+                         cudaStream_t st) {
+  const int64_t tokens = std::max({jq.tokens, jk.tokens, jv.tokens});
+  const dim3 grid(unsigned(grid_for(tokens, kWarps)), 3u);
+  const int gq = grads_pass(jq.f.R);
+  if (gq == 2)
+    launch_factor_grads_kv<T, HD, 2>(grid, jq, jk, jv, H, st);
+  else if (gq == 4)
+    launch_factor_grads_kv<T, HD, 4>(grid, jq, jk, jv, H, st);
+  else
+    launch_factor_grads_kv<T, HD, 8>(grid, jq, jk, jv, H, st);
   LT_CUDA_CHECK_LAUNCH();
 }
 
