@@ -465,13 +465,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
         const GradsJob<T, Row> jk{p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys,
                                 p.fk.inv_r * p.scale},
             jv{p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.fv.inv_r};
-        const char* grads_env = std::getenv("LINTAPE_TPA_BWD_GRADS");  // TEMPORARY: "two" launches, to time
-        if (grads_env && std::strcmp(grads_env, "two") == 0) {
-          attention_rows::launch_factor_grads<T, HD>(jq, GradsJob<T>{}, p.H, st);
-          attention_rows::launch_factor_grads<T, HD>(jk, jv, p.H, st);
-        } else {
-          attention_rows::launch_factor_grads<T, HD>(jq, jk, jv, p.H, st);
-        }
+        attention_rows::launch_factor_grads<T, HD>(jq, jk, jv, p.H, st);
       } else {  // dK is dK / scale, as dQ
         rows_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
             p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);
