@@ -163,15 +163,7 @@ void nccl_wait(ncclComm_t comm, cudaStream_t stream, const char* what, int rank)
       std::fflush(stderr);
       std::_Exit(1);  // the communicator is gone; mpirun ends the other ranks
     }
-    // TEMPORARY measurement: LINTAPE_NCCL_WAIT_SLEEP_US=50 sleeps between polls as before.
-    static const int sleep_us = [] {
-      const char* v = std::getenv("LINTAPE_NCCL_WAIT_SLEEP_US");
-      return v ? std::atoi(v) : 0;
-    }();
-    if (sleep_us > 0)
-      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-    else
-      std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
   cudaEventDestroy(done);
 }
