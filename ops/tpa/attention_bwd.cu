@@ -15,7 +15,6 @@
 // the per-token contractions (dQ, then dK and dV in one launch): ops/tpa/attention_rows.cuh;
 // LINTAPE_TPA_BWD_ROWS=old runs build_rows and rows_factor_grads, a launch a pair (the same bits).
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -414,17 +413,6 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   } else {
     allow_smem(attention_bwd<T, HD, DOCS>, bwd_smem<HD>(), configured);
   }
-  const char* fold_env = std::getenv("LINTAPE_TPA_BWD_NEXT_ROWS");  // TEMPORARY: "0" builds them apart, to time
-  const bool fold_rows = !(fold_env && std::strcmp(fold_env, "0") == 0);
-  // The wide row kernels' jobs for the n entries from b0: Q, and with the producer warp K and V (none when n is 0).
-  auto rows_jobs = [&](int64_t b0, int64_t n) {
-    using attention_rows::RowsJob;
-    const bool any = n > 0;
-    return std::array<RowsJob<T>, 3>{
-        RowsJob<T>{p.fq, any ? static_cast<T*>(qbuf.data()) : nullptr, b0 * p.N, n * p.N},
-        RowsJob<T>{p.fk, any && TMA ? static_cast<T*>(kbuf.data()) : nullptr, b0 * p.M, n * p.M},
-        RowsJob<T>{p.fv, any && TMA ? static_cast<T*>(vbuf.data()) : nullptr, b0 * p.M, n * p.M}};
-  };
   for (int64_t l = 0, b0 = 0; l < launches; ++l) {
     const int64_t n = B / launches + (l < B % launches ? 1 : 0), tokens = n * p.N;
     p.b0 = b0;
@@ -452,9 +440,12 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
             p.fv, static_cast<T*>(vbuf.data()), b0 * p.M, keys, p.H);
         LT_CUDA_CHECK_LAUNCH();
       }
-    } else if (!SPLIT || l == 0 || !fold_rows) {  // Q (and with TMA K and V) in one launch; later split launches: see below
-      const auto jobs = rows_jobs(b0, n);
-      attention_rows::launch_build_rows<T, HD>(jobs[0], jobs[1], jobs[2], p.H, st);
+    } else {  // Q (and with TMA K and V) in one launch
+      using attention_rows::RowsJob;
+      const RowsJob<T> jq{p.fq, static_cast<T*>(qbuf.data()), b0 * p.N, tokens},
+          jk{p.fk, TMA ? static_cast<T*>(kbuf.data()) : nullptr, b0 * p.M, keys},
+          jv{p.fv, TMA ? static_cast<T*>(vbuf.data()) : nullptr, b0 * p.M, keys};
+      attention_rows::launch_build_rows<T, HD>(jq, jk, jv, p.H, st);
     }
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     if constexpr (TMA) {
@@ -474,9 +465,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
         const GradsJob<T, Row> jk{p.dk_rows, p.fk, p.dak, static_cast<T*>(g.bk.data()), b0 * p.M, keys,
                                 p.fk.inv_r * p.scale},
             jv{p.dv_rows, p.fv, p.dav, static_cast<T*>(g.bv.data()), b0 * p.M, keys, p.fv.inv_r};
-        // The same launch builds the next batch launch's rows (this launch's main kernel is done with the buffers).
-        const int64_t next_n = fold_rows && l + 1 < launches ? B / launches + (l + 1 < B % launches ? 1 : 0) : 0;
-        attention_rows::launch_factor_grads<T, HD>(jq, jk, jv, rows_jobs(b0 + n, next_n), p.H, st);
+        attention_rows::launch_factor_grads<T, HD>(jq, jk, jv, p.H, st);
       } else {  // dK is dK / scale, as dQ
         rows_factor_grads<T, HD><<<grid_for(tokens, kWarps), kThreads, 0, st>>>(
             p.dq, p.fq, p.daq, static_cast<T*>(g.bq.data()), b0 * p.N, tokens, p.H, p.fq.inv_r * p.scale);

@@ -6,7 +6,6 @@
 // (attention_parts.cuh, attention_bwd.cu): the same f32 products summed in the same order.
 // LINTAPE_TPA_FWD_ROWS=old / LINTAPE_TPA_BWD_ROWS=old (or AttentionArgs::old_rows) runs those instead.
 #pragma once
-#include <array>
 #include "ops/tpa/attention_parts.cuh"
 
 namespace lintape::tpa_cuda::attention_rows {
@@ -22,15 +21,18 @@ struct RowsJob {
 
 constexpr int kRowHeads = 8;  // the heads of a thread
 
-// x[t, h] = inv_r sum_r a[t, h, r] b[t, r] in f32, rounded once, for job j, thread idx. A thread per (token, group
-// of kRowHeads heads, 8 columns): the basis chunks of its first RB ranks are read once, kept in f32 registers across
-// its heads (ranks past RB come from L1 head by head, as in build_rows); a warp writes two heads' rows (HD = 128) or
-// four (64) at a time. The products and their order are build_rows': the same bits.
+// x[t, h] = inv_r sum_r a[t, h, r] b[t, r] in f32, rounded once, for job first + blockIdx.y (q, k, v). A thread per
+// (token, group of kRowHeads heads, 8 columns): the basis chunks of its first RB ranks are read once, kept in f32
+// registers across its heads (ranks past RB come from L1 head by head, as in build_rows); a warp writes two
+// heads' rows (HD = 128) or four (64) at a time. The products and their order are build_rows': the same bits.
 template <class T, int HD, int RB>
-__device__ __forceinline__ void build_row_chunk(const RowsJob<T> j, int H, int64_t idx) {
+__global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> q, const RowsJob<T> k,
+                                                           const RowsJob<T> v, int H, int first) {
   constexpr int CH = HD / 8;
+  const int job = first + int(blockIdx.y);
+  const RowsJob<T> j = job == 0 ? q : job == 1 ? k : v;
   const int groups = (H + kRowHeads - 1) / kRowHeads;
-  const int64_t rest = idx / CH, w = rest / groups;
+  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x, rest = idx / CH, w = rest / groups;
   if (w >= j.tokens) return;
   const int c8 = int(idx % CH), h0 = int(rest % groups) * kRowHeads, R = j.f.R;
   const int64_t t = j.t0 + w;
@@ -87,20 +89,6 @@ __device__ __forceinline__ void build_row_chunk(const RowsJob<T> j, int H, int64
     o.w = pack2<T>(acc[6] * j.f.inv_r, acc[7] * j.f.inv_r);
     *reinterpret_cast<uint4*>(j.x + (w * H + h) * HD + c8 * 8) = o;
   }
-}
-
-// build_row_chunk for job first + blockIdx.y (q, k, v).
-template <class T, int HD, int RB>
-__global__ void __launch_bounds__(kThreads, 2) build_rows_wide(const RowsJob<T> q, const RowsJob<T> k,
-                                                           const RowsJob<T> v, int H, int first) {
-  const int job = first + int(blockIdx.y);
-  build_row_chunk<T, HD, RB>(job == 0 ? q : job == 1 ? k : v, H, int64_t(blockIdx.x) * kThreads + threadIdx.x);
-}
-
-// The blocks a rows job needs.
-template <int HD>
-int64_t rows_blocks(int64_t tokens, int H) {
-  return grid_for(tokens * ((H + kRowHeads - 1) / kRowHeads) * (HD / 8), kThreads);
 }
 
 // Launches build_rows_wide over the jobs with x set (q, k and v; q alone; or k and v), RB the largest of their
@@ -229,18 +217,10 @@ __device__ __forceinline__ void factor_grads_token(const GradsJob<T, X> j, int H
 
 // The split backward's three contractions in one launch: dQ (blockIdx.y 0; f32 rows, GQ ranks a pass) and dK, dV
 // (1 and 2; rows in X, GKV ranks a pass), each a warp a token; each job's arithmetic is the one it had alone.
-// One launch instead of two (dQ, then dK and dV): H100, the backward 1.3-2.6% faster at N 2048. With more batch
-// launches to come, blockIdx.y 3, 4, 5 build the next launch's Q, K and V rows (build_row_chunk, 8 ranks kept in
-// registers: the same bits as any RB), whose buffers the main kernel that ran before no longer reads.
+// One launch instead of two (dQ, then dK and dV): H100, the backward 1.3-2.6% faster at N 2048.
 template <class T, int HD, int GQ, int GKV, class X>
 __global__ void __launch_bounds__(kThreads, 2) factor_grads_qkv(const GradsJob<T> jq, const GradsJob<T, X> jk,
-                                                             const GradsJob<T, X> jv, const RowsJob<T> nq,
-                                                             const RowsJob<T> nk, const RowsJob<T> nv, int H) {
-  if (blockIdx.y >= 3) {
-    const RowsJob<T> j = blockIdx.y == 3 ? nq : blockIdx.y == 4 ? nk : nv;
-    if (j.x) build_row_chunk<T, HD, 8>(j, H, int64_t(blockIdx.x) * kThreads + threadIdx.x);
-    return;
-  }
+                                                             const GradsJob<T, X> jv, int H) {
   const int64_t w = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (blockIdx.y == 0)
     factor_grads_token<T, HD, GQ>(jq, H, w);
@@ -253,32 +233,29 @@ constexpr int grads_pass(int r) { return r <= 2 ? 2 : r <= 4 ? 4 : 8; }
 
 template <class T, int HD, int GQ, class X>
 void launch_factor_grads_kv(const dim3& grid, const GradsJob<T>& jq, const GradsJob<T, X>& jk, const GradsJob<T, X>& jv,
-                            const std::array<RowsJob<T>, 3>& next, int H, cudaStream_t st) {
+                            int H, cudaStream_t st) {
   const int gkv = grads_pass(std::max(jk.f.R, jv.f.R));
   if (gkv == 2)
-    factor_grads_qkv<T, HD, GQ, 2, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, next[0], next[1], next[2], H);
+    factor_grads_qkv<T, HD, GQ, 2, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, H);
   else if (gkv == 4)
-    factor_grads_qkv<T, HD, GQ, 4, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, next[0], next[1], next[2], H);
+    factor_grads_qkv<T, HD, GQ, 4, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, H);
   else
-    factor_grads_qkv<T, HD, GQ, 8, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, next[0], next[1], next[2], H);
+    factor_grads_qkv<T, HD, GQ, 8, X><<<grid, kThreads, 0, st>>>(jq, jk, jv, H);
 }
 
-// Launches factor_grads_qkv over the three contractions and the next launch's rows jobs that have x set (none, Q
-// alone, or Q, K and V).
+// Launches factor_grads_qkv over the three jobs.
 template <class T, int HD, class X>
-void launch_factor_grads(const GradsJob<T>& jq, const GradsJob<T, X>& jk, const GradsJob<T, X>& jv,
-                         const std::array<RowsJob<T>, 3>& next, int H, cudaStream_t st) {
-  const int rows_jobs = !next[0].x ? 0 : !next[1].x ? 1 : 3;
-  int64_t blocks = grid_for(std::max({jq.tokens, jk.tokens, jv.tokens}), kWarps);
-  for (int i = 0; i < rows_jobs; ++i) blocks = std::max(blocks, rows_blocks<HD>(next[i].tokens, H));
-  const dim3 grid(unsigned(blocks), unsigned(3 + rows_jobs));
+void launch_factor_grads(const GradsJob<T>& jq, const GradsJob<T, X>& jk, const GradsJob<T, X>& jv, int H,
+                         cudaStream_t st) {
+  const int64_t tokens = std::max({jq.tokens, jk.tokens, jv.tokens});
+  const dim3 grid(unsigned(grid_for(tokens, kWarps)), 3u);
   const int gq = grads_pass(jq.f.R);
   if (gq == 2)
-    launch_factor_grads_kv<T, HD, 2>(grid, jq, jk, jv, next, H, st);
+    launch_factor_grads_kv<T, HD, 2>(grid, jq, jk, jv, H, st);
   else if (gq == 4)
-    launch_factor_grads_kv<T, HD, 4>(grid, jq, jk, jv, next, H, st);
+    launch_factor_grads_kv<T, HD, 4>(grid, jq, jk, jv, H, st);
   else
-    launch_factor_grads_kv<T, HD, 8>(grid, jq, jk, jv, next, H, st);
+    launch_factor_grads_kv<T, HD, 8>(grid, jq, jk, jv, H, st);
   LT_CUDA_CHECK_LAUNCH();
 }
 
