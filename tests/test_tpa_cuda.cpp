@@ -518,11 +518,11 @@ TEST_CASE("cuda tpa attention split backward: dk and dv through 16-bit workspace
       reset_peak_memory(gpu());
       const size_t before = memory_stats(gpu()).in_use;
       tpa_cuda::attention_backward(a, out, lse, dout, fg);
-      // Beside the gradients: dq in f32 (N H D floats a batch entry; here the whole batch in one launch), dk and
-      // dv in bf16 (2 M H D), the bf16 q (and with the producer warp the bf16 k and v rows), Delta, and the turns'
-      // counters within 4 KiB; no basis workspaces.
-      const size_t kv = k == BackwardKernel::WarpgroupTma ? size_t(2 * s.B * s.M * s.H * s.D) * 2 : 0;
-      const size_t ws = size_t(s.B * s.N * s.H * s.D) * 4 + size_t(2 * s.B * s.M * s.H * s.D) * 2 + out.nbytes() + kv;
+      // Beside the gradients: dq in f32 (N H D floats a batch entry; here the whole batch in one launch), the bf16
+      // q, and either dk and dv in bf16 (2 M H D) or, with the producer warp, the bf16 k and v rows that dk and dv
+      // then overwrite; Delta, and the turns' counters within 4 KiB; no basis workspaces.
+      const size_t kv_or_dkv = size_t(2 * s.B * s.M * s.H * s.D) * 2;
+      const size_t ws = size_t(s.B * s.N * s.H * s.D) * 4 + out.nbytes() + kv_or_dkv;
       CHECK(memory_stats(gpu()).peak - before <= ws + size_t(s.B * s.N * s.H) * 4 + 4096);
       for (size_t i = 0; i < 6; ++i) {
         CAPTURE(kAttentionNames[i + 1]);

@@ -384,14 +384,21 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
                 dbv_len = SPLIT ? 0 : int64_t(p.M) * p.fv.R * HD, key_tiles = (p.M + kBig - 1) / kBig,
                 turns = p.H * ((p.N + kSmall - 1) / kSmall) + key_tiles * kChunks + 1,
                 ws_len = dq_len + dbk_len + dbv_len + turns, rows_len = SPLIT ? int64_t(p.M) * p.H * HD : 0;
-  // TMA: K and V rows too (M H HD in T each a batch entry), built beforehand and brought in by the producer.
+  // TMA: K and V rows too (M H HD in T each a batch entry), built beforehand and brought in by the producer. With
+  // bf16 rows, dK and dV overwrite them: a block loads its own K and V tile (its keys, one head) once, waits for it
+  // before its first product, and writes dK and dV for those keys and that head at its end; no other block reads
+  // them. That leaves 15 instead of 21 MiB a batch entry at the model's shape: four launches instead of six.
   const int64_t kv_len = TMA ? int64_t(p.M) * p.H * HD : 0;
-  const int64_t entry_bytes = ws_len * 4 + 2 * rows_len * int64_t(sizeof(Row)) + (dq_len + 2 * kv_len) * 2;
+  const char* apart_env = std::getenv("LINTAPE_TPA_BWD_DKV_APART");  // TEMPORARY: "1" keeps their own rows, to time
+  const bool dkv_in_kv = TMA && std::is_same<Row, T>::value && !(apart_env && std::strcmp(apart_env, "1") == 0);
+  const int64_t own_rows = dkv_in_kv ? 0 : rows_len;
+  const int64_t entry_bytes = ws_len * 4 + 2 * own_rows * int64_t(sizeof(Row)) + (dq_len + 2 * kv_len) * 2;
   const int64_t launches =
       batch_launches(B, entry_bytes, B * dq_len * 2, key_tiles * p.H, dev.index, a.batch_per_launch);
   const int64_t chunk = (B + launches - 1) / launches;
   Tensor ws = empty({chunk * ws_len}, DType::F32, dev);
-  Tensor rows_ws = SPLIT ? empty({chunk * 2 * rows_len}, sizeof(Row) == 4 ? DType::F32 : DType::BF16, dev) : Tensor();
+  const DType row_dtype = sizeof(Row) == 4 ? DType::F32 : DType::BF16;
+  Tensor rows_ws = own_rows ? empty({chunk * 2 * own_rows}, row_dtype, dev) : Tensor();
   Tensor qbuf = empty({chunk * dq_len}, a.aq.dtype(), dev);
   Tensor kbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
   Tensor vbuf = TMA ? empty({chunk * kv_len}, a.aq.dtype(), dev) : Tensor();
@@ -422,7 +429,10 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.dq_turn = reinterpret_cast<int*>(p.dbv + n * dbv_len);
     p.db_turn = p.dq_turn + n * p.H * ((p.N + kSmall - 1) / kSmall);
     p.ticket = p.db_turn + n * key_tiles * kChunks;
-    if constexpr (SPLIT) {
+    if (dkv_in_kv) {
+      p.dk_rows = reinterpret_cast<Row*>(kbuf.data());
+      p.dv_rows = reinterpret_cast<Row*>(vbuf.data());
+    } else if constexpr (SPLIT) {
       p.dk_rows = static_cast<Row*>(rows_ws.data());
       p.dv_rows = p.dk_rows + n * rows_len;
     }
