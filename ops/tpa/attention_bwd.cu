@@ -387,10 +387,10 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   // TMA: K and V rows too (M H HD in T each a batch entry), built beforehand and brought in by the producer. With
   // bf16 rows, dK and dV overwrite them: a block loads its own K and V tile (its keys, one head) once, waits for it
   // before its first product, and writes dK and dV for those keys and that head at its end; no other block reads
-  // them. That leaves 15 instead of 21 MiB a batch entry at the model's shape: four launches instead of six.
+  // them. That leaves 15 instead of 21 MiB a batch entry at the model's shape: four launches instead of six, and the
+  // backward 5% faster there (H200; bench/notes/tpa-hopper.md section 12).
   const int64_t kv_len = TMA ? int64_t(p.M) * p.H * HD : 0;
-  const char* apart_env = std::getenv("LINTAPE_TPA_BWD_DKV_APART");  // TEMPORARY: "1" keeps their own rows, to time
-  const bool dkv_in_kv = TMA && std::is_same<Row, T>::value && !(apart_env && std::strcmp(apart_env, "1") == 0);
+  constexpr bool dkv_in_kv = TMA && std::is_same<Row, T>::value;
   const int64_t own_rows = dkv_in_kv ? 0 : rows_len;
   const int64_t entry_bytes = ws_len * 4 + 2 * own_rows * int64_t(sizeof(Row)) + (dq_len + 2 * kv_len) * 2;
   const int64_t launches =
@@ -429,7 +429,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     p.dq_turn = reinterpret_cast<int*>(p.dbv + n * dbv_len);
     p.db_turn = p.dq_turn + n * p.H * ((p.N + kSmall - 1) / kSmall);
     p.ticket = p.db_turn + n * key_tiles * kChunks;
-    if (dkv_in_kv) {
+    if constexpr (dkv_in_kv) {
       p.dk_rows = reinterpret_cast<Row*>(kbuf.data());
       p.dv_rows = reinterpret_cast<Row*>(vbuf.data());
     } else if constexpr (SPLIT) {
