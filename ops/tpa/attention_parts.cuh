@@ -514,8 +514,7 @@ constexpr int64_t kWorkspaceFloor = int64_t(64) << 20;
 // per_launch > 0 caps a launch's entries (AttentionArgs::batch_per_launch: tests run several launches).
 inline int64_t batch_launches(int64_t B, int64_t ws_entry_bytes, int64_t budget_bytes, int64_t entry_blocks,
                               int device, int64_t per_launch = 0) {
-  int sms = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count(device);
   // LINTAPE_TPA_WORKSPACE_MIB sets the floor instead, in MiB (0: the built-in one), read once.
   static const int64_t floor_bytes = [] {
     const char* env = std::getenv("LINTAPE_TPA_WORKSPACE_MIB");

@@ -639,6 +639,26 @@ int cluster_request(const DecodeArgs& a) {
   return std::min(a.cluster >= 0 ? a.cluster : env, kMaxWhole);
 }
 
+// A launch of clusters of `cluster` blocks of kThreads with `smem` bytes of dynamic shared memory, for the
+// occupancy query and the launch alike (the attribute lives beside the configuration that points at it).
+struct ClusterLaunch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t cfg{};
+  ClusterLaunch(dim3 grid, int cluster, int smem, cudaStream_t st) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = unsigned(cluster);
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = size_t(smem);
+    cfg.stream = st;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // The kernel's limits, worked out once per device and shared-memory size: its dynamic shared memory
 // allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0; 0 when
 // not one cluster of that size fits).
@@ -663,18 +683,9 @@ int64_t prepare(int device, const Geo& g, int cluster) {
       LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, size_t(g.total)));
       resident[device][cluster] = int64_t(std::max(1, blocks)) * sm_count(device);
     } else {
-      cudaLaunchConfig_t cfg{};
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = unsigned(cluster);
-      attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-      cfg.gridDim = dim3(unsigned(cluster));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = size_t(g.total);
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
+      const ClusterLaunch c(dim3(unsigned(cluster)), cluster, g.total, nullptr);
       int clusters = 0;
-      LT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+      LT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &c.cfg));
       resident[device][cluster] = int64_t(clusters) * cluster;
     }
     seen_total[device][cluster] = g.total;
@@ -756,18 +767,8 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
     LT_CUDA_CHECK_LAUNCH();
     return;
   }
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(cluster);
-  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = size_t(g.total);
-  cfg.stream = stream(device);
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  LT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, clustered, f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa, ps,
+  const ClusterLaunch c(grid, cluster, g.total, stream(device));
+  LT_CUDA_CHECK(cudaLaunchKernelEx(&c.cfg, clustered, f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa, ps,
                                    counters, g));
   LT_CUDA_CHECK_LAUNCH();
 }
