@@ -475,6 +475,10 @@ TEST_CASE("cuda fal chunked noncausal long sequence matches the reference" * LT_
   check_fused_sequence(kNoncausalChunkConfigs[1], false, DType::F16, 1510, 1100, 1, true, 650);
   // Past 32 chunks of one (b, h): the LRPE angles, turned from chunk to chunk, are computed afresh there.
   check_fused_sequence(kNoncausalChunkConfigs[0], false, DType::BF16, 1520, 2200, 1, true, 2300);
+  // More chunks than the SMs take three at a time: every block of the row passes runs several chunks on each of
+  // its warpgroups, across (b, h) boundaries, with a partial last chunk in every (b, h).
+  check_fused_sequence(kNoncausalChunkConfigs[0], false, DType::BF16, 1530, 4500, 4, true, 4601);
+  check_fused_sequence(kNoncausalChunkConfigs[3], false, DType::F16, 1540, 4500, 4, true, 4601);
 }
 
 // The same noncausal, and the composed path agrees (the reference of the strided call).

@@ -1,7 +1,8 @@
-// Internal to the FAL family: what the causal chunk kernels on Hopper's warpgroup products share (the state
-// pass walks of ops/fal/chunk_state.cu, the forward of ops/fal/chunk_fwd_hopper.cu, the gradient kernel of
-// ops/fal/chunk_bwd_hopper.cu): the split of a D' x E f32 state over four warpgroups, its shared tile, the
-// staging of a chunk's raw rows in shared memory by cp.async and their encode.
+// Internal to the FAL family: what the chunk kernels on Hopper's warpgroup products share (the state pass walks
+// of ops/fal/chunk_state.cu, the forward of ops/fal/chunk_fwd_hopper.cu, the gradient kernel of
+// ops/fal/chunk_bwd_hopper.cu, the noncausal row passes of ops/fal/noncausal_rows_hopper.cu): the split of a
+// D' x E f32 state over four warpgroups, its shared tile, the staging of a chunk's raw rows in shared memory by
+// cp.async and their encode, the epilogues that read and write a thread's elements of an accumulator tile.
 #pragma once
 #include "ops/fal/noncausal.cuh"
 
@@ -52,13 +53,13 @@ __device__ __forceinline__ void tile_to_memory(const T* tile, T* dst, int E) {
 
 // Rows t0 ... t0 + kC - 1, columns [0, W) of x into stage ([kC][W]) through cp.async, zeros past the sequence
 // or past cols. A thread copies the pieces that it reads back (Raw's: fetch's order), so a wait and no barrier
-// lets it read them.
+// lets it read them. tid: the thread's index among the NThr that share the work (its block's, by default).
 template <class T, int W, int NThr>
 __device__ __forceinline__ void stage_raw(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t0, int cols,
-                                          T* stage) {
+                                          T* stage, int tid = int(threadIdx.x)) {
 #pragma unroll
   for (int it = 0; it < Raw<W, NThr>::kIt; ++it) {
-    const int idx = threadIdx.x + it * NThr, i = idx / (W / 8), c = (idx % (W / 8)) * 8;
+    const int idx = tid + it * NThr, i = idx / (W / 8), c = (idx % (W / 8)) * 8;
     if (t0 + i < a.N && c < cols)
       cp_async16(stage + i * W + c, x + (t0 + i) * ts + c);
     else
@@ -66,8 +67,8 @@ __device__ __forceinline__ void stage_raw(const Args& a, const T* __restrict__ x
   }
 }
 template <class T, int W, int NThr>
-__device__ __forceinline__ uint4 staged(const T* stage, int it) {
-  const int idx = threadIdx.x + it * NThr;
+__device__ __forceinline__ uint4 staged(const T* stage, int it, int tid = int(threadIdx.x)) {
+  const int idx = tid + it * NThr;
   return *reinterpret_cast<const uint4*>(stage + idx / (W / 8) * W + (idx % (W / 8)) * 8);
 }
 
@@ -79,12 +80,13 @@ __device__ __forceinline__ uint4 staged(const T* stage, int it) {
 // act_k and cosine are a's, passed apart so that a caller with constants gets code without dispatch.
 template <class T, int DP, int NThr>
 __device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T* raw_k, const float* tab,
-                                          int64_t t0, T* qt, T* kt, int act_q, int act_k, bool cosine) {
+                                          int64_t t0, T* qt, T* kt, int act_q, int act_k, bool cosine,
+                                          int tid = int(threadIdx.x)) {
   constexpr int kStep = NThr / (DP / 8);
-  const int i0 = threadIdx.x / (DP / 8);
+  const int i0 = tid / (DP / 8);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int c8 = (threadIdx.x % (DP / 8)) * 8, c4 = c8 + 4 * half;
+    const int c8 = (tid % (DP / 8)) * 8, c4 = c8 + 4 * half;
     float c[4], s[4];
     if (cosine)
 #pragma unroll
@@ -100,7 +102,7 @@ __device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T
       for (int which = 0; which < 2; ++which) {
         if (which == 1 && !raw_k) break;
         float x[4];
-        unpack_part<T, 4>(staged<T, DP, NThr>(which == 0 ? raw_q : raw_k, it), 4 * half, x);
+        unpack_part<T, 4>(staged<T, DP, NThr>(which == 0 ? raw_q : raw_k, it, tid), 4 * half, x);
         act_n(x, which == 0 ? act_q : act_k, live);
         T* tile = which == 0 ? qt : kt;
         if (cosine) {
@@ -113,6 +115,81 @@ __device__ __forceinline__ void encode_qk(const Args& a, const T* raw_q, const T
         }
         store_part<T, 4>(tile + CoreColumnTile{}(i, c8) + 4 * half, x);
       }
+    }
+  }
+}
+
+// This thread's pairs of x in the accumulator layout of an n-column warpgroup tile (core/cuda_wgmma.cuh): rows
+// t_first and t_first + 8, columns col0 + 8 j + 2 (lane % 4) and the next, as loaded (two a word; zeros past the
+// sequence or past cols).
+template <class T, int NCOL>
+__device__ __forceinline__ void load_pairs(const Args& a, const T* __restrict__ x, int64_t ts, int64_t t_first,
+                                           int col0, int cols, uint32_t (&raw)[NCOL / 8][2]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t t = t_first + 8 * r;
+#pragma unroll
+    for (int j = 0; j < NCOL / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      raw[j][r] = t < a.N && col < cols ? *reinterpret_cast<const uint32_t*>(x + t * ts + col) : 0u;
+    }
+  }
+}
+
+// dst = act'(x) d for those elements, d = acc (o mul when given); x and mul from load_pairs.
+template <class T, int NCOL>
+__device__ __forceinline__ void store_act_grad(const Args& a, const float (&acc)[NCOL / 2],
+                                               const uint32_t (&raw)[NCOL / 8][2], const uint32_t (*mul)[NCOL / 8][2],
+                                               int act, T* dst, int64_t ts, int64_t t_first, int col0) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t t = t_first + 8 * r;
+#pragma unroll
+    for (int j = 0; j < NCOL / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      float x[2], d[2] = {acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]};
+      load2(reinterpret_cast<const T*>(&raw[j][r]), x[0], x[1]);
+      if (mul) {
+        float m[2];
+        load2(reinterpret_cast<const T*>(&(*mul)[j][r]), m[0], m[1]);
+        d[0] *= m[0], d[1] *= m[1];
+      }
+      act_grad_n(x, d, act);
+      if (t < a.N && col < a.E) store2(dst + t * ts + col, d[0], d[1]);
+    }
+  }
+}
+
+// The raw rows' gradient dst = act'(x) (cos d0 + sin d1) for those elements of DO raw columns from col0 (d0 alone
+// without the LRPE): the transposed LRPE folds both halves of the encoded rows' gradient. The angles at the thread's first
+// row are turned by 8 tokens (tab: noncausal::fill_angles) for its second.
+template <class T, int DP, int DO, bool Two>
+__device__ __forceinline__ void store_folded(const Args& a, const float (&d0)[DO / 2], const float (&d1)[DO / 2],
+                                             const uint32_t (&raw)[DO / 8][2], const float* tab, int act, T* dst,
+                                             int64_t ts, int64_t t_first, int col0) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < DO / 8; ++j) {
+    const int col = col0 + 8 * j + 2 * (lane & 3);
+    float cs[2] = {1.0f, 1.0f}, sn[2] = {0.0f, 0.0f};
+    if (Two)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) angle_cs(tab[col + u], a.position + t_first, cs[u], sn[u]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (Two && r == 1)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) noncausal::rotate(cs[u], sn[u], tab[3 * DP + col + u], tab[4 * DP + col + u]);
+      float x[2], gx[2];
+      load2(reinterpret_cast<const T*>(&raw[j][r]), x[0], x[1]);
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        gx[u] = Two ? cs[u] * d0[4 * j + 2 * r + u] + sn[u] * d1[4 * j + 2 * r + u] : d0[4 * j + 2 * r + u];
+      act_grad_n(x, gx, act);
+      const int64_t t = t_first + 8 * r;
+      if (t < a.N) store2(dst + t * ts + col, gx[0], gx[1]);
     }
   }
 }

@@ -186,5 +186,10 @@ __device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& 
 void reduce(const Args& a, bool grad, DType dtype, int64_t BH, float* state, cudaStream_t st, Device dev);
 enum RowPass : int { kOut, kQueryGrads, kKeyGrads };
 void rows(const Args& a, int pass, DType dtype, int64_t BH, const float* state, cudaStream_t st, Device dev);
+// The row passes on Hopper's warpgroup products (ops/fal/noncausal_rows_hopper.cu), which rows() runs where
+// hopper_rows_take says they may: a device of compute capability 9.0 with the sm_90a kernels, an elementwise act
+// on the pass's q or k (LINTAPE_FAL_NONCAUSAL_ROWS=mma keeps the mma.sync kernel).
+bool hopper_rows_take(const Args& a, int pass, Device dev);
+void hopper_rows(const Args& a, int pass, DType dtype, int64_t BH, const float* state, cudaStream_t st, Device dev);
 
 }  // namespace lintape::fal_cuda::noncausal

@@ -272,6 +272,10 @@ void rows_t(const Args& a, int pass, int64_t BH, const float* state, cudaStream_
 }  // namespace
 
 void rows(const Args& a, int pass, DType dtype, int64_t BH, const float* state, cudaStream_t st, Device dev) {
+  if (hopper_rows_take(a, pass, dev)) {
+    hopper_rows(a, pass, dtype, BH, state, st, dev);
+    return;
+  }
   if (dtype == DType::BF16)
     rows_t<__nv_bfloat16>(a, pass, BH, state, st, dev);
   else
