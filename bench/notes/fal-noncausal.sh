@@ -2,8 +2,9 @@
 # The noncausal FAL row passes' device check (notes: bench/notes/fal-hopper.md, "Noncausal"), one call on the GPU
 # machine over binaries built elsewhere (bench/notes/staged.sh): the FAL CUDA cases; memcheck over the chunked
 # noncausal cases and racecheck / synccheck over the first of them, beside the cases; then `lintape bench fal`
-# with the wgmma row passes and with the mma.sync ones (LINTAPE_FAL_NONCAUSAL_ROWS=mma), the plain PyTorch peer
-# (eager and torch.compile) in the same call, and ncu's kernel times.
+# with the wgmma row passes and with the mma.sync ones (LINTAPE_FAL_NONCAUSAL_ROWS=mma), each with the model's
+# acts as constants and without (LINTAPE_FAL_GENERIC_ACTS=1), the plain PyTorch peer (eager and torch.compile) in
+# the same call, and ncu's kernel times with their stall reasons.
 #   stage=.stage/cN out=$OUT bash bench/notes/fal-noncausal.sh [STEPS]
 # STEPS: a comma list of tests,bench,peer,ncu (default: all).
 set -uo pipefail
@@ -35,10 +36,15 @@ if has tests; then
   rm -f "$out"/{memcheck,racecheck,synccheck,tests-mma}.log
 fi
 if has bench; then
-  for rows in wgmma mma wgmma; do
-    echo "== rows $rows" >>"$out/bench.txt"
-    env LINTAPE_FAL_NONCAUSAL_ROWS=$rows "$cli" bench fal --n "$ns" --reps 5 >>"$out/bench.txt" 2>&1
-    log "bench fal rows=$rows rc=$?"
+  for run in "rows=wgmma acts=model" "rows=mma acts=model" "rows=wgmma acts=generic" "rows=mma acts=generic" \
+    "rows=wgmma acts=model"; do
+    set -- $run
+    echo "== $run" >>"$out/bench.txt"
+    generic=0
+    [ "$2" = acts=generic ] && generic=1
+    env LINTAPE_FAL_NONCAUSAL_ROWS=${1#rows=} LINTAPE_FAL_GENERIC_ACTS=$generic "$cli" bench fal --n "$ns" --reps 5 \
+      >>"$out/bench.txt" 2>&1
+    log "bench fal $run rc=$?"
   done
   "$cli" bench copy --n 256,1024 --reps 5 >>"$out/bench.txt" 2>&1
 fi
@@ -47,10 +53,10 @@ if has peer; then
   log "peer rc=$?"
 fi
 if has ncu; then
-  for rows in wgmma mma; do
-    LINTAPE_FAL_NONCAUSAL_ROWS=$rows timeout 150 ncu -k 'regex:row_kernel|reduce_kernel' --launch-count 6 --section SpeedOfLight \
-      --section LaunchStats --section Occupancy --section SchedulerStats \
-      "$cli" bench fal --n 8192 --mode bwd --reps 1 >"$out/ncu-$rows.txt" 2>&1
-    log "ncu rows=$rows rc=$?"
-  done
+  # The first forward and backward's kernels (reduce, rows; then reduce, query rows, key rows) with their stall
+  # reasons, and the instructions a kernel executed.
+  timeout 200 ncu -k 'regex:row_kernel|reduce_kernel' --launch-count 5 --section SpeedOfLight --section LaunchStats \
+    --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
+    "$cli" bench fal --n 8192 --mode bwd --reps 1 >"$out/ncu.txt" 2>&1
+  log "ncu rc=$?"
 fi

@@ -6,6 +6,7 @@
 // shared memory), kv reduced over slices of the keys by separate blocks and summed in a fixed order.
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include "core/config.h"
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/noncausal.cuh"
@@ -53,7 +54,7 @@ constexpr size_t reduce_smem_bytes(size_t elem) {
 // LINTAPE_WGMMA was compiled: launch_reduce checks); else on mma.sync, then the encode.
 template <class T, int DP, int PP, int EP, bool Grad, bool Wg>
 __global__ void __launch_bounds__(kReduceThreads, 1)
-    reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total) {
+    reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total, bool model_acts) {
 #ifndef LINTAPE_WGMMA
   if constexpr (Wg) __trap();  // launch_reduce picks Wg only where wgmma was compiled
 #endif
@@ -90,16 +91,25 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
   int angles_h = -1;
   FirstRowAngles<DP, NThr> first;
   first.kept = angles + kAngleRows * DP;
+  // model_acts (model_acts_of): the acts as constants, code without dispatch.
+  auto encode_item = [&](const Item& it, int buf, auto fixed) {
+    constexpr bool kFixed = decltype(fixed)::value;
+    const int act_x = kFixed ? int(FalStepSpec::kSilu) : Grad ? a.act_q : a.act_k;
+    const int act_z = kFixed ? int(Grad ? FalStepSpec::kSilu : FalStepSpec::kNone) : Grad ? a.act_g : a.act_v;
+    T* xs = tiles + buf * kBuffer;
+    encode_rows<T, DP, NThr>(a, xr, act_x, angles, first, it.t0(), xs, at_x);
+    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, act_z, it.t0(), 0, nullptr, xs + Tiles::kX, at_z);
+  };
   auto store_item = [&](const Item& it, int buf) {
     if (cosine && it.h != angles_h) {
       fill_angles<DP>(a, it.h, NThr / (DP / 8), angles);
       angles_h = it.h;
       __syncthreads();
     }
-    T* xs = tiles + buf * kBuffer;
-    encode_rows<T, DP, NThr>(a, xr, Grad ? a.act_q : a.act_k, angles, first, it.t0(), xs, at_x);
-    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, Grad ? a.act_g : a.act_v, it.t0(), 0, nullptr,
-                                   xs + Tiles::kX, at_z);
+    if (model_acts)
+      encode_item(it, buf, std::true_type{});
+    else
+      encode_item(it, buf, std::false_type{});
     if (Wg) cuda::fence_proxy_async();
   };
 
@@ -231,7 +241,8 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
   const Partition part =
       partition(total, int64_t(std::max(per_sm, 1)) * cuda::sm_count(dev.index), kMinReduceChunks);
   Tensor partial = empty({part.blocks + BH, n}, DType::F32, dev);
-  kernel<<<unsigned(part.blocks), kReduceThreads, smem, st>>>(a, partial.data_ptr<float>(), part.per, total);
+  kernel<<<unsigned(part.blocks), kReduceThreads, smem, st>>>(a, partial.data_ptr<float>(), part.per, total,
+                                                             model_acts_of(a));
   LT_CUDA_CHECK_LAUNCH();
   const int64_t count = BH * n;
   sum_partials<<<unsigned((count + 255) / 256), 256, 0, st>>>(partial.data_ptr<float>(), state, part.per, a.nC, n,

@@ -14,6 +14,7 @@
 //             and dqb, dkb go back through the LRPE and the act to dq, dk.
 #pragma once
 #include "ops/fal/chunk.cuh"
+#include <cstdlib>
 #include "core/cuda_reduce.cuh"
 
 namespace lintape::fal_cuda::noncausal {
@@ -178,6 +179,17 @@ __device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& 
     }
     chunk::store8(tile + at(i, c8), x);
   }
+}
+
+// Whether a's acts are the language model's (silu on q, k and g, none on v), which the kernels run as constants.
+// LINTAPE_FAL_GENERIC_ACTS=1 turns that off (a measurement switch).
+inline bool model_acts_of(const Args& a) {
+  static const bool generic = [] {
+    const char* v = std::getenv("LINTAPE_FAL_GENERIC_ACTS");
+    return v && v[0] == '1';
+  }();
+  return !generic && a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu &&
+         a.act_g == FalStepSpec::kSilu && a.act_v == FalStepSpec::kNone;
 }
 
 // The launchers. a.N and a.nC are the tokens and chunks of the pass (keys for kv and the key grads, queries

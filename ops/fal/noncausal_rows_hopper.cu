@@ -14,6 +14,7 @@
 // elementwise (the encode of ops/fal/chunk_wgmma.cuh); softmax over q or k keeps the mma.sync kernel.
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include "core/cuda_mma.cuh"
 #include "core/cuda_tma.cuh"
 #include "core/cuda_wgmma_rs.cuh"
@@ -42,7 +43,7 @@ struct RowTiles {
 
 template <class T, int DP, int PP, int EP, int Pass>
 __global__ void __launch_bounds__(kThreads, 1)
-    hopper_row_kernel(Args a, const float* __restrict__ state, int64_t per, int64_t total) {
+    hopper_row_kernel(Args a, const float* __restrict__ state, int64_t per, int64_t total, bool model_acts) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
@@ -59,7 +60,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* const stage = xs + L::kX;
   const int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
   const int64_t dts = int64_t(a.H) * a.E;  // out's and dout's token stride
-  const int act_x = Pass == kKeyGrads ? a.act_k : a.act_q;
   const int row0 = 16 * (warp & 3) + (lane >> 2);  // the thread's first row of an accumulator tile
 
   int angles_h = -1;
@@ -99,8 +99,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       chunk::stage_raw<T, DP, 128>(a, x_raw, x_ts, (w - bh * a.nC) * kC, a.D, stage, tid);
       cuda::cp_async_commit();
     };
-    if (s0 + wg < s1) stage_chunk(s0 + wg);
-    for (int64_t w = s0 + wg; w < s1; w += kWarpgroups) {
+    // One chunk. Fixed: the model's acts (model_acts_of) as constants, code without dispatch.
+    auto run_chunk = [&](int64_t w, auto fixed) {
+      constexpr bool kFixed = decltype(fixed)::value;
+      const int act_x = kFixed ? int(FalStepSpec::kSilu) : Pass == kKeyGrads ? a.act_k : a.act_q;
+      const int act_g = kFixed ? int(FalStepSpec::kSilu) : a.act_g;
       const int64_t t0 = (w - bh * a.nC) * kC, t_first = t0 + row0;
       cuda::cp_async_wait<0>();
       cuda::bar_sync(1 + wg, 128);  // the warpgroup's previous products are done with X
@@ -138,17 +141,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             float g[2];
             chunk::load2(reinterpret_cast<const T*>(&raw1[j][r]), g[0], g[1]);
             if (t < a.N && col < a.E)
-              chunk::store2(o + t * dts + col, chunk::act_f(g[0], a.act_g) * y[4 * j + 2 * r],
-                            chunk::act_f(g[1], a.act_g) * y[4 * j + 2 * r + 1]);
+              chunk::store2(o + t * dts + col, chunk::act_f(g[0], act_g) * y[4 * j + 2 * r],
+                            chunk::act_f(g[1], act_g) * y[4 * j + 2 * r + 1]);
           }
         }
       } else {
+        // dg = act_g'(g) (dO o Y) and U = act_g(g) o dO, or dv = act_v'(v) Y and U = act_v(v), in one pass (the
+        // act's sigmoid once for both); U as the A operand: k-step ks holds columns 16 ks ... 16 ks + 15, i.e. the
+        // value pairs j = 2 ks and 2 ks + 1.
         constexpr bool kQuery = Pass == kQueryGrads;
-        const int act_u = kQuery ? a.act_g : a.act_v;
+        const int act_u = kQuery ? act_g : kFixed ? int(FalStepSpec::kNone) : a.act_v;
         T* d1 = kQuery ? chunk::at_head<T>(a.dg, b, a.sdg_b, h, a.E) : chunk::at_head<T>(a.dv, b, a.sdv_b, h, a.E);
-        chunk::store_act_grad<T, EP>(a, y, raw1, kQuery ? &raw2 : nullptr, act_u, d1, kQuery ? a.sdg_t : a.sdv_t,
-                                     t_first, 0);
-        // U as the A operand: k-step ks holds columns 16 ks ... 16 ks + 15, i.e. value pairs j = 2 ks, 2 ks + 1.
+        const int64_t d1_ts = kQuery ? a.sdg_t : a.sdv_t;
         uint32_t ua[EP / 16][4];
 #pragma unroll
         for (int ks = 0; ks < EP / 16; ++ks)
@@ -156,14 +160,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              float u[2];
-              chunk::load2(reinterpret_cast<const T*>(&raw1[2 * ks + half][r]), u[0], u[1]);
-              chunk::act_n(u, act_u, true);
-              if (kQuery) {
-                float d[2];
-                chunk::load2(reinterpret_cast<const T*>(&raw2[2 * ks + half][r]), d[0], d[1]);
-                u[0] *= d[0], u[1] *= d[1];
+              const int j = 2 * ks + half, col = 8 * j + 2 * (lane & 3);
+              const int64_t t = t_first + 8 * r;
+              float x[2], d[2] = {1.0f, 1.0f}, grad[2], u[2];
+              chunk::load2(reinterpret_cast<const T*>(&raw1[j][r]), x[0], x[1]);
+              if (kQuery) chunk::load2(reinterpret_cast<const T*>(&raw2[j][r]), d[0], d[1]);
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                grad[e] = chunk::act_grad(x[e], d[e] * y[4 * j + 2 * r + e], act_u);
+                u[e] = chunk::act_f(x[e], act_u) * d[e];
               }
+              if (t < a.N && col < a.E) chunk::store2(d1 + t * d1_ts + col, grad[0], grad[1]);
               ua[ks][2 * half + r] = cuda_device::pack2<T>(u[0], u[1]);
             }
         T* dx = Pass == kKeyGrads ? chunk::at_head<T>(a.dk, b, a.sdk_b, h, a.D) : chunk::at_head<T>(a.dq, b, a.sdq_b, h, a.D);
@@ -192,6 +199,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           chunk::store_folded<T, DP, kFoldCols, kTwo>(a, f0, f1, xr, tab, act_x, dx, dx_ts, t_first, c0);
         }
       }
+    };
+    if (s0 + wg < s1) stage_chunk(s0 + wg);
+    for (int64_t w = s0 + wg; w < s1; w += kWarpgroups) {
+      if (model_acts)
+        run_chunk(w, std::true_type{});
+      else
+        run_chunk(w, std::false_type{});
     }
     s0 = s1;
   }
@@ -206,7 +220,7 @@ void launch(const Args& a, int64_t BH, const float* state, cudaStream_t st, Devi
   const size_t smem = RowTiles<DP, PP, EP>::bytes(sizeof(T));
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const Partition part = partition(total, cuda::sm_count(dev.index), kWarpgroups);
-  kernel<<<unsigned(part.blocks), kThreads, smem, st>>>(a, state, part.per, total);
+  kernel<<<unsigned(part.blocks), kThreads, smem, st>>>(a, state, part.per, total, model_acts_of(a));
   LT_CUDA_CHECK_LAUNCH();
 }
 
