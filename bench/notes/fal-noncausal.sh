@@ -6,7 +6,9 @@
 # acts as constants and without (LINTAPE_FAL_GENERIC_ACTS=1), the plain PyTorch peer (eager and torch.compile) in
 # the same call, and ncu's kernel times with their stall reasons.
 #   stage=.stage/cN out=$OUT bash bench/notes/fal-noncausal.sh [STEPS]
-# STEPS: a comma list of tests,bench,peer,ncu (default: all).
+# STEPS: a comma list of tests,bench,peer,ncu,causal,source (default: tests,bench,peer,ncu; causal: `bench
+# fal-causal` with the model's acts as constants and without; source: ncu's warp-stall samples per CUDA line of
+# the backward's two row passes). MEM_CASES and RACE_CASES replace the sanitizers' cases.
 set -uo pipefail
 steps=,${1:-tests,bench,peer,ncu},
 has() { [[ $steps == *,$1,* ]]; }
@@ -15,12 +17,12 @@ ns=${NS:-4096,8192}
 if has tests; then
   "$tests" -tc='*cuda*fal*' >"$out/tests.log" 2>&1 &
   pids=($!)
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc='*cuda fal chunked noncausal*' \
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="${MEM_CASES:-*cuda fal chunked noncausal*}" \
     >"$out/memcheck.log" 2>&1 &
   pids+=($!)
   for tool in racecheck synccheck; do
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" \
-      -tc='*cuda fal chunked noncausal matches*' >"$out/$tool.log" 2>&1 &
+      -tc="${RACE_CASES:-*cuda fal chunked noncausal matches*}" >"$out/$tool.log" 2>&1 &
     pids+=($!)
   done
   names=(tests memcheck racecheck synccheck)
@@ -59,4 +61,18 @@ if has ncu; then
     --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
     "$cli" bench fal --n 8192 --mode bwd --reps 1 >"$out/ncu.txt" 2>&1
   log "ncu rc=$?"
+fi
+if has causal; then
+  for generic in 0 1 0; do
+    echo "== fal-causal LINTAPE_FAL_GENERIC_ACTS=$generic" >>"$out/causal.txt"
+    LINTAPE_FAL_GENERIC_ACTS=$generic "$cli" bench fal-causal --n 2048,8192 --reps 5 >>"$out/causal.txt" 2>&1
+    log "bench fal-causal generic=$generic rc=$?"
+  done
+fi
+if has source; then
+  timeout 200 ncu -k regex:hopper_row_kernel -s 1 -c 2 --section WarpStateStats --section SourceCounters \
+    --import-source yes -o "$out/rows" "$cli" bench fal --n 8192 --mode bwd --reps 1 >"$out/ncu-source.txt" 2>&1
+  log "ncu source rc=$?"
+  ncu -i "$out/rows.ncu-rep" --page source --csv --print-source cuda >"$out/rows-cuda.csv" 2>&1
+  rm -f "$out/rows.ncu-rep"
 fi

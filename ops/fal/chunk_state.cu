@@ -12,6 +12,7 @@
 // encodes them (ops/fal/chunk_wgmma.cuh), their angles afresh each chunk.
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/chunk_wgmma.cuh"
 
@@ -46,7 +47,7 @@ constexpr size_t walk_smem_bytes(size_t elem) {
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Only where LINTAPE_WGMMA was compiled (walk_runs checks).
 template <class T, int DP, int PP, int EP, bool Reverse>
-__global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
+__global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool model_acts) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
@@ -102,19 +103,21 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
   // The fetched rows of chunk c into buffer buf: X through the act and the LRPE, Z through its act (times dO in
   // reverse) and the row's decay (gamma_i reverse, delta_i forward; zeros past the sequence). wgmma reads them
   // through the async proxy: each writer fences.
-  auto store_chunk = [&](int c, int buf) {
+  // model_acts (noncausal::model_acts_of): the acts as constants, code without dispatch.
+  auto encode_chunk = [&](int c, int buf, auto fixed) {
+    constexpr bool kFixed = decltype(fixed)::value;
+    const int act_x = kFixed ? int(FalStepSpec::kSilu) : Reverse ? a.act_q : a.act_k;
+    const int act_z = kFixed ? int(Reverse ? FalStepSpec::kSilu : FalStepSpec::kNone) : Reverse ? a.act_g : a.act_v;
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
     T* xs = tiles + buf * kBuffer;
-    cp_async_wait_all();
-    encode_qk<T, DP, NThr>(a, raw_x, nullptr, angles, t0, xs, nullptr, Reverse ? a.act_q : a.act_k, 0,
-                           a.lrpe == FalStepSpec::kCosine);
+    encode_qk<T, DP, NThr>(a, raw_x, nullptr, angles, t0, xs, nullptr, act_x, 0, a.lrpe == FalStepSpec::kCosine);
 #pragma unroll
     for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
       const int idx = threadIdx.x + it * NThr, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
       float y[8];
       unpack8<T>(staged<T, EP, NThr>(raw_z, it), y);
-      act_n(y, Reverse ? a.act_g : a.act_v, i < cl && c8 < a.E);
+      act_n(y, act_z, i < cl && c8 < a.E);
       const float f = decay_pow(log2_lam, Reverse ? i + 1 : cl - 1 - i);
       if (Reverse) {
         float d[8];
@@ -127,6 +130,13 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a) {
       }
       store8(xs + Tiles::kX + CoreColumnTile{}(i, c8), y);
     }
+  };
+  auto store_chunk = [&](int c, int buf) {
+    cp_async_wait_all();
+    if (model_acts)
+      encode_chunk(c, buf, std::true_type{});
+    else
+      encode_chunk(c, buf, std::false_type{});
     cuda::fence_proxy_async();
   };
 
@@ -191,7 +201,7 @@ void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   constexpr size_t smem = walk_smem_bytes<DP, PP, EP>(sizeof(T));
   auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true> : walk_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a);
+  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a));
   LT_CUDA_CHECK_LAUNCH();
 }
 
