@@ -2,20 +2,21 @@
 # The noncausal FAL row passes' device check (notes: bench/notes/fal-hopper.md, "Noncausal"), one call on the GPU
 # machine over binaries built elsewhere (bench/notes/staged.sh): the FAL CUDA cases; memcheck over the chunked
 # noncausal cases and racecheck / synccheck over the first of them, beside the cases; then `lintape bench fal`
-# with the wgmma row passes and with the mma.sync ones (LINTAPE_FAL_NONCAUSAL_ROWS=mma), each with the model's
-# acts as constants and without (LINTAPE_FAL_GENERIC_ACTS=1), the plain PyTorch peer (eager and torch.compile) in
-# the same call, and ncu's kernel times with their stall reasons.
+# with the wgmma row passes and with the mma.sync ones (LINTAPE_FAL_NONCAUSAL_ROWS=mma), the plain PyTorch peer
+# (eager and torch.compile) in the same call, and ncu's kernel times. (Session 12 also timed the kernels with the
+# acts as arguments, through a switch since removed: bench/notes/fal-hopper.md.)
 #   stage=.stage/cN out=$OUT bash bench/notes/fal-noncausal.sh [STEPS]
-# STEPS: a comma list of tests,bench,peer,ncu,causal,source (default: tests,bench,peer,ncu; causal: `bench
-# fal-causal` with the model's acts as constants and without; source: ncu's warp-stall samples per CUDA line of
-# the backward's two row passes). MEM_CASES and RACE_CASES replace the sanitizers' cases.
+# STEPS: a comma list of tests,bench,peer,ncu,causal,source,train (default: tests,bench,peer,ncu; causal: `bench
+# fal-causal`; source: ncu's per-line report of the backward's two row passes). MEM_CASES and RACE_CASES replace
+# the sanitizers' cases, TEST_CASES the cases run beside them (default the FAL CUDA cases); train: `bench train
+# --mixers fal`.
 set -uo pipefail
 steps=,${1:-tests,bench,peer,ncu},
 has() { [[ $steps == *,$1,* ]]; }
 source bench/notes/staged.sh
 ns=${NS:-4096,8192}
 if has tests; then
-  "$tests" -tc='*cuda*fal*' >"$out/tests.log" 2>&1 &
+  "$tests" -tc="${TEST_CASES:-*cuda*fal*}" >"$out/tests.log" 2>&1 &
   pids=($!)
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="${MEM_CASES:-*cuda fal chunked noncausal*}" \
     >"$out/memcheck.log" 2>&1 &
@@ -38,15 +39,12 @@ if has tests; then
   rm -f "$out"/{memcheck,racecheck,synccheck,tests-mma}.log
 fi
 if has bench; then
-  for run in "rows=wgmma acts=model" "rows=mma acts=model" "rows=wgmma acts=generic" "rows=mma acts=generic" \
-    "rows=wgmma acts=model"; do
+  for run in "wgmma 0" "mma 0" "wgmma 1" "wgmma 0"; do
     set -- $run
-    echo "== $run" >>"$out/bench.txt"
-    generic=0
-    [ "$2" = acts=generic ] && generic=1
-    env LINTAPE_FAL_NONCAUSAL_ROWS=${1#rows=} LINTAPE_FAL_GENERIC_ACTS=$generic "$cli" bench fal --n "$ns" --reps 5 \
+    echo "== rows $1, LINTAPE_FAL_REDUCE_UNSTAGED=$2" >>"$out/bench.txt"
+    LINTAPE_FAL_NONCAUSAL_ROWS=$1 LINTAPE_FAL_REDUCE_UNSTAGED=$2 "$cli" bench fal --n "$ns" --reps 5 \
       >>"$out/bench.txt" 2>&1
-    log "bench fal $run rc=$?"
+    log "bench fal rows=$1 unstaged=$2 rc=$?"
   done
   "$cli" bench copy --n 256,1024 --reps 5 >>"$out/bench.txt" 2>&1
 fi
@@ -63,11 +61,8 @@ if has ncu; then
   log "ncu rc=$?"
 fi
 if has causal; then
-  for generic in 0 1 0; do
-    echo "== fal-causal LINTAPE_FAL_GENERIC_ACTS=$generic" >>"$out/causal.txt"
-    LINTAPE_FAL_GENERIC_ACTS=$generic "$cli" bench fal-causal --n 2048,8192 --reps 5 >>"$out/causal.txt" 2>&1
-    log "bench fal-causal generic=$generic rc=$?"
-  done
+  "$cli" bench fal-causal --n 2048,8192 --reps 5 >>"$out/causal.txt" 2>&1
+  log "bench fal-causal rc=$?"
 fi
 if has source; then
   timeout 200 ncu -k regex:hopper_row_kernel -s 1 -c 2 --section WarpStateStats --section SourceCounters \
@@ -75,4 +70,8 @@ if has source; then
   log "ncu source rc=$?"
   ncu -i "$out/rows.ncu-rep" --page source --csv --print-source cuda >"$out/rows-cuda.csv" 2>&1
   rm -f "$out/rows.ncu-rep"
+fi
+if has train; then
+  timeout 120 "$cli" bench train --mixers fal --steps 10 >"$out/train.txt" 2>&1
+  log "bench train rc=$? $(grep -E 'tok/s|tokens' "$out/train.txt" | tail -n2 | tr -s ' ' | tr '\n' ' ')"
 fi

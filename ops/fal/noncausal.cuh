@@ -11,10 +11,10 @@
 //               out:  o = gb o Y                                  (X = qb, W = kv)
 //               query grads: dg = act_g'(dO o Y), dqb = (gb o dO) W^T    (X = qb, W = kv)
 //               key grads:   dv = act_v'(Y), dkb = vb W^T                (X = kb, W = dkv)
-//             and dqb, dkb go back through the LRPE and the act to dq, dk.
+//             and dqb, dkb go back through the LRPE and the act to dq, dk. On Hopper the row passes run
+//             ops/fal/noncausal_rows_hopper.cu instead (warpgroups on chunks of their own, wgmma).
 #pragma once
 #include "ops/fal/chunk.cuh"
-#include <cstdlib>
 #include "core/cuda_reduce.cuh"
 
 namespace lintape::fal_cuda::noncausal {
@@ -181,15 +181,11 @@ __device__ __forceinline__ void encode_rows(const Args& a, const Raw<DP, NThr>& 
   }
 }
 
-// Whether a's acts are the language model's (silu on q, k and g, none on v), which the kernels run as constants.
-// LINTAPE_FAL_GENERIC_ACTS=1 turns that off (a measurement switch).
+// Whether a's acts are the language model's (silu on q, k and g, none on v), which the kernels run as constants
+// (code without dispatch: 1.3-1.4x faster row passes than with the acts as arguments, bench/notes/fal-hopper.md).
 inline bool model_acts_of(const Args& a) {
-  static const bool generic = [] {
-    const char* v = std::getenv("LINTAPE_FAL_GENERIC_ACTS");
-    return v && v[0] == '1';
-  }();
-  return !generic && a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu &&
-         a.act_g == FalStepSpec::kSilu && a.act_v == FalStepSpec::kNone;
+  return a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu && a.act_g == FalStepSpec::kSilu &&
+         a.act_v == FalStepSpec::kNone;
 }
 
 // The launchers. a.N and a.nC are the tokens and chunks of the pass (keys for kv and the key grads, queries
