@@ -8,7 +8,7 @@
 #   stage=.stage/cN out=$OUT bash bench/notes/fal-noncausal.sh [STEPS]
 # STEPS: a comma list of tests,bench,peer,ncu,causal,source,train (default: tests,bench,peer,ncu; causal: `bench
 # fal-causal`; source: ncu's per-line report of the backward's two row passes). MEM_CASES and RACE_CASES replace
-# the sanitizers' cases, TEST_CASES the cases run beside them (default the FAL CUDA cases); train: `bench train
+# the sanitizers' cases (SAN_S: their limit in seconds, default 300), TEST_CASES the cases run beside them (default the FAL CUDA cases); train: `bench train
 # --mixers fal`.
 set -uo pipefail
 steps=,${1:-tests,bench,peer,ncu},
@@ -18,11 +18,11 @@ ns=${NS:-4096,8192}
 if has tests; then
   "$tests" -tc="${TEST_CASES:-*cuda*fal*}" >"$out/tests.log" 2>&1 &
   pids=($!)
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="${MEM_CASES:-*cuda fal chunked noncausal*}" \
+  timeout "${SAN_S:-300}" compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" -tc="${MEM_CASES:-*cuda fal chunked noncausal*}" \
     >"$out/memcheck.log" 2>&1 &
   pids+=($!)
   for tool in racecheck synccheck; do
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" \
+    timeout "${SAN_S:-300}" compute-sanitizer --tool $tool --error-exitcode 1 "$tests" \
       -tc="${RACE_CASES:-*cuda fal chunked noncausal matches*}" >"$out/$tool.log" 2>&1 &
     pids+=($!)
   done
@@ -39,12 +39,10 @@ if has tests; then
   rm -f "$out"/{memcheck,racecheck,synccheck,tests-mma}.log
 fi
 if has bench; then
-  for run in "wgmma 0" "mma 0" "wgmma 1" "wgmma 0"; do
-    set -- $run
-    echo "== rows $1, LINTAPE_FAL_REDUCE_UNSTAGED=$2" >>"$out/bench.txt"
-    LINTAPE_FAL_NONCAUSAL_ROWS=$1 LINTAPE_FAL_REDUCE_UNSTAGED=$2 "$cli" bench fal --n "$ns" --reps 5 \
-      >>"$out/bench.txt" 2>&1
-    log "bench fal rows=$1 unstaged=$2 rc=$?"
+  for rows in wgmma mma wgmma; do
+    echo "== rows $rows" >>"$out/bench.txt"
+    LINTAPE_FAL_NONCAUSAL_ROWS=$rows "$cli" bench fal --n "$ns" --reps 5 >>"$out/bench.txt" 2>&1
+    log "bench fal rows=$rows rc=$?"
   done
   "$cli" bench copy --n 256,1024 --reps 5 >>"$out/bench.txt" 2>&1
 fi

@@ -5,12 +5,9 @@
 // The others (f32, rotate, softmax on v or g, other head dims) run the sweep (ops/fal/sweep.cuh: f32 rows in
 // shared memory), kv reduced over slices of the keys by separate blocks and summed in a fixed order.
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 #include "core/config.h"
 #include "core/cuda_wgmma.cuh"
-#include "ops/fal/chunk_wgmma.cuh"
 #include "ops/fal/noncausal.cuh"
 #include "ops/fal/sweep.cuh"
 
@@ -41,30 +38,22 @@ struct ReduceTiles {
   static constexpr int kZ = Wg ? EP / 8 * chunk::CoreColumnTile::kBlock : kC * (EP + kPad);
 };
 
-// Staged: an item's raw rows (x, z, and dO in the gradient's reduction) as cp.async stages them, in elements.
-template <int DP, int EP, bool Grad>
-constexpr int kStageElems = kC * DP + (Grad ? 2 : 1) * kC * EP;
-
-// X and Z tiles twice (the next item's rows are stored while this item's product runs), the angle table, then
-// the threads' first-row angles, or with Staged two items' staged raw rows.
-template <int DP, int PP, int EP, bool Grad, bool Wg, bool Staged>
+// X and Z tiles twice (the next item's rows are stored while this item's product runs), the angle table and the
+// threads' first-row angles.
+template <int DP, int PP, int EP, bool Wg>
 constexpr size_t reduce_smem_bytes(size_t elem) {
   using Tiles = ReduceTiles<PP, EP, Wg>;
   return 2 * elem * size_t(Tiles::kX + Tiles::kZ) + sizeof(float) * kAngleRows * DP +
-         (Staged ? 2 * elem * size_t(kStageElems<DP, EP, Grad>) : FirstRowAngles<DP, kReduceThreads>::kBytes);
+         FirstRowAngles<DP, kReduceThreads>::kBytes;
 }
 
 // A run of items (b, h, chunk), item w = bh nC + chunk, sums X^T Z over its chunks into partial[slot] (P x E
 // f32) for each (b, h) it touches, slot = blockIdx.x + bh (distinct: a run starts where the previous one ended).
 // Wg: the products run on wgmma, asynchronously, while the threads encode the next item (only where
-// LINTAPE_WGMMA was compiled: launch_reduce checks); else on mma.sync, then the encode. Staged (with Wg, for an
-// elementwise act on x): each item's raw rows come by cp.async into shared memory two items ahead, so that their
-// loads have a whole item's encode and product to land (fetched into registers they can be issued only once the
-// previous item's are consumed, one short product ahead of their use).
-template <class T, int DP, int PP, int EP, bool Grad, bool Wg, bool Staged>
+// LINTAPE_WGMMA was compiled: launch_reduce checks); else on mma.sync, then the encode.
+template <class T, int DP, int PP, int EP, bool Grad, bool Wg>
 __global__ void __launch_bounds__(kReduceThreads, 1)
     reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total, bool model_acts) {
-  static_assert(Wg || !Staged, "the staged rows are encoded into the wgmma tiles");
 #ifndef LINTAPE_WGMMA
   if constexpr (Wg) __trap();  // launch_reduce picks Wg only where wgmma was compiled
 #endif
@@ -84,24 +73,9 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
 
   Raw<DP, NThr> xr;
   Raw<EP, NThr> zr, dr;
-  constexpr int kStage = kStageElems<DP, EP, Grad>;
-  T* const stages = reinterpret_cast<T*>(angles + kAngleRows * DP);  // Staged: item w's at ((w - begin) & 1)
   auto fetch_item = [&](const Item& it) {
     const int64_t b = it.b, t0 = it.t0();
     const int h = it.h;
-    if constexpr (Staged) {
-      T* s = stages + ((it.bh(a) * a.nC + it.chunk - begin) & 1) * kStage;
-      if (Grad) {
-        chunk::stage_raw<T, DP, NThr>(a, chunk::at_head<T>(a.q, b, a.sq_b, h, a.D), a.sq_t, t0, a.D, s);
-        chunk::stage_raw<T, EP, NThr>(a, chunk::at_head<T>(a.g, b, a.sg_b, h, a.E), a.sg_t, t0, a.E, s + kC * DP);
-        chunk::stage_raw<T, EP, NThr>(a, static_cast<const T*>(a.dout) + b * a.N * dts + h * a.E, dts, t0, a.E,
-                                      s + kC * (DP + EP));
-      } else {
-        chunk::stage_raw<T, DP, NThr>(a, chunk::at_head<T>(a.k, b, a.sk_b, h, a.D), a.sk_t, t0, a.D, s);
-        chunk::stage_raw<T, EP, NThr>(a, chunk::at_head<T>(a.v, b, a.sv_b, h, a.E), a.sv_t, t0, a.E, s + kC * DP);
-      }
-      return;
-    }
     if (Grad) {
       chunk::fetch(a, chunk::at_head<T>(a.q, b, a.sq_b, h, a.D), a.sq_t, t0, 0, a.D, xr);
       chunk::fetch(a, chunk::at_head<T>(a.g, b, a.sg_b, h, a.E), a.sg_t, t0, 0, a.E, zr);
@@ -122,30 +96,8 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
     const int act_x = kFixed ? int(FalStepSpec::kSilu) : Grad ? a.act_q : a.act_k;
     const int act_z = kFixed ? int(Grad ? FalStepSpec::kSilu : FalStepSpec::kNone) : Grad ? a.act_g : a.act_v;
     T* xs = tiles + buf * kBuffer;
-    if constexpr (Staged) {
-      // The thread's own staged pieces (stage_raw's order): the wait and no barrier.
-      const T* s = stages + ((it.bh(a) * a.nC + it.chunk - begin) & 1) * kStage;
-      cuda::cp_async_wait<1>();  // this item's group; the next one's may be in flight
-      chunk::encode_qk<T, DP, NThr>(a, s, nullptr, angles, it.t0(), xs, nullptr, act_x, act_x, cosine);
-#pragma unroll
-      for (int r = 0; r < Raw<EP, NThr>::kIt; ++r) {
-        const int idx = threadIdx.x + r * NThr, i = idx / (EP / 8), c8 = (idx % (EP / 8)) * 8;
-        float z[8];
-        chunk::unpack8<T>(chunk::staged<T, EP, NThr>(s + kC * DP, r), z);
-        chunk::act_n(z, act_z, it.t0() + i < a.N && c8 < a.E);
-        if (Grad) {
-          float d[8];
-          chunk::unpack8<T>(chunk::staged<T, EP, NThr>(s + kC * (DP + EP), r), d);
-#pragma unroll
-          for (int u = 0; u < 8; ++u) z[u] *= d[u];
-        }
-        chunk::store8(xs + Tiles::kX + chunk::CoreColumnTile{}(i, c8), z);
-      }
-    } else {
-      encode_rows<T, DP, NThr>(a, xr, act_x, angles, first, it.t0(), xs, at_x);
-      chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, act_z, it.t0(), 0, nullptr, xs + Tiles::kX,
-                                     at_z);
-    }
+    encode_rows<T, DP, NThr>(a, xr, act_x, angles, first, it.t0(), xs, at_x);
+    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, act_z, it.t0(), 0, nullptr, xs + Tiles::kX, at_z);
   };
   auto store_item = [&](const Item& it, int buf) {
     if (cosine && it.h != angles_h) {
@@ -203,19 +155,12 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
   zero();
   Item cur;
   cur.start(begin, a);  // begin < end: no run is empty
-  Item next = cur;
-  next.step(a);
-  // Staged: one cp.async group an item (empty past the run), so that a wait for all but the newest group finds
-  // the item to encode in.
   fetch_item(cur);
-  if (Staged) {
-    cuda::cp_async_commit();
-    if (begin + 1 < end) fetch_item(next);
-    cuda::cp_async_commit();
-  }
   store_item(cur, 0);
   __syncthreads();
-  if (!Staged && begin + 1 < end) fetch_item(next);
+  Item next = cur;
+  next.step(a);
+  if (begin + 1 < end) fetch_item(next);
   int buf = 0;
   // One barrier per item: the product of buffer buf and the next item's rows into the other buffer (whose
   // product ended before the last barrier). With wgmma the encode runs while the product does.
@@ -235,14 +180,6 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
         cuda::wgmma_mma<T, W::NW, 1, 1>(wacc, cuda::wgmma_desc(xa + kk * 8, kLbo, kSbo),
                                         cuda::wgmma_desc(zb + kk * 8, kLbo, kSbo));
       cuda::wgmma_commit();
-      if (Staged) {
-        if (w + 2 < end) {
-          Item after = next;
-          after.step(a);
-          fetch_item(after);  // into the stage that item w's encode emptied
-        }
-        cuda::cp_async_commit();
-      }
       if (more) store_item(next, buf ^ 1);
       cuda::wgmma_wait<0>();
       cuda::wgmma_fence_operand(wacc);
@@ -259,7 +196,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
       __syncthreads();
       cur = next;
       next.step(a);
-      if (!Staged && w + 2 < end) fetch_item(next);  // in flight during the next product
+      if (w + 2 < end) fetch_item(next);  // in flight during the next product
       buf ^= 1;
     }
   }
@@ -285,17 +222,9 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
     return;
   }
   const bool wg = cuda::wgmma_runs(dev.index);
-  static const bool unstaged = [] {  // TEMPORARY measurement switch
-    const char* v = std::getenv("LINTAPE_FAL_REDUCE_UNSTAGED");
-    return v && v[0] == '1';
-  }();
-  const bool staged = !unstaged && wg && (Grad ? a.act_q : a.act_k) != FalStepSpec::kSoftmaxFeature;
-  auto kernel = staged ? reduce_kernel<T, DP, PP, EP, Grad, true, true>
-                : wg   ? reduce_kernel<T, DP, PP, EP, Grad, true, false>
-                       : reduce_kernel<T, DP, PP, EP, Grad, false, false>;
-  const size_t smem = staged ? reduce_smem_bytes<DP, PP, EP, Grad, true, true>(sizeof(T))
-                      : wg   ? reduce_smem_bytes<DP, PP, EP, Grad, true, false>(sizeof(T))
-                             : reduce_smem_bytes<DP, PP, EP, Grad, false, false>(sizeof(T));
+  auto kernel = wg ? reduce_kernel<T, DP, PP, EP, Grad, true> : reduce_kernel<T, DP, PP, EP, Grad, false>;
+  const size_t smem =
+      wg ? reduce_smem_bytes<DP, PP, EP, true>(sizeof(T)) : reduce_smem_bytes<DP, PP, EP, false>(sizeof(T));
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
   LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kReduceThreads, smem));
