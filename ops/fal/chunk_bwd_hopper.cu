@@ -253,8 +253,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 
   // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load during the second
   // products (during the first, ptxas spills).
-  const bool model_acts = a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu &&
-                          a.act_v == FalStepSpec::kNone && a.act_g == FalStepSpec::kSilu;
+  const bool model_acts = noncausal::model_acts_of(a);
   const int64_t t_first = t0 + trow(0);  // the thread's rows: t_first and t_first + 8
   {
     float y[EO / 2], d0[DO / 2], d1[DO / 2];

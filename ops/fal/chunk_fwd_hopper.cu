@@ -105,9 +105,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
   // Chunk c's fetched rows into the tiles (each thread reads back the pieces it fetched); wgmma reads them
   // through the async proxy, so each writer fences. The model's acts (silu on q, k and g, none on v) and the
   // cosine LRPE are compiled as constants: the encode without dispatch, its chains free to interleave.
-  const bool model_acts = a.act_q == FalStepSpec::kSilu && a.act_k == FalStepSpec::kSilu &&
-                          a.act_v == FalStepSpec::kNone && a.act_g == FalStepSpec::kSilu &&
-                          a.lrpe == FalStepSpec::kCosine;
+  const bool model_acts = noncausal::model_acts_of(a) && a.lrpe == FalStepSpec::kCosine;
   auto encode_acts = [&](int c, auto fixed) {
     constexpr bool kFixed = decltype(fixed)::value;
     const int64_t t0 = int64_t(c) * kC;
