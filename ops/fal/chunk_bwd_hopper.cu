@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
   float* const tab = reinterpret_cast<float*>(sm + L::kEnd);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = cuda::warpgroup_index<U>();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = U ? cuda::warpgroup_index() : warp >> 2;
   const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
   const int h = int(bh % a.H);
   const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);

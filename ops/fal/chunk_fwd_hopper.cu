@@ -60,7 +60,7 @@ struct HopperSmem {
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Save: a.states receives S_c (every chunk's, or the even
 // chunks' with a.half_states). Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
-template <class T, int DP, int PP, int EP, bool Save, bool U>
+template <class T, int DP, int PP, int EP, bool Save>
 __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
   float* const angles = reinterpret_cast<float*>(sm + L::kEnd);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = cuda::warpgroup_index<U>();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int gm = wg % W::WGM, gn = wg / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, false);
   const int64_t bh = w.bh, b = bh / a.H;
@@ -310,9 +310,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
 template <class T, int DP, int PP, int EP>
 void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
-  const bool u = cuda::fal_uniform_warpgroup();
-  auto kernel = a.states ? (u ? hopper_forward_kernel<T, DP, PP, EP, true, true> : hopper_forward_kernel<T, DP, PP, EP, true, false>)
-                         : (u ? hopper_forward_kernel<T, DP, PP, EP, false, true> : hopper_forward_kernel<T, DP, PP, EP, false, false>);
+  auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true> : hopper_forward_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool mode
   T* stile = raw_d + kC * EP;
   float* angles = reinterpret_cast<float*>(stile + StateTile<PP, EP>::kElems);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gm = cuda::warpgroup_index<U>() % W::WGM, gn = cuda::warpgroup_index<U>() / W::WGM;
+  const int wg = U ? cuda::warpgroup_index() : warp >> 2, gm = wg % W::WGM, gn = wg / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, Reverse);
   const int64_t bh = w.bh, b = bh / a.H;
   const int h = int(bh % a.H);

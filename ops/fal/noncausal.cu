@@ -51,7 +51,7 @@ constexpr size_t reduce_smem_bytes(size_t elem) {
 // f32) for each (b, h) it touches, slot = blockIdx.x + bh (distinct: a run starts where the previous one ended).
 // Wg: the products run on wgmma, asynchronously, while the threads encode the next item (only where
 // LINTAPE_WGMMA was compiled: launch_reduce checks); else on mma.sync, then the encode.
-template <class T, int DP, int PP, int EP, bool Grad, bool Wg, bool U>
+template <class T, int DP, int PP, int EP, bool Grad, bool Wg>
 __global__ void __launch_bounds__(kReduceThreads, 1)
     reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total, bool model_acts) {
 #ifndef LINTAPE_WGMMA
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
 
   // mma.sync: warp (m0, n0)'s tile. wgmma: warpgroup (gm, gn)'s 64 x NW tile.
   const int m0 = 16 * W::MT * (warp % W::WR), n0 = 8 * W::NT * (warp / W::WR);
-  const int gm = cuda::warpgroup_index<U>() % W::WGM, gn = cuda::warpgroup_index<U>() / W::WGM;
+  const int gm = (warp >> 2) % W::WGM, gn = (warp >> 2) / W::WGM;
   chunk::Acc<Wg ? 1 : W::MT, Wg ? 2 : W::NT> acc;
   float wacc[Wg ? W::NW / 2 : 1];
   auto zero = [&] {
@@ -222,9 +222,7 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
     return;
   }
   const bool wg = cuda::wgmma_runs(dev.index);
-  const bool u = cuda::fal_uniform_warpgroup();
-  auto kernel = wg ? (u ? reduce_kernel<T, DP, PP, EP, Grad, true, true> : reduce_kernel<T, DP, PP, EP, Grad, true, false>)
-                   : reduce_kernel<T, DP, PP, EP, Grad, false, false>;
+  auto kernel = wg ? reduce_kernel<T, DP, PP, EP, Grad, true> : reduce_kernel<T, DP, PP, EP, Grad, false>;
   const size_t smem =
       wg ? reduce_smem_bytes<DP, PP, EP, true>(sizeof(T)) : reduce_smem_bytes<DP, PP, EP, false>(sizeof(T));
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

@@ -43,8 +43,7 @@ struct RowTiles {
 
 template <class T, int DP, int PP, int EP, int Pass, bool U>
 __global__ void __launch_bounds__(kThreads, 1)
-    hopper_row_kernel(Args a, const float* __restrict__ state, int64_t per, int64_t total, bool model_acts,
-                      bool prefetch) {
+    hopper_row_kernel(Args a, const float* __restrict__ state, int64_t per, int64_t total, bool model_acts) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
@@ -56,7 +55,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* const sm = reinterpret_cast<T*>(smem_raw);
   T* const ws = sm + L::kW;
   float* const tab = reinterpret_cast<float*>(sm + L::kEnd);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = cuda::warpgroup_index<U>(), tid = threadIdx.x & 127;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = U ? cuda::warpgroup_index() : warp >> 2, tid = threadIdx.x & 127;
   T* const xs = sm + L::kFirst + wg * L::kPer;
   T* const stage = xs + L::kX;
   const int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
@@ -96,20 +95,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const T* in1 = Pass == kKeyGrads ? chunk::at_head<T>(a.v, b, a.sv_b, h, a.E) : chunk::at_head<T>(a.g, b, a.sg_b, h, a.E);
     const int64_t in1_ts = Pass == kKeyGrads ? a.sv_t : a.sg_t;
     const T* dout = static_cast<const T*>(a.dout) + b * a.N * dts + h * a.E;
-    // Rows t0 ... t0 + kC - 1 of x (cols wide) toward L2, one prefetch a 128-byte line.
-    auto prefetch_rows = [&](const T* x, int64_t ts, int64_t t0, int cols) {
-      constexpr int kLine = 128 / int(sizeof(T)), kLines = (DP > EP ? DP : EP) / kLine;
-      for (int idx = tid; idx < kC * kLines; idx += 128) {
-        const int i = idx / kLines, c = (idx % kLines) * kLine;
-        if (t0 + i < a.N && c < cols) asm volatile("prefetch.global.L2 [%0];" ::"l"(x + (t0 + i) * ts + c));
-      }
-    };
-    // The epilogue's rows of chunk w (g and dO, or v, or g).
-    auto prefetch_epilogue = [&](int64_t w) {
-      const int64_t t0 = (w - bh * a.nC) * kC;
-      prefetch_rows(in1, in1_ts, t0, a.E);
-      if (Pass == kQueryGrads) prefetch_rows(dout, dts, t0, a.E);
-    };
     auto stage_chunk = [&](int64_t w) {
       chunk::stage_raw<T, DP, 128>(a, x_raw, x_ts, (w - bh * a.nC) * kC, a.D, stage, tid);
       cuda::cp_async_commit();
@@ -120,10 +105,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int act_x = kFixed ? int(FalStepSpec::kSilu) : Pass == kKeyGrads ? a.act_k : a.act_q;
       const int act_g = kFixed ? int(FalStepSpec::kSilu) : a.act_g;
       const int64_t t0 = (w - bh * a.nC) * kC, t_first = t0 + row0;
-      if (prefetch) {  // the next chunk's epilogue rows, and the raw rows that this chunk's fold reads again
-        if (w + kWarpgroups < s1) prefetch_epilogue(w + kWarpgroups);
-        if (Pass != kOut) prefetch_rows(x_raw, x_ts, t0, a.D);
-      }
       cuda::cp_async_wait<0>();
       cuda::bar_sync(1 + wg, 128);  // the warpgroup's previous products are done with X
       chunk::encode_qk<T, DP, 128>(a, stage, nullptr, tab, t0, xs, nullptr, act_x, act_x, kTwo, tid);
@@ -219,10 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     };
-    if (s0 + wg < s1) {
-      stage_chunk(s0 + wg);
-      if (prefetch) prefetch_epilogue(s0 + wg);
-    }
+    if (s0 + wg < s1) stage_chunk(s0 + wg);
     for (int64_t w = s0 + wg; w < s1; w += kWarpgroups) {
       if (model_acts)
         run_chunk(w, std::true_type{});
@@ -240,14 +218,10 @@ void launch(const Args& a, int64_t BH, const float* state, cudaStream_t st, Devi
   if (total == 0) return;
   auto kernel = cuda::fal_uniform_warpgroup() ? hopper_row_kernel<T, DP, PP, EP, Pass, true>
                                                : hopper_row_kernel<T, DP, PP, EP, Pass, false>;
-  static const bool prefetch = [] {  // temporary (session 13): LINTAPE_FAL_ROWS_PREFETCH=0 turns it off
-    const char* v = std::getenv("LINTAPE_FAL_ROWS_PREFETCH");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
   const size_t smem = RowTiles<DP, PP, EP>::bytes(sizeof(T));
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const Partition part = partition(total, cuda::sm_count(dev.index), kWarpgroups);
-  kernel<<<unsigned(part.blocks), kThreads, smem, st>>>(a, state, part.per, total, model_acts_of(a), prefetch);
+  kernel<<<unsigned(part.blocks), kThreads, smem, st>>>(a, state, part.per, total, model_acts_of(a));
   LT_CUDA_CHECK_LAUNCH();
 }
 
