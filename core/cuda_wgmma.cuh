@@ -13,7 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include "core/config.h"
@@ -42,25 +41,11 @@ inline bool wgmma_runs(int device) { return wgmma_compiled() && is_hopper(device
 #define LINTAPE_WGMMA 1
 #endif
 
-// The thread's warpgroup, threadIdx.x / 128. Uniform: broadcast from lane 0, so that the compiler knows the value
-// is the same across the warp and keeps the shared-memory addresses and descriptors made from it in uniform
-// registers (computed once a warp, no move into them before every product).
-template <bool Uniform = true>
-__device__ __forceinline__ int warpgroup_index() {
-  if constexpr (Uniform)
-    return __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0);
-  else
-    return int(threadIdx.x) >> 7;
-}
-// Temporary (session 13's measurement): LINTAPE_FAL_WG=thread runs the FAL wgmma kernels with the warpgroup
-// index as each thread computes it.
-inline bool fal_uniform_warpgroup() {
-  static const bool on = [] {
-    const char* v = std::getenv("LINTAPE_FAL_WG");
-    return !(v && std::string(v) == "thread");
-  }();
-  return on;
-}
+// The thread's warpgroup, threadIdx.x / 128, broadcast from lane 0: the compiler then knows the value is the same
+// across the warp and keeps the shared-memory addresses and descriptors made from it in uniform registers (made
+// once a warp, not moved into them before every product). In kernels at the 128-register edge the different
+// allocation can also add spills: measure before using it (bench/notes/fal-hopper.md, session 13).
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0); }
 
 // The shared-memory descriptor of an operand starting at p (16-byte aligned), no swizzle.
 __device__ __forceinline__ uint64_t wgmma_desc(const void* p, uint32_t lbo_bytes, uint32_t sbo_bytes) {

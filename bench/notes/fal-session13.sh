@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Session 13's device check of the FAL wgmma kernels (notes: bench/notes/fal-hopper.md, "Session 13"), one call on
 # the GPU machine over binaries built elsewhere (bench/notes/staged.sh): the FAL CUDA cases (and the sanitizers
-# over MEM_CASES / RACE_CASES when given), then the benchmarks with each change on and off in the same call
-# (LINTAPE_FAL_WG=thread: the warpgroup index as each thread computes it; LINTAPE_FAL_ROWS_PREFETCH=0: the noncausal
-# row passes without their L2 prefetches), ncu's instruction counts of the causal kernels both ways, the step.
+# over MEM_CASES / RACE_CASES when given), then the benchmarks under each of VARIANTS in the same call, ncu's
+# instruction counts of the kernels, the step. (Session 13 compared LINTAPE_FAL_WG=thread, the warpgroup index as
+# each thread computes it, and LINTAPE_FAL_ROWS_PREFETCH=0, switches since removed with the losing forms.)
 #   stage=.stage/cN out=$OUT bash bench/notes/fal-session13.sh [STEPS]
 # STEPS: a comma list of tests,causal,noncausal,ncu,train (default all). VARIANTS: the env settings compared, each a
-# word of NAME=VALUE pairs joined by '+' ('base' for none; default: base LINTAPE_FAL_WG=thread base).
+# word of NAME=VALUE pairs joined by '+' ('base' for none; default: base).
 set -uo pipefail
 steps=,${1:-tests,causal,noncausal,ncu,train},
 has() { [[ $steps == *,$1,* ]]; }
 source bench/notes/staged.sh
-variants=(${VARIANTS:-base LINTAPE_FAL_WG=thread base})
+variants=(${VARIANTS:-base})
 with() {  # variant, command...
   local v=$1
   shift
@@ -50,7 +50,7 @@ if has noncausal; then
   "$cli" bench copy --n 1024 --reps 5 >>"$out/bench.txt" 2>&1
 fi
 if has ncu; then
-  for v in base LINTAPE_FAL_WG=thread; do
+  for v in "${variants[0]}"; do
     echo "== $v" >>"$out/ncu.txt"
     with "$v" timeout 120 ncu -k 'regex:hopper_forward_kernel|walk_kernel|hopper_grad_kernel' -c 3 \
       --section SpeedOfLight --section InstructionStats --section SchedulerStats --section LaunchStats \

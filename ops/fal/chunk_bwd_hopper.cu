@@ -85,7 +85,7 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-template <class T, int DP, int PP, int EP, bool Half, bool U>
+template <class T, int DP, int PP, int EP, bool Half>
 __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
   float* const tab = reinterpret_cast<float*>(sm + L::kEnd);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = U ? cuda::warpgroup_index() : warp >> 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = cuda::warpgroup_index();
   const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
   const int h = int(bh % a.H);
   const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
@@ -424,9 +424,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 template <class T, int DP, int PP, int EP>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
-  const bool u = cuda::fal_uniform_warpgroup();
-  auto kernel = a.half_states ? (u ? hopper_grad_kernel<T, DP, PP, EP, true, true> : hopper_grad_kernel<T, DP, PP, EP, true, false>)
-                              : (u ? hopper_grad_kernel<T, DP, PP, EP, false, true> : hopper_grad_kernel<T, DP, PP, EP, false, false>);
+  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();

@@ -46,7 +46,7 @@ constexpr size_t walk_smem_bytes(size_t elem) {
 }
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Only where LINTAPE_WGMMA was compiled (walk_runs checks).
-template <class T, int DP, int PP, int EP, bool Reverse, bool U>
+template <class T, int DP, int PP, int EP, bool Reverse>
 __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool model_acts) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool mode
   T* stile = raw_d + kC * EP;
   float* angles = reinterpret_cast<float*>(stile + StateTile<PP, EP>::kElems);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wg = U ? cuda::warpgroup_index() : warp >> 2, gm = wg % W::WGM, gn = wg / W::WGM;
+  const int wg = cuda::warpgroup_index(), gm = wg % W::WGM, gn = wg / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, Reverse);
   const int64_t bh = w.bh, b = bh / a.H;
   const int h = int(bh % a.H);
@@ -199,9 +199,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool mode
 template <class T, int DP, int PP, int EP>
 void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   constexpr size_t smem = walk_smem_bytes<DP, PP, EP>(sizeof(T));
-  const bool u = cuda::fal_uniform_warpgroup();
-  auto kernel = reverse ? (u ? walk_kernel<T, DP, PP, EP, true, true> : walk_kernel<T, DP, PP, EP, true, false>)
-                        : (u ? walk_kernel<T, DP, PP, EP, false, true> : walk_kernel<T, DP, PP, EP, false, false>);
+  auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true> : walk_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a));
   LT_CUDA_CHECK_LAUNCH();

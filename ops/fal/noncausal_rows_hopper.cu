@@ -41,7 +41,7 @@ struct RowTiles {
   static constexpr size_t bytes(size_t elem) { return elem * size_t(kEnd) + sizeof(float) * kAngleRows * DP; }
 };
 
-template <class T, int DP, int PP, int EP, int Pass, bool U>
+template <class T, int DP, int PP, int EP, int Pass>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_row_kernel(Args a, const float* __restrict__ state, int64_t per, int64_t total, bool model_acts) {
 #ifndef LINTAPE_WGMMA
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* const sm = reinterpret_cast<T*>(smem_raw);
   T* const ws = sm + L::kW;
   float* const tab = reinterpret_cast<float*>(sm + L::kEnd);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = U ? cuda::warpgroup_index() : warp >> 2, tid = threadIdx.x & 127;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2, tid = threadIdx.x & 127;
   T* const xs = sm + L::kFirst + wg * L::kPer;
   T* const stage = xs + L::kX;
   const int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
@@ -216,8 +216,7 @@ template <class T, int DP, int PP, int EP, int Pass>
 void launch(const Args& a, int64_t BH, const float* state, cudaStream_t st, Device dev) {
   const int64_t total = BH * a.nC;
   if (total == 0) return;
-  auto kernel = cuda::fal_uniform_warpgroup() ? hopper_row_kernel<T, DP, PP, EP, Pass, true>
-                                               : hopper_row_kernel<T, DP, PP, EP, Pass, false>;
+  auto kernel = hopper_row_kernel<T, DP, PP, EP, Pass>;
   const size_t smem = RowTiles<DP, PP, EP>::bytes(sizeof(T));
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const Partition part = partition(total, cuda::sm_count(dev.index), kWarpgroups);
