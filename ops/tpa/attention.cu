@@ -285,9 +285,7 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
   size_t smem = 0;
   if constexpr (tma) {
     smem = attention_tma::smem_bytes<HD>();
-    allow_smem(attention_tma::forward<T, HD, pingpong, persistent, true>, smem, configured);
-    static bool configured_thread = false;  // temporary (session 13): LINTAPE_TPA_WG=thread
-    allow_smem(attention_tma::forward<T, HD, pingpong, persistent, false>, smem, configured_thread);
+    allow_smem(attention_tma::forward<T, HD, pingpong, persistent>, smem, configured);
   } else if constexpr (K == ForwardKernel::Warpgroup) {
     smem = attention_wg::smem_bytes<HD>();
     allow_smem(attention_wg::forward<T, HD>, smem, configured);
@@ -321,16 +319,11 @@ void forward_typed(const AttentionArgs& a, Tensor& out, Tensor& lse) {
     }
     const dim3 grid(unsigned(query_tiles), unsigned(p.H), unsigned(n));
     const int items = int(query_tiles * p.H * n);
-    if constexpr (tma) {
-      static const bool uniform = [] {
-        const char* v = std::getenv("LINTAPE_TPA_WG");
-        return !(v && std::strcmp(v, "thread") == 0);
-      }();
-      auto kernel = uniform ? attention_tma::forward<T, HD, pingpong, persistent, true>
-                            : attention_tma::forward<T, HD, pingpong, persistent, false>;
-      kernel<<<persistent ? std::min(items, blocks) : items, attention_tma::kTmaThreads, smem, st>>>(p, tq, tk, tv,
-                                                                                                   items, int(n));
-    } else if constexpr (K == ForwardKernel::Warpgroup)
+    if constexpr (tma)
+      attention_tma::forward<T, HD, pingpong, persistent>
+          <<<persistent ? std::min(items, blocks) : items, attention_tma::kTmaThreads, smem, st>>>(p, tq, tk, tv,
+                                                                                                 items, int(n));
+    else if constexpr (K == ForwardKernel::Warpgroup)
       attention_wg::forward<T, HD><<<grid, kThreads, smem, st>>>(p);
     else
       attention_fwd<T, HD, DOCS><<<grid, kThreads, smem, st>>>(p);

@@ -414,9 +414,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
   }
   static bool configured = false;
   if constexpr (TMA) {
-    allow_smem(attention_bwd_tma::backward<T, HD, true>, attention_bwd_tma::smem_bytes<HD>(), configured);
-    static bool configured_thread = false;  // temporary (session 13): LINTAPE_TPA_WG=thread
-    allow_smem(attention_bwd_tma::backward<T, HD, false>, attention_bwd_tma::smem_bytes<HD>(), configured_thread);
+    allow_smem(attention_bwd_tma::backward<T, HD>, attention_bwd_tma::smem_bytes<HD>(), configured);
   } else if constexpr (WG) {
     allow_smem(attention_bwd_wg::backward<T, HD, SPLIT>, attention_bwd_wg::smem_bytes<HD>(), configured);
   } else {
@@ -462,14 +460,7 @@ void backward_typed(const AttentionArgs& a, const Tensor& out, const Tensor& lse
     const dim3 grid(unsigned(p.H), unsigned(n), unsigned(key_tiles));
     if constexpr (TMA) {
       constexpr size_t smem = attention_bwd_tma::smem_bytes<HD>();
-      static const bool uniform = [] {
-        const char* v = std::getenv("LINTAPE_TPA_WG");
-        return !(v && std::string(v) == "thread");
-      }();
-      if (uniform)
-        attention_bwd_tma::backward<T, HD, true><<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tq, tdo, tk, tv, tdq);
-      else
-        attention_bwd_tma::backward<T, HD, false><<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tq, tdo, tk, tv, tdq);
+      attention_bwd_tma::backward<T, HD><<<grid, attention_tma::kTmaThreads, smem, st>>>(p, tq, tdo, tk, tv, tdq);
     } else if constexpr (WG) {
       attention_bwd_wg::backward<T, HD, SPLIT><<<grid, kThreads, attention_bwd_wg::smem_bytes<HD>(), st>>>(p);
     } else {

@@ -134,7 +134,7 @@ __device__ __forceinline__ void reduce_dq(const P& p, const CUtensorMap* tdq, co
 
 // The grid, the places and the products of attention_bwd_wg::backward (SPLIT); tq and tdo as for produce; tk and
 // tv: the K and V rows of the launch's entries, boxes of kBig rows.
-template <class T, int HD, bool U>
+template <class T, int HD>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     backward(const Params<T> p, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
              const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   T* dst = slots + 2 * kStages * QT;  // buffer b: dS'^T (tile i: b = i % kDsBuffers) at dst + b DT
   float* stats = reinterpret_cast<float*>(dst + kDsBuffers * DT);  // slot s: lse at stats + 2 s kSmall, Delta after
   float* dqs = stats + 2 * kStages * kSmall;  // the staged dQ tile (dq_at), on a 1024-byte boundary
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = U ? cuda::warpgroup_index() : warp / 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = cuda::warpgroup_index();
   if (threadIdx.x == 0) {
     place = atomicAdd(p.ticket, 1);  // as in attention_bwd: every block a turn waits for is running
     for (int s = 0; s < kStages; ++s) {

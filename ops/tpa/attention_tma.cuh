@@ -150,7 +150,7 @@ __device__ __forceinline__ void produce(const Params<T>& p, const CUtensorMap* t
 
 // QTMA: Q comes by TMA from the output (built there beforehand), through tq; else the consumers build it from
 // its factors. The grid runs items blockIdx.x, + gridDim.x, ... (a block per item, or persistent).
-template <class T, int HD, bool PINGPONG, bool QTMA, bool U>
+template <class T, int HD, bool PINGPONG, bool QTMA>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     forward(const Params<T> p, const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
             const __grid_constant__ CUtensorMap tv, int items, int entries) {
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   T* qs = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* kslots = qs + kWgRows * HD;
   T* vslots = kslots + kStages * KT;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = U ? cuda::warpgroup_index() : warp / 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&ring.full_k[s], 1);
