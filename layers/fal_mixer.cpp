@@ -7,6 +7,7 @@
 #include "layers/language_model.h"
 #include "ops/fal/fal.h"
 #include "ops/lrpe/lrpe.h"
+#include "ops/rms_norm.h"
 #include "ops/shape.h"
 
 namespace lintape {
@@ -53,7 +54,10 @@ std::array<Tensor, 4> FalMixer::project(const Tensor& x) const {
 }
 
 Tensor FalMixer::finish(const Tensor& mixed) const {
-  return out.forward(norm.forward(mixed).reshape({mixed.size(0), mixed.size(1), heads * head_dim}));
+  const Tensor rows = mixed.reshape({mixed.size(0), mixed.size(1), heads * head_dim});
+  if (keep_normed_rows()) return out.forward(norm.forward(mixed).reshape(rows.shape()));
+  // The norm is per head: over each D of the H D row, its normed rows made again in the backward.
+  return rms_norm_linear(rows, weight_as(norm.weight, mixed), weight_as(out.weight, mixed), norm.eps);
 }
 
 Tensor FalMixer::forward(const Tensor& x, const Documents& docs) const {

@@ -88,13 +88,13 @@ Tensor Block::mix_step(const Tensor& h, DecodeState& state, size_t layer) const 
 }
 
 std::pair<Tensor, Tensor> Block::finish(const Tensor& x, const Tensor& mixed, const RMSNorm& next) const {
-  const auto [y, h2] = norm2.forward_sum(x, mixed);
-  return next.forward_sum(y, mlp.forward(h2));
+  const auto [y, mlp_out] = mlp.forward_after(norm2, x, mixed);
+  return next.forward_sum(y, mlp_out);
 }
 
 Tensor Block::forward(const Tensor& x, const Documents& docs) const {
-  const auto [y, h2] = norm2.forward_sum(x, mix(norm1.forward(x), docs));
-  return add(y, mlp.forward(h2));
+  const auto [y, mlp_out] = mlp.forward_after(norm2, x, mix(norm1.forward(x), docs));
+  return add(y, mlp_out);
 }
 
 void Block::set_impl(Impl impl) { mixer->impl = impl; }

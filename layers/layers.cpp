@@ -1,5 +1,8 @@
 #include "layers/layers.h"
 
+#include <cstdlib>
+#include <string>
+
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
 #include "ops/matmul.h"
@@ -12,6 +15,14 @@ Tensor normal_init(const Shape& shape, double std, uint64_t seed) {
 }
 
 Tensor weight_as(const Tensor& weight, const Tensor& x) { return weight.to(x.dtype()); }
+
+bool keep_normed_rows() {
+  static const bool keep = [] {
+    const char* v = std::getenv("LINTAPE_KEEP_NORMED");
+    return v && std::string(v) == "1";
+  }();
+  return keep;
+}
 
 Linear::Linear(int64_t in_features, int64_t out_features, double init_std, uint64_t seed) {
   LT_CHECK(in_features > 0 && out_features > 0, "[Linear] sizes must be positive; got in_features ",
@@ -55,6 +66,15 @@ SwiGluMlp::SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_
 Tensor SwiGluMlp::forward(const Tensor& x) const {
   // up's rows: [u, gate]; the SwiGLU output is made again in the backward rather than held.
   return swiglu_linear(up.forward(x), weight_as(down.weight, x));
+}
+
+std::pair<Tensor, Tensor> SwiGluMlp::forward_after(const RMSNorm& norm, const Tensor& x, const Tensor& residual) const {
+  if (keep_normed_rows()) {
+    const auto [sum, h] = norm.forward_sum(x, residual);
+    return {sum, forward(h)};
+  }
+  const auto [sum, u] = add_rms_norm_linear(x, residual, weight_as(norm.weight, x), weight_as(up.weight, x), norm.eps);
+  return {sum, swiglu_linear(u, weight_as(down.weight, x))};
 }
 
 }  // namespace lintape

@@ -17,6 +17,10 @@ Tensor normal_init(const Shape& shape, double std, uint64_t seed);
 // `weight` in x's dtype (itself when it already is): a recorded cast.
 Tensor weight_as(const Tensor& weight, const Tensor& x);
 
+// Whether a norm feeding a product keeps its rows for the backward (LINTAPE_KEEP_NORMED=1) instead of
+// making them again there (rms_norm_linear, the default).
+bool keep_normed_rows();
+
 class Linear : public Module {
  public:
   // weight (out_features, in_features), N(0, init_std). No bias (MODEL.md has none).
@@ -47,6 +51,9 @@ class SwiGluMlp : public Module {
  public:
   SwiGluMlp(int64_t width, int64_t hidden, double init_std, double out_std, uint64_t seed);
   Tensor forward(const Tensor& x) const;
+  // {x + residual, forward(norm(x + residual))}, the norm's rows not held for the backward but made again
+  // there (add_rms_norm_linear): what a block runs after its mixer.
+  std::pair<Tensor, Tensor> forward_after(const RMSNorm& norm, const Tensor& x, const Tensor& residual) const;
   Linear up, down;
   int64_t hidden;
 };

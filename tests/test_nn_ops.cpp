@@ -6,6 +6,7 @@
 #include "ops/embedding.h"
 #include "ops/matmul.h"
 #include "ops/elementwise.h"
+#include "ops/reduce.h"
 #include "ops/rms_norm.h"
 #if LINTAPE_WITH_CUDA
 #include "ops/rms_norm_cuda.h"
@@ -236,6 +237,126 @@ TEST_CASE("cuda add_rms_norm matches cpu" * LT_CUDA_CASE) {
       ops_cuda::rms_norm_backward_cuda(dy, dsum, sum.detach(), w.detach(), rstd, dx_p, Tensor());
       CHECK_CLOSE_TENSOR(dx_p, x64.grad(), dt);
     }
+}
+#endif
+
+// ---- rms_norm_linear, add_rms_norm_linear ----
+
+namespace {
+
+// Bits equal: the fused ops' values and gradients against rms_norm (or add_rms_norm) then matmul, on `device`
+// in dtype dt; x (rows, K), the norm over groups of C. Both outputs carry a gradient with a residual.
+void check_norm_linear_bits(Device device, DType dt, int64_t B, int64_t N, int64_t K, int64_t C, int64_t M,
+                            bool residual) {
+  INFO(device.name() << " " << dtype_name(dt) << " K = " << K << " C = " << C << " M = " << M
+                     << (residual ? " with residual" : ""));
+  Tensor x = randn({B, N, K}, dt, device, 51).requires_grad_();
+  Tensor r = randn({B, N, K}, dt, device, 52).requires_grad_();
+  Tensor nw = add(mul(randn({C}, dt, device, 53), 0.25), 1.0).requires_grad_();
+  Tensor w = mul(randn({M, K}, dt, device, 54), 0.05).requires_grad_();
+  auto copy = [](const Tensor& t) { return t.detach().clone().requires_grad_(); };
+  Tensor x2 = copy(x), r2 = copy(r), nw2 = copy(nw), w2 = copy(w);
+  Tensor dout = randn({B, N, M}, dt, device, 55), dsum = randn({B, N, K}, dt, device, 56);
+  if (residual) {
+    const auto [sum, out] = add_rms_norm_linear(x, r, nw, w, 1e-5);
+    const auto [sum_ref, normed] = add_rms_norm(x2, r2, nw2, 1e-5);
+    const Tensor out_ref = matmul(normed, w2, false, true);
+    CHECK(rel_error(sum, sum_ref) == 0.0);
+    CHECK(rel_error(out, out_ref) == 0.0);
+    backward(std::vector<Tensor>{sum, out}, std::vector<Tensor>{dsum, dout});
+    backward(std::vector<Tensor>{sum_ref, out_ref}, std::vector<Tensor>{dsum, dout});
+    CHECK(rel_error(r.grad(), r2.grad()) == 0.0);
+  } else {
+    const Tensor out = rms_norm_linear(x, nw, w, 1e-5);
+    const Tensor normed = rms_norm(x2.view({B, N, K / C, C}), nw2, 1e-5).view({B, N, K});
+    const Tensor out_ref = matmul(normed, w2, false, true);
+    CHECK(rel_error(out, out_ref) == 0.0);
+    backward(std::vector<Tensor>{out}, std::vector<Tensor>{dout});
+    backward(std::vector<Tensor>{out_ref}, std::vector<Tensor>{dout});
+  }
+  CHECK(rel_error(x.grad(), x2.grad()) == 0.0);
+  CHECK(rel_error(nw.grad(), nw2.grad()) == 0.0);
+  CHECK(rel_error(w.grad(), w2.grad()) == 0.0);
+  CHECK(rel_error(x.grad(), zeros(x.shape(), dt, device)) > 0.0);  // a gradient arrived at all
+}
+
+}  // namespace
+
+TEST_CASE("rms_norm_linear and add_rms_norm_linear give the bits of the norm then matmul") {
+  for (DType dt : {DType::F64, DType::F32, DType::BF16}) {
+    check_norm_linear_bits(Device::cpu(), dt, 2, 5, 24, 24, 7, true);
+    check_norm_linear_bits(Device::cpu(), dt, 2, 5, 24, 24, 7, false);
+    check_norm_linear_bits(Device::cpu(), dt, 3, 4, 24, 8, 5, false);  // three groups a row: per-head norms
+  }
+}
+
+TEST_CASE("gradcheck rms_norm_linear and add_rms_norm_linear") {
+  Tensor x = leaf({2, 3, 6}, 57), r = leaf({2, 3, 6}, 58), nw = leaf({3}, 59, 1.0), w = leaf({4, 6}, 60);
+  Tensor mix = randn({2, 3, 6}, DType::F64, Device::cpu(), 61);
+  auto grouped = [](const std::vector<Tensor>& in) { return rms_norm_linear(in[0], in[1], in[2], 1e-5); };
+  CHECK_GRADCHECK(grouped, (std::vector<Tensor>{x, nw, w}));
+  Tensor nw6 = leaf({6}, 62, 1.0);
+  auto with_sum = [mix](const std::vector<Tensor>& in) {
+    const auto [total, out] = add_rms_norm_linear(in[0], in[1], in[2], in[3], 1e-5);
+    return add(sum(mul(total, mix)), sum(out));
+  };
+  CHECK_GRADCHECK(with_sum, (std::vector<Tensor>{x, r, nw6, w}));
+  auto product_only = [](const std::vector<Tensor>& in) {
+    return add_rms_norm_linear(in[0], in[1], in[2], in[3], 1e-5).second;
+  };
+  CHECK_GRADCHECK(product_only, (std::vector<Tensor>{x, r, nw6, w}));
+}
+
+TEST_CASE("rms_norm_linear holds the input, not the normed rows") {
+  // What the graph holds after the forward, against the norm then matmul: one (rows, K) tensor less.
+  const Device cpu = Device::cpu();
+  Tensor x = randn({4, 64, 96}, DType::F32, cpu, 63).requires_grad_();
+  Tensor nw = ones({32}).requires_grad_(), w = randn({48, 96}, DType::F32, cpu, 64).requires_grad_();
+  const size_t base = memory_stats(cpu).in_use;
+  size_t fused = 0, composed = 0;
+  {
+    const Tensor out = rms_norm_linear(x, nw, w);
+    fused = memory_stats(cpu).in_use - base;
+  }
+  {
+    const Tensor out = matmul(rms_norm(x.view({4, 64, 3, 32}), nw).view({4, 64, 96}), w, false, true);
+    composed = memory_stats(cpu).in_use - base;
+  }
+  CHECK(composed - fused == size_t(4 * 64 * 96) * sizeof(float));
+}
+
+TEST_CASE("bad input rms_norm_linear") {
+  check_throws_containing([] { rms_norm_linear(randn({2, 6}), randn({4}), randn({3, 6})); },
+                          {"[rms_norm_linear]", "C dividing", "K = 6", "got (4)"});
+  check_throws_containing([] { rms_norm_linear(randn({2, 6}), randn({6}), randn({3, 5})); },
+                          {"[rms_norm_linear]", "(M, K) with K = 6", "got (3, 5)"});
+  check_throws_containing([] { rms_norm_linear(randn({2, 6}), randn({6}), randn({3, 6}, DType::BF16)); },
+                          {"[rms_norm_linear]", "weight", "f32", "bf16"});
+  check_throws_containing([] { add_rms_norm_linear(randn({2, 6}), randn({3, 6}), randn({6}), randn({3, 6})); },
+                          {"[add_rms_norm_linear]", "residual", "(2, 6)", "got (3, 6)"});
+}
+
+#if LINTAPE_WITH_CUDA
+TEST_CASE("cuda rms_norm_linear and add_rms_norm_linear give the bits of the norm then matmul" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  for (DType dt : {DType::F32, DType::BF16}) {
+    check_norm_linear_bits(gpu(), dt, 2, 300, 768, 768, 1024, true);   // the MLP's up projection, narrowed
+    check_norm_linear_bits(gpu(), dt, 2, 300, 768, 128, 768, false);   // the FAL mixer's per-head norm and out
+    check_norm_linear_bits(gpu(), dt, 1, 37, 129, 129, 40, true);      // scalar loads, odd sizes
+  }
+  // Against the f64 reference on the CPU.
+  Tensor x = randn({2, 50, 256}, DType::BF16, gpu(), 65).requires_grad_();
+  Tensor nw = randn({128}, DType::BF16, gpu(), 66).requires_grad_();
+  Tensor w = mul(randn({96, 256}, DType::BF16, gpu(), 67), 0.05).requires_grad_();
+  Tensor x64 = cpu64(x).requires_grad_(), nw64 = cpu64(nw).requires_grad_(), w64 = cpu64(w).requires_grad_();
+  const Tensor out = rms_norm_linear(x, nw, w), out64 = rms_norm_linear(x64, nw64, w64);
+  CHECK_CLOSE_TENSOR(out, out64, DType::BF16);
+  Tensor dout = randn(out.shape(), DType::BF16, gpu(), 68);
+  backward(std::vector<Tensor>{out}, std::vector<Tensor>{dout});
+  backward(std::vector<Tensor>{out64}, std::vector<Tensor>{cpu64(dout)});
+  CHECK_CLOSE_TENSOR(x.grad(), x64.grad(), DType::BF16);
+  CHECK_CLOSE_TENSOR(nw.grad(), nw64.grad(), DType::BF16);
+  CHECK_CLOSE_TENSOR(w.grad(), w64.grad(), DType::BF16);
 }
 #endif
 
