@@ -116,10 +116,12 @@ std::vector<Part> model_parts(const LanguageModel& m, const Tensor& targets, con
     const std::string kind = m.config().mixer(int64_t(i));
     size_t mixed = add_part(p + kind, kind, {h}, 1,
                             one([&b, docs](const std::vector<Tensor>& v) { return b.mix(v[0], docs); }));
-    size_t y = add_part(p + "residual1 + norm2", "residual + norm", {x, mixed}, 2,
-                        [&b, pair](const std::vector<Tensor>& v) { return pair(b.norm2.forward_sum(v[0], v[1])); });
-    size_t mlp = add_part(p + "mlp", "mlp", {y + 1}, 1,
-                          one([&b](const std::vector<Tensor>& v) { return b.mlp.forward(v[0]); }));
+    // As Block::finish: the residual, norm2 and the MLP in one part (its norm and up projection are one op).
+    size_t y = add_part(p + "residual1 + norm2 + mlp", "residual + norm + mlp", {x, mixed}, 2,
+                        [&b, pair](const std::vector<Tensor>& v) {
+                          return pair(b.mlp.forward_after(b.norm2, v[0], v[1]));
+                        });
+    size_t mlp = y + 1;
     x = add_part(p + "residual2 + " + next_name, last ? "residual + final norm" : "residual + norm", {y, mlp}, 2,
                  [&next_norm, pair](const std::vector<Tensor>& v) { return pair(next_norm.forward_sum(v[0], v[1])); });
     h = x + 1;

@@ -1,5 +1,6 @@
 #include "layers/layers.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -16,13 +17,19 @@ Tensor normal_init(const Shape& shape, double std, uint64_t seed) {
 
 Tensor weight_as(const Tensor& weight, const Tensor& x) { return weight.to(x.dtype()); }
 
-bool keep_normed_rows() {
-  static const bool keep = [] {
+namespace {
+std::atomic<bool>& keep_normed_setting() {
+  static std::atomic<bool> keep{[] {
     const char* v = std::getenv("LINTAPE_KEEP_NORMED");
-    return v && std::string(v) == "1";
-  }();
+    return v != nullptr && std::string(v) == "1";
+  }()};
   return keep;
 }
+}  // namespace
+
+bool keep_normed_rows() { return keep_normed_setting().load(std::memory_order_relaxed); }
+
+void set_keep_normed_rows(bool keep) { keep_normed_setting().store(keep, std::memory_order_relaxed); }
 
 Linear::Linear(int64_t in_features, int64_t out_features, double init_std, uint64_t seed) {
   LT_CHECK(in_features > 0 && out_features > 0, "[Linear] sizes must be positive; got in_features ",

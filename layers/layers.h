@@ -17,9 +17,12 @@ Tensor normal_init(const Shape& shape, double std, uint64_t seed);
 // `weight` in x's dtype (itself when it already is): a recorded cast.
 Tensor weight_as(const Tensor& weight, const Tensor& x);
 
-// Whether a norm feeding a product keeps its rows for the backward (LINTAPE_KEEP_NORMED=1) instead of
-// making them again there (rms_norm_linear, the default).
+// Whether a norm that feeds a product (the MLP's up projection, the FAL mixer's out projection) keeps its rows
+// for the backward instead of making them again there (rms_norm_linear, the default): one activation of the
+// residual's size less a use for one more pass of the norm. Both give the same bits. The default comes from
+// LINTAPE_KEEP_NORMED (1: keep); set_keep_normed_rows overrides it for the process.
 bool keep_normed_rows();
+void set_keep_normed_rows(bool keep);
 
 class Linear : public Module {
  public:

@@ -11,6 +11,7 @@
 // add_rms_norm: the forward first forms s = x + residual (rounded to the dtype, as `add` does), writes it
 // and normalises it; the backward adds the residual stream's gradient to dx before its one rounding.
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include "core/cuda_async.cuh"
 #include "core/cuda_reduce.cuh"
@@ -312,7 +313,11 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
   cudaStream_t s = stream(dev);
   size_t smem = 0;
   // Rows held in registers with 16-byte packs are staged (two rows of dy, x, dres per row group).
-  const bool stage = sizeof(T) * V == 16 && cols / V <= int64_t(L) * kHeld<V>;
+  static const bool no_stage = [] {
+    const char* v = std::getenv("LINTAPE_NORM_STAGE");  // measurement only: 0 loads the rows straight
+    return v && v[0] == '0';
+  }();
+  const bool stage = !no_stage && sizeof(T) * V == 16 && cols / V <= int64_t(L) * kHeld<V>;
   const size_t stage_bytes = stage ? size_t(kThreads / L) * 6 * size_t(cols) * sizeof(T) : 0;
   if (dweight.defined()) {
     smem = (size_t(cols) * sizeof(A) + 15) / 16 * 16;

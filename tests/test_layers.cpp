@@ -7,9 +7,11 @@
 #include <string>
 #include <vector>
 #include "autograd/gradcheck.h"
+#include "core/allocator.h"
 #include "helpers.h"
 #include "layers/fal_mixer.h"
 #include "layers/language_model.h"
+#include "layers/layers.h"
 #include "layers/tpa_mixer.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
@@ -293,6 +295,37 @@ TEST_CASE("mixed precision: bf16 activations over f32 master weights") {
   CHECK(model.wte.dtype() == DType::F32);
   CHECK(rel_error(model.flat_gradients(), g32) < 5e-2);
   check_throws_containing([&] { model.set_compute_dtype(DType::I32); }, {"compute dtype", "i32"});
+}
+
+TEST_CASE("normed rows made again in the backward give the bits of the rows kept, and hold less") {
+  // The MLP's norm and up projection, the FAL mixer's norm and out projection: rms_norm_linear against the norm
+  // then the product (set_keep_normed_rows), loss and every gradient, f32 and bf16 over f32 master weights.
+  const Tensor tokens = tokens_of({1, 5, 9, 15, 2, 0, 7, 7, 3, 4}, 2, 5);
+  const Tensor targets = tokens_of({5, 9, 15, 2, -1, 7, 7, 3, 4, 1}, 2, 5);
+  const bool before = keep_normed_rows();
+  for (DType dt : {DType::F32, DType::BF16}) {
+    INFO(dtype_name(dt));
+    LanguageModel model(micro_config(), 17);
+    model.flatten_parameters();
+    model.set_compute_dtype(dt);
+    Tensor loss[2], grads[2];
+    size_t held[2];
+    for (int keep = 0; keep < 2; ++keep) {
+      set_keep_normed_rows(keep == 1);
+      model.zero_grad();
+      const size_t base = memory_stats(Device::cpu()).in_use;
+      loss[keep] = model.loss(tokens, targets);
+      held[keep] = memory_stats(Device::cpu()).in_use - base;
+      backward(loss[keep]);
+      grads[keep] = model.flat_gradients().clone();
+    }
+    CHECK(loss[0].item() == loss[1].item());
+    CHECK(rel_error(grads[0], grads[1]) == 0.0);
+    // Two layers' MLP rows (10 x C) and the FAL layer's mixer rows (10 x H D), in the compute dtype.
+    const ModelConfig c = micro_config();
+    CHECK(held[1] - held[0] >= size_t(10 * (2 * c.width + c.heads * c.head_dim)) * dtype_size(dt));
+  }
+  set_keep_normed_rows(before);
 }
 
 namespace {

@@ -11,6 +11,7 @@
 #include "helpers.h"
 #include "layers/fal_mixer.h"
 #include "layers/language_model.h"
+#include "layers/layers.h"
 #include "layers/tpa_mixer.h"
 #include "ops/elementwise.h"
 #include "ops/reduce.h"
@@ -120,6 +121,43 @@ TEST_CASE("cuda LanguageModel: loss and flat gradients equal the CPU in f32" * L
   backward(l_cpu);
   backward(l_gpu);
   CHECK(rel_error(gpu_model.flat_gradients(), cpu.flat_gradients()) < kF32Gap);
+}
+
+TEST_CASE("cuda normed rows made again in the backward: the bits of the rows kept, less held" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+  // Widths the 16-byte kernels take (C 256, D 64), bf16 over f32 master weights, both mixers.
+  ModelConfig c = micro_model();
+  c.vocab_size = 512;
+  c.width = 256;
+  c.heads = 4;
+  c.head_dim = 64;
+  c.mlp_hidden = 512;
+  c.seq_len = 128;
+  LanguageModel model(c, 23);
+  model.to(gpu());
+  model.flatten_parameters();
+  model.set_compute_dtype(DType::BF16);
+  const Tensor tokens = random_tokens(2, 128, c.vocab_size, 24).to(gpu());
+  const Tensor targets = random_tokens(2, 128, c.vocab_size, 25).to(gpu());
+  const bool before = keep_normed_rows();
+  backward(model.loss(tokens, targets));  // the products' workspaces, allocated once, before the counts
+  Tensor loss[2], grads[2];
+  size_t held[2];
+  for (int keep = 0; keep < 2; ++keep) {
+    set_keep_normed_rows(keep == 1);
+    model.zero_grad();
+    const size_t base = memory_stats(gpu()).in_use;
+    loss[keep] = model.loss(tokens, targets);
+    held[keep] = memory_stats(gpu()).in_use - base;
+    backward(loss[keep]);
+    grads[keep] = model.flat_gradients().clone();
+  }
+  set_keep_normed_rows(before);
+  CHECK(loss[0].item() == loss[1].item());
+  CHECK(rel_error(grads[0], grads[1]) == 0.0);
+  CHECK(rel_error(grads[0], zeros(grads[0].shape(), grads[0].dtype(), gpu())) > 0.0);
+  // Both layers' MLP rows (256 x C) and the FAL layer's mixer rows (256 x H D), bf16.
+  CHECK(held[1] - held[0] == size_t(256 * (2 * c.width + c.heads * c.head_dim)) * 2);
 }
 
 TEST_CASE("cuda AdamW and gradient clip: steps equal the CPU optimizer" * LT_CUDA_CASE) {
