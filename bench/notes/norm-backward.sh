@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Session 14's device check of the rms_norm backward kernel (notes: bench/notes/train-step.md, "Session 14"), one
-# call over binaries built elsewhere (bench/notes/staged.sh): the norm's CUDA cases under each of VARIANTS, `bench
-# rms-norm` (backward) and ncu of its kernel under each, the training steps, the profile.
+# call over binaries built elsewhere (bench/notes/staged.sh): the norm's CUDA cases under each of VARIANTS (every
+# CUDA case with TEST_CASES='*cuda*'), the sanitizers over the norm's cases, `bench rms-norm` (backward) and ncu of its
+# kernel under each, the training steps, compare_train.py against compiled PyTorch (fla's kernels from .whl), the
+# profile.
 #   stage=.stage/cN out=$OUT bash bench/notes/norm-backward.sh [STEPS]
-# STEPS: a comma list of tests,bench,ncu,train,profile (default all). VARIANTS: env settings compared, each a word
+# STEPS: a comma list of tests,sanitize,bench,ncu,train,compare,profile (default all). VARIANTS: env settings compared, each a word
 # of NAME=VALUE pairs joined by '+' ('base' for none; default: base).
 set -uo pipefail
-steps=,${1:-tests,bench,ncu,train,profile},
+steps=,${1:-tests,sanitize,bench,ncu,train,compare,profile},
 has() { [[ $steps == *,$1,* ]]; }
 source bench/notes/staged.sh
 variants=(${VARIANTS:-base})
@@ -21,6 +23,13 @@ if has tests; then
     log "tests $v rc=$? $(counts "$out/tests.log" | tail -c 200)"
   done
   grep -E 'ERROR|FAILED|failed' "$out/tests.log" | head -20 >>"$out/summary.txt"
+fi
+if has sanitize; then
+  cases='*cuda*rms_norm*,*cuda*add_rms_norm*,*cuda*normed rows*'
+  for tool in memcheck racecheck synccheck; do
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 1 "$tests" -tc="$cases" >>"$out/sanitizer.log" 2>&1
+    log "$tool rc=$? $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer.log" | tail -n1)"
+  done
 fi
 if has bench; then
   for round in 1 2; do
@@ -48,6 +57,16 @@ if has train; then
       log "bench train $mixer $v rc=$? $(grep -A1 'tokens/s' "$out/train.txt" | tail -n1 | tr -s ' ')"
     done
   done
+fi
+if has compare; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site
+  fi
+  timeout 420 python3 bench/torch_ref/compare_train.py --lintape "$cli" --mixers fal,tpa --modes compile --steps 6 \
+    --timeout 200 >"$out/compare.txt" 2>&1
+  log "compare rc=$?"
+  tail -n 7 "$out/compare.txt" >>"$out/summary.txt"
 fi
 if has profile; then
   for mixer in ${PROFILE_MIXERS:-fal}; do
