@@ -11,7 +11,6 @@
 // add_rms_norm: the forward first forms s = x + residual (rounded to the dtype, as `add` does), writes it
 // and normalises it; the backward adds the residual stream's gradient to dx before its one rounding.
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 #include "core/cuda_async.cuh"
 #include "core/cuda_reduce.cuh"
@@ -120,7 +119,7 @@ template <class T, int V, int L>
 __global__ void __launch_bounds__(kThreads, 2)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ dres, const T* __restrict__ x,
                     const T* __restrict__ w, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-                    acc_t<T>* __restrict__ dw_part, int64_t rows, int64_t cols, bool stage, int stages) {
+                    acc_t<T>* __restrict__ dw_part, int64_t rows, int64_t cols, bool stage) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
   constexpr int64_t kChunk = int64_t(L) * kHeld<V>;
@@ -137,10 +136,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   A dw_held[kHeld<V>][V] = {};  // held rows: this lane's columns, summed over its rows
   const P* wr = reinterpret_cast<const P*>(w);
   const int64_t row_step = int64_t(gridDim.x) * kGroups;
-  // The staged rows: this group's `stages` buffers of [dy | x | dres] packs (a row being read, the next stages - 1
-  // in flight), after the dweight partial. A lane stages and reads the same packs only.
+  // The staged rows: this group's two buffers of [dy | x | dres] packs, after the dweight partial.
   P* staged = reinterpret_cast<P*>(smem_raw + (dw_part ? (cols * sizeof(A) + 15) / 16 * 16 : 0)) +
-              (threadIdx.x / L) * 3 * stages * packs;
+              (threadIdx.x / L) * 6 * packs;
   auto stage_row = [&](int64_t row, int buf) {
     if (row < rows) {
       P* b = staged + buf * 3 * packs;
@@ -155,8 +153,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     cp_async_commit();  // empty past the last row: the count of groups stays the same for every lane
   };
-  if (stage)
-    for (int k = 0; k + 1 < stages; ++k) stage_row(blockIdx.x * int64_t(kGroups) + threadIdx.x / L + k * row_step, k);
+  if (stage) stage_row(blockIdx.x * int64_t(kGroups) + threadIdx.x / L, 0);
   // The loop bound is uniform over the block: every thread reaches each group_sum.
   int it = 0;
   for (int64_t row0 = blockIdx.x * int64_t(kGroups); row0 < rows; row0 += row_step, ++it) {
@@ -166,13 +163,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     const P* xr = reinterpret_cast<const P*>(x + row * cols);
     const A r = active ? rstd[row] : A(0);
     const P* dr = dres ? reinterpret_cast<const P*>(dres + row * cols) : nullptr;
-    const P* sb = staged + (it % stages) * 3 * packs;
+    const P* sb = staged + (it & 1) * 3 * packs;
     if (stage) {
-      stage_row(row + (stages - 1) * row_step, (it + stages - 1) % stages);
-      if (stages == 3)
-        cp_async_wait<2>();  // this row's copies have landed
-      else
-        cp_async_wait<1>();
+      stage_row(row + row_step, (it + 1) & 1);
+      cp_async_wait<1>();  // this row's copies have landed
     }
     P g[kHeld<V>], xv[kHeld<V>], dv[kHeld<V>];
     A s = 0;
@@ -317,14 +311,10 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
   int dev = x.device().index;
   cudaStream_t s = stream(dev);
   size_t smem = 0;
-  // Rows held in registers with 16-byte packs are staged (`stages` rows of dy, x, dres per row group): loading
-  // them straight into registers was 10-15% slower (docs/BENCHMARKS.md).
+  // Rows held in registers with 16-byte packs are staged (two rows of dy, x, dres per row group). On an H100 at
+  // 32768 rows of 768, loading them straight took 13% longer and staging three rows 9% longer (docs/BENCHMARKS.md).
   const bool stage = sizeof(T) * V == 16 && cols / V <= int64_t(L) * kHeld<V>;
-  static const int stages = [] {
-    const char* v = std::getenv("LINTAPE_NORM_STAGES");  // measurement only: 2 or 3 rows staged a group
-    return v && v[0] == '2' ? 2 : 3;
-  }();
-  const size_t stage_bytes = stage ? size_t(kThreads / L) * 3 * stages * size_t(cols) * sizeof(T) : 0;
+  const size_t stage_bytes = stage ? size_t(kThreads / L) * 6 * size_t(cols) * sizeof(T) : 0;
   if (dweight.defined()) {
     smem = (size_t(cols) * sizeof(A) + 15) / 16 * 16;
     int max_smem = 0;
@@ -350,7 +340,7 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
       static_cast<const T*>(dy.data()), data_or_null<T>(dres), static_cast<const T*>(x.data()),
       static_cast<const T*>(w.data()),
       static_cast<const A*>(rstd.data()), dx.defined() ? static_cast<T*>(dx.data()) : nullptr,
-      part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols, stage, stages);
+      part.defined() ? static_cast<A*>(part.data()) : nullptr, rows, cols, stage);
   LT_CUDA_CHECK_LAUNCH();
   if (!dweight.defined()) return;
   reduce_partials_kernel<T><<<unsigned((cols + kReduceLanes - 1) / kReduceLanes), dim3(kReduceLanes, kReduceLanes), 0,
