@@ -312,7 +312,7 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
   cudaStream_t s = stream(dev);
   size_t smem = 0;
   // Rows held in registers with 16-byte packs are staged (two rows of dy, x, dres per row group). On an H100 at
-  // 32768 rows of 768, loading them straight took 13% longer and staging three rows 9% longer (docs/BENCHMARKS.md).
+  // 32768 rows of 768, loading them straight took 14% longer and staging three rows 10% longer (docs/BENCHMARKS.md).
   const bool stage = sizeof(T) * V == 16 && cols / V <= int64_t(L) * kHeld<V>;
   const size_t stage_bytes = stage ? size_t(kThreads / L) * 6 * size_t(cols) * sizeof(T) : 0;
   if (dweight.defined()) {
