@@ -12,11 +12,6 @@ steps=,${1:-tests,causal,noncausal,ncu,train},
 has() { [[ $steps == *,$1,* ]]; }
 source bench/notes/staged.sh
 variants=(${VARIANTS:-base})
-with() {  # variant, command...
-  local v=$1
-  shift
-  if [[ $v == base ]]; then "$@"; else env ${v//+/ } "$@"; fi
-}
 if has tests; then
   timeout 400 "$tests" -tc="${TEST_CASES:-*cuda*fal*}" >"$out/tests.log" 2>&1
   log "tests rc=$? $(counts "$out/tests.log")"

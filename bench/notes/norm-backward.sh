@@ -12,11 +12,6 @@ steps=,${1:-tests,sanitize,bench,ncu,train,compare,profile},
 has() { [[ $steps == *,$1,* ]]; }
 source bench/notes/staged.sh
 variants=(${VARIANTS:-base})
-with() {  # variant, command...
-  local v=$1
-  shift
-  if [[ $v == base ]]; then "$@"; else env ${v//+/ } "$@"; fi
-}
 if has tests; then
   for v in "${variants[@]}"; do
     with "$v" timeout 200 "$tests" -tc="${TEST_CASES:-*cuda*norm*,*cuda*LanguageModel*}" >>"$out/tests.log" 2>&1
@@ -59,10 +54,7 @@ if has train; then
   done
 fi
 if has compare; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
-      export PYTHONPATH=/tmp/site
-  fi
+  use_wheels
   timeout 420 python3 bench/torch_ref/compare_train.py --lintape "$cli" --mixers fal,tpa --modes compile --steps 6 \
     --timeout 200 >"$out/compare.txt" 2>&1
   log "compare rc=$?"

@@ -1,7 +1,8 @@
 # Sourced by the notes' device scripts that run binaries built elsewhere (Release, sm_90a) and carried in
 # $stage/lintape-bin.tgz (lintape, liblintape.so.0*, lintape_tests, lintape_comm_checks) with $stage/commit.txt:
 # unpacks them into build/, sets cli and tests, and gives log (a line to $out/summary.txt), counts (a doctest
-# log's totals) and sanitize (the TPA CUDA cases, then memcheck on MEMCHECK_CASES and racecheck and synccheck on
+# log's totals), with (a command under a variant: NAME=VALUE pairs joined by '+', or 'base' for none), use_wheels
+# (installs the Python wheels carried in .whl, fla-core and einops, and puts them on PYTHONPATH) and sanitize (the TPA CUDA cases, then memcheck on MEMCHECK_CASES and racecheck and synccheck on
 # RACE_CASES, all at once, their verdicts logged; tests.log and sanitizer.log in $out).
 root=$(pwd)
 mkdir -p "$root/build/tests"
@@ -34,4 +35,17 @@ sanitize() {
       "$out/${names[$i]}.log")"
   done
   cat "$out"/{memcheck,racecheck,synccheck}.log >"$out/sanitizer.log" && rm -f "$out"/{memcheck,racecheck,synccheck}.log
+}
+
+with() {  # variant, command...
+  local v=$1
+  shift
+  if [[ $v == base ]]; then "$@"; else env ${v//+/ } "$@"; fi
+}
+
+use_wheels() {
+  compgen -G ".whl/*.whl" >/dev/null || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site
+  log "wheels rc=$? $(python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -n1)"
 }

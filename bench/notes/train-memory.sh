@@ -11,11 +11,7 @@ set -uo pipefail
 steps=,${1:-tests,train,compare,profile,fal},
 has() { [[ $steps == *,$1,* ]]; }
 source bench/notes/staged.sh
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
-    export PYTHONPATH=/tmp/site
-  log "wheels rc=$? $(python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -n1)"
-fi
+use_wheels
 if has tests; then
   timeout 300 "$tests" -tc='*cuda*' >"$out/tests.log" 2>&1
   log "every CUDA case rc=$? $(counts "$out/tests.log")"
@@ -28,8 +24,7 @@ if has train; then
   for mixer in fal tpa; do
     for v in base LINTAPE_KEEP_NORMED=1 base LINTAPE_KEEP_NORMED=1; do
       echo "== $mixer $v" >>"$out/train.txt"
-      if [[ $v == base ]]; then env_v=(); else env_v=("$v"); fi
-      env "${env_v[@]}" timeout 120 "$cli" bench train --mixers $mixer --steps 10 >>"$out/train.txt" 2>&1
+      with "$v" timeout 120 "$cli" bench train --mixers $mixer --steps 10 >>"$out/train.txt" 2>&1
       log "bench train $mixer $v rc=$? $(grep -A1 "tokens/s" "$out/train.txt" | tail -n1 | tr -s " ")"
     done
   done
