@@ -153,7 +153,7 @@ std::pair<Tensor, Tensor> norm_linear(const char* op, const Tensor& x, const Ten
                                       const Tensor& norm_weight, const Tensor& weight, double eps) {
   const bool fused_add = residual.defined();
   const Shape shape = x.shape();
-  const int64_t C = norm_weight.size(0), rows = C == 0 ? 0 : x.numel() / C;
+  const int64_t C = norm_weight.size(0), rows = x.numel() / C;  // C > 0 (check_linear)
   const Tensor wc = norm_weight.detach().contiguous(), W = weight.detach();
   const Normed n = normalise(op, x.detach().contiguous().view({rows, C}),
                              fused_add ? residual.detach().contiguous().view({rows, C}) : Tensor(), wc, eps);
@@ -182,8 +182,10 @@ std::pair<Tensor, Tensor> norm_linear(const char* op, const Tensor& x, const Ten
                      Tensor dW, dy;
                      if (gout.defined()) {
                        const Tensor dc = gout.detach().contiguous();
-                       const Tensor y = normalise(op, saved, Tensor(), wc, eps).y;
-                       if (want_w) dW = matmul(dc.view({-1, dc.size(-1)}), y.view({-1, shape.back()}), true, false);
+                       if (want_w) {  // the normed rows, made again, are needed for the weight's gradient only
+                         const Tensor y = normalise(op, saved, Tensor(), wc, eps).y;
+                         dW = matmul(dc.view({-1, dc.size(-1)}), y.view({-1, shape.back()}), true, false);
+                       }
                        if (want_x || want_norm_w) dy = matmul(dc, W, false, false).view({rows, C});
                      }
                      auto [dx, dnw] = normalise_grad(op, dy, dsum, saved, wc, rstd, want_x, want_norm_w);

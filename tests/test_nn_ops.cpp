@@ -295,6 +295,10 @@ TEST_CASE("gradcheck rms_norm_linear and add_rms_norm_linear") {
   Tensor mix = randn({2, 3, 6}, DType::F64, Device::cpu(), 61);
   auto grouped = [](const std::vector<Tensor>& in) { return rms_norm_linear(in[0], in[1], in[2], 1e-5); };
   CHECK_GRADCHECK(grouped, (std::vector<Tensor>{x, nw, w}));
+  // A fixed weight: no weight gradient wanted, so the backward does not make the normed rows again.
+  const Tensor fixed = w.detach();
+  auto fixed_weight = [fixed](const std::vector<Tensor>& in) { return rms_norm_linear(in[0], in[1], fixed, 1e-5); };
+  CHECK_GRADCHECK(fixed_weight, (std::vector<Tensor>{x, nw}));
   Tensor nw6 = leaf({6}, 62, 1.0);
   auto with_sum = [mix](const std::vector<Tensor>& in) {
     const auto [total, out] = add_rms_norm_linear(in[0], in[1], in[2], in[3], 1e-5);
