@@ -92,6 +92,7 @@ struct Args {
   float* boundary = nullptr;
   bool local = false;
   bool walks_in_z = false;  // state passes: grid (E tiles, slices, walks), else (walks, slices, E tiles)
+  int prefetch_ahead = 0;   // Hopper gradient kernel: block b brings block b + prefetch_ahead's inputs toward L2
 };
 
 // x, which the compiler must treat as unknown: what is computed from it is computed again where it is used

@@ -159,8 +159,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     for (int idx = threadIdx.x; idx < kC * (EP / 8); idx += NThr) {
       const int i = idx / (EP / 8), e8 = (idx % (EP / 8)) * 8;
       if (t0 + i < a.N && e8 < a.E && e8 % 64 == 0)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E) +
-                                                     (t0 + i) * a.sg_t + e8));
+        cuda::prefetch_l2(at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E) + (t0 + i) * a.sg_t + e8);
     }
     // 1. S_c into shared memory; the barrier also publishes chunk c's tiles.
     state_to_tile<T, PP, EP, W::NW>(sbc, acc, srow, scol);

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Session 13's device check of the FAL wgmma kernels (notes: bench/notes/fal-hopper.md, "Session 13"), one call on
-# the GPU machine over binaries built elsewhere (bench/notes/staged.sh): the FAL CUDA cases (and the sanitizers
-# over MEM_CASES / RACE_CASES when given), then the benchmarks under each of VARIANTS in the same call, ncu's
-# instruction counts of the kernels, the step. (Session 13 compared LINTAPE_FAL_WG=thread, the warpgroup index as
-# each thread computes it, and LINTAPE_FAL_ROWS_PREFETCH=0, switches since removed with the losing forms.)
-#   stage=.stage/cN out=$OUT bash bench/notes/fal-session13.sh [STEPS]
+# The FAL kernels' device check (notes: bench/notes/fal-hopper.md, sessions 13 and 15), one call on the GPU machine
+# over binaries built elsewhere (bench/notes/staged.sh): the FAL CUDA cases (and the sanitizers over MEM_CASES /
+# RACE_CASES when given), then the benchmarks under each of VARIANTS in the same call, ncu over NCU_KERNELS under
+# each of NCU_VARIANTS, the step. (Session 13 compared LINTAPE_FAL_WG=thread and LINTAPE_FAL_ROWS_PREFETCH=0, session
+# 15 LINTAPE_FAL_GRAD_PREFETCH=0: switches since removed with the losing forms.)
+#   stage=.stage/cN out=$OUT bash bench/notes/fal-check.sh [STEPS]
 # STEPS: a comma list of tests,causal,noncausal,ncu,train (default all). VARIANTS: the env settings compared, each a
-# word of NAME=VALUE pairs joined by '+' ('base' for none; default: base).
+# word of NAME=VALUE pairs joined by '+' ('base' for none; default: base). NCU_VARIANTS: default the first variant.
 set -uo pipefail
 steps=,${1:-tests,causal,noncausal,ncu,train},
 has() { [[ $steps == *,$1,* ]]; }
@@ -45,15 +45,19 @@ if has noncausal; then
   "$cli" bench copy --n 1024 --reps 5 >>"$out/bench.txt" 2>&1
 fi
 if has ncu; then
-  for v in "${variants[0]}"; do
+  for v in ${NCU_VARIANTS:-${variants[0]}}; do
     echo "== $v" >>"$out/ncu.txt"
-    with "$v" timeout 120 ncu -k 'regex:hopper_forward_kernel|walk_kernel|hopper_grad_kernel' -c 3 \
-      --section SpeedOfLight --section InstructionStats --section SchedulerStats --section LaunchStats \
+    with "$v" timeout 120 ncu -k "regex:${NCU_KERNELS:-hopper_forward_kernel|walk_kernel|hopper_grad_kernel}" \
+      -c "${NCU_COUNT:-3}" --section SpeedOfLight --section InstructionStats --section SchedulerStats \
+      --section LaunchStats --section MemoryWorkloadAnalysis \
       "$cli" bench fal-causal --n 2048 --mode bwd --reps 1 >>"$out/ncu.txt" 2>&1
-    with "$v" timeout 120 ncu -k 'regex:hopper_row_kernel|reduce_kernel' -c 5 \
-      --section SpeedOfLight --section InstructionStats --section SchedulerStats --section LaunchStats \
-      "$cli" bench fal --n 8192 --mode bwd --reps 1 >>"$out/ncu.txt" 2>&1
-    log "ncu $v rc=$?"
+    log "ncu causal $v rc=$?"
+    if [[ -z ${NCU_CAUSAL_ONLY:-} ]]; then
+      with "$v" timeout 120 ncu -k 'regex:hopper_row_kernel|reduce_kernel' -c 5 \
+        --section SpeedOfLight --section InstructionStats --section SchedulerStats --section LaunchStats \
+        "$cli" bench fal --n 8192 --mode bwd --reps 1 >>"$out/ncu.txt" 2>&1
+      log "ncu noncausal $v rc=$?"
+    fi
   done
 fi
 if has train; then
