@@ -166,14 +166,15 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   };
   // One block an SM, so nothing overlaps a block's first loads: the block that will start here when this one
   // ends (blocks start in order) has its inputs brought toward L2 now, behind this block's own first loads.
-  auto prefetch_next = [&] {
-    if (a.prefetch_ahead > 0) prefetch_grad_block<T>(a, int64_t(blockIdx.y) * gridDim.x + blockIdx.x + a.prefetch_ahead);
+  auto prefetch_next = [&](int at) {
+    if (a.prefetch_ahead > 0 && a.prefetch_at == at)
+      prefetch_grad_block<T>(a, int64_t(blockIdx.y) * gridDim.x + blockIdx.x + a.prefetch_ahead);
   };
   if (!advance) {
     stage_qk();
     load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
     cp_async_commit();
-    prefetch_next();
+    prefetch_next(1);
   } else {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
     // products and roundings from S_(c-1) as saved in T, the state split over the warpgroups as the walks split
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
     cp_async_commit();
     stage_qk();
-    prefetch_next();
+    prefetch_next(1);
     auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
     auto scol = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
     // S_(c-1)'s values of this thread as loaded (two a word), unpacked once the encode has hidden their latency.
@@ -294,6 +295,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   cp_async_wait<1>();  // S_c is in (R's first half may still be in flight)
   cuda::fence_proxy_async();
   __syncthreads();
+  prefetch_next(2);
 
   // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load during the second
   // products (during the first, ptxas spills).
@@ -383,6 +385,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   cp_async_wait<0>();  // R_(c+1) is in
   cuda::fence_proxy_async();
   __syncthreads();
+  prefetch_next(3);
 
   // 4. dV and dK from R_(c+1): its first half in R0's place, its second in S_c's. The raw v (when it has an act)
   // and k values of this thread's dv and dk elements load meanwhile.
@@ -465,13 +468,14 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 #endif
 }
 
-// Measurement switch: LINTAPE_FAL_GRAD_PREFETCH=0 turns the next block's prefetch off.
-bool prefetch_wanted() {
-  static const bool on = [] {
+// Measurement switch: LINTAPE_FAL_GRAD_PREFETCH=start, mid or late places the next block's prefetch (default: none).
+int prefetch_wanted() {
+  static const int at = [] {
     const char* v = std::getenv("LINTAPE_FAL_GRAD_PREFETCH");
-    return !(v && std::string(v) == "0");
+    const std::string s = v ? v : "";
+    return s == "start" ? 1 : s == "mid" ? 2 : s == "late" ? 3 : 0;
   }();
-  return on;
+  return at;
 }
 
 template <class T, int DP, int PP, int EP>
@@ -480,7 +484,8 @@ void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   Args la = a;
-  if (prefetch_wanted()) {
+  la.prefetch_at = prefetch_wanted();
+  if (la.prefetch_at) {
     int per_sm = 0;
     LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGradWgThreads, smem));
     la.prefetch_ahead = std::max(per_sm, 1) * cuda::sm_count();
