@@ -92,8 +92,6 @@ struct Args {
   float* boundary = nullptr;
   bool local = false;
   bool walks_in_z = false;  // state passes: grid (E tiles, slices, walks), else (walks, slices, E tiles)
-  int prefetch_ahead = 0;   // Hopper gradient kernel: block b brings block b + prefetch_ahead's inputs toward L2
-  int prefetch_at = 0;      // measurement: 1 at the block's start, 2 before its S_c products, 3 before its R products
 };
 
 // x, which the compiler must treat as unknown: what is computed from it is computed again where it is used

@@ -12,7 +12,6 @@
 // Tiles use CoreColumnTile (8-column blocks of 16-byte rows), read K-major or MN-major as each product needs; S_c
 // and R_(c+1) the state tile of ops/fal/chunk_wgmma.cuh (blocks of 8 E columns), read MN-major by Y and dV and
 // K-major by dQ and dK. Calls with documents keep the mma.sync kernel. Notes: bench/notes/fal-hopper.md.
-#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -86,42 +85,6 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-// The inputs of the gradient kernel's block `linear` (x fastest in its (chunks, B H) grid) toward L2: its stored
-// states, its rows of q, k, v, g and dO, and with an advance chunk c - 1's rows of k and v. A thread a row.
-template <class T>
-__device__ __forceinline__ void prefetch_grad_block(const Args& a, int64_t linear) {
-  if (linear >= int64_t(gridDim.x) * gridDim.y) return;
-  const int64_t c = linear % gridDim.x, bh = linear / gridDim.x, b = bh / a.H, t0 = c * kC;
-  const int h = int(bh % a.H);
-  const size_t PE = size_t(a.P) * a.E, lines = (PE * sizeof(T) + 127) / 128;
-  const char* S = reinterpret_cast<const char*>(static_cast<const T*>(a.states) +
-                                                (bh * saved_chunks(a) + saved_slot(a, c)) * PE);
-  const char* R = reinterpret_cast<const char*>(static_cast<const T*>(a.rstates) + (bh * a.nC + c) * PE);
-  for (size_t l = threadIdx.x; l < lines; l += blockDim.x) {
-    cuda::prefetch_l2(S + 128 * l);
-    cuda::prefetch_l2(R + 128 * l);
-  }
-  const bool advance = a.half_states && (c & 1);
-  const int tensors = advance ? 7 : 5, rows = kC;
-  const int tensor = int(threadIdx.x) / rows, i = int(threadIdx.x) % rows;
-  if (tensor >= tensors) return;
-  const int64_t t = (tensor < 5 ? t0 : t0 - kC) + i;
-  if (t >= a.N) return;
-  const T* row;
-  int width;
-  switch (tensor) {
-    case 0: row = at_head<T>(a.q, b, a.sq_b, h, a.D) + t * a.sq_t, width = a.D; break;
-    case 1: case 5: row = at_head<T>(a.k, b, a.sk_b, h, a.D) + t * a.sk_t, width = a.D; break;
-    case 2: case 6: row = at_head<T>(a.v, b, a.sv_b, h, a.E) + t * a.sv_t, width = a.E; break;
-    case 3: row = at_head<T>(a.g, b, a.sg_b, h, a.E) + t * a.sg_t, width = a.E; break;
-    default: row = static_cast<const T*>(a.dout) + (b * a.N + t) * int64_t(a.H) * a.E + h * a.E, width = a.E;
-  }
-  const char* p = reinterpret_cast<const char*>(row);
-  const int bytes = width * int(sizeof(T));
-  for (int off = 0; off < bytes; off += 128) cuda::prefetch_l2(p + off);
-  cuda::prefetch_l2(p + bytes - 1);  // the last line, where the row does not start on one
-}
-
 template <class T, int DP, int PP, int EP, bool Half>
 __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
@@ -164,17 +127,10 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_raw<T, DP, NThr>(a, k, a.sk_t, t0, a.D, sm + L::kV + kC * DP);
     cp_async_commit();
   };
-  // One block an SM, so nothing overlaps a block's first loads: the block that will start here when this one
-  // ends (blocks start in order) has its inputs brought toward L2 now, behind this block's own first loads.
-  auto prefetch_next = [&](int at) {
-    if (a.prefetch_ahead > 0 && a.prefetch_at == at)
-      prefetch_grad_block<T>(a, int64_t(blockIdx.y) * gridDim.x + blockIdx.x + a.prefetch_ahead);
-  };
   if (!advance) {
     stage_qk();
     load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
     cp_async_commit();
-    prefetch_next(1);
   } else {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
     // products and roundings from S_(c-1) as saved in T, the state split over the warpgroups as the walks split
@@ -186,7 +142,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
     cp_async_commit();
     stage_qk();
-    prefetch_next(1);
     auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
     auto scol = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
     // S_(c-1)'s values of this thread as loaded (two a word), unpacked once the encode has hidden their latency.
@@ -295,7 +250,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   cp_async_wait<1>();  // S_c is in (R's first half may still be in flight)
   cuda::fence_proxy_async();
   __syncthreads();
-  prefetch_next(2);
 
   // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load during the second
   // products (during the first, ptxas spills).
@@ -385,7 +339,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   cp_async_wait<0>();  // R_(c+1) is in
   cuda::fence_proxy_async();
   __syncthreads();
-  prefetch_next(3);
 
   // 4. dV and dK from R_(c+1): its first half in R0's place, its second in S_c's. The raw v (when it has an act)
   // and k values of this thread's dv and dk elements load meanwhile.
@@ -468,29 +421,12 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 #endif
 }
 
-// Measurement switch: LINTAPE_FAL_GRAD_PREFETCH=start, mid or late places the next block's prefetch (default: none).
-int prefetch_wanted() {
-  static const int at = [] {
-    const char* v = std::getenv("LINTAPE_FAL_GRAD_PREFETCH");
-    const std::string s = v ? v : "";
-    return s == "start" ? 1 : s == "mid" ? 2 : s == "late" ? 3 : 0;
-  }();
-  return at;
-}
-
 template <class T, int DP, int PP, int EP>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  Args la = a;
-  la.prefetch_at = prefetch_wanted();
-  if (la.prefetch_at) {
-    int per_sm = 0;
-    LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGradWgThreads, smem));
-    la.prefetch_ahead = std::max(per_sm, 1) * cuda::sm_count();
-  }
-  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(la);
+  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
 
