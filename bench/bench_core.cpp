@@ -123,7 +123,8 @@ Config rowwise(const RunOptions& o, const std::string& name, int64_t cols, std::
 std::vector<Tensor> one_input(const Case& k, int64_t cols) { return {input({k.n, cols}, k, 0)}; }
 
 const Registration rms_norm_bench({
-    "rms-norm", "rms_norm over rows of 768", {"fused", "composed"}, [](const RunOptions& o) {
+    "rms-norm", "rms_norm over rows of 768, and of 128 (a head's norm, as the FAL mixer's)", {"fused", "composed"},
+    [](const RunOptions& o) {
       auto forward = [](const std::string& provider) -> Forward {
         if (provider == "fused") return [](const std::vector<Tensor>& v) { return rms_norm(v[0], v[1]); };
         return [](const std::vector<Tensor>& v) {
@@ -135,9 +136,11 @@ const Registration rms_norm_bench({
         return std::vector<Tensor>{input({k.n, cols}, k, 0), input({cols}, k, 1)};
       };
       // fwd reads x, writes y; bwd reads x and dy, writes dx (the weight and the per-row rms are small)
-      return std::vector<Config>{rowwise(o, "rms_norm", 768,
-                                         pick_sizes(o, {1024, 4096, 16384, 65536}, {1024, 16384}, {64, 256, 1024}),
-                                         2, 3, forward, inputs)};
+      return std::vector<Config>{
+          rowwise(o, "rms_norm", 768, pick_sizes(o, {1024, 4096, 16384, 65536}, {1024, 16384}, {64, 256, 1024}), 2,
+                  3, forward, inputs),
+          rowwise(o, "rms_norm", 128, pick_sizes(o, {6144, 49152, 196608}, {6144, 196608}, {64, 1024}), 2, 3, forward,
+                  inputs)};
     }});
 
 const Registration softmax_bench({
