@@ -11,7 +11,6 @@
 // add_rms_norm: the forward first forms s = x + residual (rounded to the dtype, as `add` does), writes it
 // and normalises it; the backward adds the residual stream's gradient to dx before its one rounding.
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 #include "core/cuda_async.cuh"
 #include "core/cuda_reduce.cuh"
@@ -30,18 +29,6 @@ constexpr int kWarps = kThreads / 32;
 template <int V> constexpr int kHeld = V == 8 ? 3 : 4;
 
 using cuda_device::warp_sum;
-
-constexpr size_t kFourStageBytes = 100 * 1024;  // the staged rows of a backward block with four stages, at most
-
-// Measurement switches (LINTAPE_NORM_FWD_ROWS=1, LINTAPE_NORM_BWD_STAGES=2: the forms before).
-int rows_wanted() {
-  static const int v = [] { const char* e = std::getenv("LINTAPE_NORM_FWD_ROWS"); return e && e[0] == '1' ? 1 : 2; }();
-  return v;
-}
-int stages_wanted() {
-  static const int v = [] { const char* e = std::getenv("LINTAPE_NORM_BWD_STAGES"); return e && e[0] == '2' ? 2 : 4; }();
-  return v;
-}
 
 // The sum of v over the L lanes of this thread's row group; every thread of the block must call it.
 template <int L, class A> __device__ __forceinline__ A group_sum(A v, A* red) {
@@ -66,76 +53,58 @@ template <int L> __device__ __forceinline__ int64_t pack_index(int64_t c0, int h
   return c0 + int64_t(h) * L + (threadIdx.x % L);
 }
 
-// res and sum are null for rms_norm alone; for add_rms_norm the row normalised is sum = x + residual. Each row
-// group takes R rows (R = 2 for rows its lanes hold, so that each lane has twice the loads in flight; block b the
-// rows b R G ... (b + 1) R G - 1 of G groups, row r of group g at (b R + r) G + g).
-template <class T, int V, int L, int R>
+// res and sum are null for rms_norm alone; for add_rms_norm the row normalised is sum = x + res.
+template <class T, int V, int L>
 __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ sum,
                                const T* __restrict__ w, T* __restrict__ y, acc_t<T>* __restrict__ rstd, int64_t rows,
                                int64_t cols, acc_t<T> eps) {
   using A = acc_t<T>;
   using P = Pack<T, V>;
   constexpr int64_t kChunk = int64_t(L) * kHeld<V>;
-  constexpr int kGroups = kThreads / L;
   __shared__ A red[kWarps];
+  const int64_t row = blockIdx.x * int64_t(kThreads / L) + threadIdx.x / L;
+  const bool active = row < rows;
   const int64_t packs = cols / V;
   const bool held = packs <= kChunk;
+  const P* xr = reinterpret_cast<const P*>(x + row * cols);
+  const P* rr = res ? reinterpret_cast<const P*>(res + row * cols) : nullptr;
+  P* sr = sum ? reinterpret_cast<P*>(sum + row * cols) : nullptr;
   const P* wr = reinterpret_cast<const P*>(w);
-  int64_t row[R];
-  bool active[R];
+  P* yr = reinterpret_cast<P*>(y + row * cols);
+  P p[kHeld<V>];
+  A ss = 0;
+  for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    row[r] = (blockIdx.x * int64_t(R) + r) * kGroups + threadIdx.x / L;
-    active[r] = row[r] < rows;
-  }
-  auto xr = [&](int r) { return reinterpret_cast<const P*>(x + row[r] * cols); };
-  auto sr = [&](int r) { return reinterpret_cast<P*>(sum + row[r] * cols); };
-  auto yr = [&](int r) { return reinterpret_cast<P*>(y + row[r] * cols); };
-  P p[R][kHeld<V>];
-  A ss[R];
+    for (int h = 0; h < kHeld<V>; ++h) {
+      const int64_t j = pack_index<L>(c0, h);
+      if (!active || j >= packs) continue;
+      p[h] = xr[j];
+      if (res) {
+        const P q = rr[j];
 #pragma unroll
-  for (int r = 0; r < R; ++r) ss[r] = 0;
-  for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {  // one pass for held rows (R > 1 only then)
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int h = 0; h < kHeld<V>; ++h) {
-        const int64_t j = pack_index<L>(c0, h);
-        if (!active[r] || j >= packs) continue;
-        p[r][h] = xr(r)[j];
-        if (res) {
-          const P q = reinterpret_cast<const P*>(res + row[r] * cols)[j];
-#pragma unroll
-          for (int k = 0; k < V; ++k) p[r][h].v[k] = from_acc<T>(to_acc(p[r][h].v[k]) + to_acc(q.v[k]));
-          sr(r)[j] = p[r][h];
-        }
+        for (int k = 0; k < V; ++k) p[h].v[k] = from_acc<T>(to_acc(p[h].v[k]) + to_acc(q.v[k]));
+        sr[j] = p[h];
       }
+    }
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int h = 0; h < kHeld<V>; ++h)
+      if (active && pack_index<L>(c0, h) < packs)
 #pragma unroll
-      for (int h = 0; h < kHeld<V>; ++h)
-        if (active[r] && pack_index<L>(c0, h) < packs)
-#pragma unroll
-          for (int k = 0; k < V; ++k) ss[r] += to_acc(p[r][h].v[k]) * to_acc(p[r][h].v[k]);
+        for (int k = 0; k < V; ++k) ss += to_acc(p[h].v[k]) * to_acc(p[h].v[k]);
   }
-  A rs[R];
+  const A r = A(1) / sqrt(group_sum<L>(ss, red) / A(cols) + eps);
+  if (!active) return;
+  if (threadIdx.x % L == 0) rstd[row] = r;
+  for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) rs[r] = A(1) / sqrt(group_sum<L>(ss[r], red) / A(cols) + eps);
+    for (int h = 0; h < kHeld<V>; ++h) {
+      const int64_t j = pack_index<L>(c0, h);
+      if (j >= packs) continue;
+      if (!held) p[h] = res ? sr[j] : xr[j];  // this thread wrote sr[j] in the first pass
+      P q = wr[j], o;
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (!active[r]) continue;
-    if (threadIdx.x % L == 0) rstd[row[r]] = rs[r];
-    for (int64_t c0 = 0; c0 < packs; c0 += kChunk) {
-#pragma unroll
-      for (int h = 0; h < kHeld<V>; ++h) {
-        const int64_t j = pack_index<L>(c0, h);
-        if (j >= packs) continue;
-        if (!held) p[r][h] = res ? sr(r)[j] : xr(r)[j];  // this thread wrote sr[j] in the first pass
-        P q = wr[j], o;
-#pragma unroll
-        for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(to_acc(p[r][h].v[k]) * rs[r] * to_acc(q.v[k]));
-        yr(r)[j] = o;
-      }
+      for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(to_acc(p[h].v[k]) * r * to_acc(q.v[k]));
+      yr[j] = o;
     }
   }
 }
@@ -144,9 +113,9 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ re
 // alone; dw_part (gridDim.x, C) is null when dweight is not wanted. Shared memory
 // holds the block's dweight partial, element (j, k) of pack j at k * packs + j so that the lanes of a
 // warp add into consecutive banks. With `stage` (held rows of 16-byte packs) it also holds two rows per
-// row group of dy, x and dres: each lane copies its packs of the group's next S - 1 rows by cp.async while it
-// works on the current one, and reads back only what it copied (no barrier).
-template <class T, int V, int L, int S>
+// row group of dy, x and dres: each lane copies its packs of the group's next row by cp.async while it works
+// on the current one, and reads back only what it copied (no barrier).
+template <class T, int V, int L>
 __global__ void __launch_bounds__(kThreads, 2)
     backward_kernel(const T* __restrict__ dy, const T* __restrict__ dres, const T* __restrict__ x,
                     const T* __restrict__ w, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
@@ -167,9 +136,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   A dw_held[kHeld<V>][V] = {};  // held rows: this lane's columns, summed over its rows
   const P* wr = reinterpret_cast<const P*>(w);
   const int64_t row_step = int64_t(gridDim.x) * kGroups;
-  // The staged rows: this group's S buffers of [dy | x | dres] packs, after the dweight partial.
+  // The staged rows: this group's two buffers of [dy | x | dres] packs, after the dweight partial.
   P* staged = reinterpret_cast<P*>(smem_raw + (dw_part ? (cols * sizeof(A) + 15) / 16 * 16 : 0)) +
-              (threadIdx.x / L) * S * 3 * packs;
+              (threadIdx.x / L) * 6 * packs;
   auto stage_row = [&](int64_t row, int buf) {
     if (row < rows) {
       P* b = staged + buf * 3 * packs;
@@ -184,9 +153,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     cp_async_commit();  // empty past the last row: the count of groups stays the same for every lane
   };
-  if (stage)
-#pragma unroll
-    for (int b = 0; b < S - 1; ++b) stage_row(blockIdx.x * int64_t(kGroups) + threadIdx.x / L + b * row_step, b);
+  if (stage) stage_row(blockIdx.x * int64_t(kGroups) + threadIdx.x / L, 0);
   // The loop bound is uniform over the block: every thread reaches each group_sum.
   int it = 0;
   for (int64_t row0 = blockIdx.x * int64_t(kGroups); row0 < rows; row0 += row_step, ++it) {
@@ -196,10 +163,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     const P* xr = reinterpret_cast<const P*>(x + row * cols);
     const A r = active ? rstd[row] : A(0);
     const P* dr = dres ? reinterpret_cast<const P*>(dres + row * cols) : nullptr;
-    const P* sb = staged + (it % S) * 3 * packs;
+    const P* sb = staged + (it & 1) * 3 * packs;
     if (stage) {
-      stage_row(row + (S - 1) * row_step, (it + S - 1) % S);
-      cp_async_wait<S - 1>();  // this row's copies have landed
+      stage_row(row + row_step, (it + 1) & 1);
+      cp_async_wait<1>();  // this row's copies have landed
     }
     P g[kHeld<V>], xv[kHeld<V>], dv[kHeld<V>];
     A s = 0;
@@ -330,37 +297,24 @@ void forward_for(const Tensor& x, const Tensor& res, const Tensor& sum, const Te
   using A = acc_t<T>;
   with_lanes<V>(cols, [&](auto lanes) {
     constexpr int L = decltype(lanes)::value;
-    auto run = [&](auto rows_per_group) {
-      constexpr int R = decltype(rows_per_group)::value;
-      forward_kernel<T, V, L, R><<<grid_for(rows, R * (kThreads / L)), kThreads, 0, stream(x.device().index)>>>(
-          static_cast<const T*>(x.data()), data_or_null<T>(res),
-          sum.defined() ? static_cast<T*>(sum.data()) : nullptr, static_cast<const T*>(w.data()),
-          static_cast<T*>(y.data()), static_cast<A*>(rstd.data()), rows, cols, A(eps));
-      LT_CUDA_CHECK_LAUNCH();
-    };
-    // Two rows a group where the lanes hold the row (one pass) and reduce it in their warp.
-    if constexpr (L <= 32 && V > 1) {
-      if (rows_wanted() == 2)
-        run(std::integral_constant<int, 2>{});
-      else
-        run(std::integral_constant<int, 1>{});
-    } else {
-      run(std::integral_constant<int, 1>{});
-    }
+    forward_kernel<T, V, L><<<grid_for(rows, kThreads / L), kThreads, 0, stream(x.device().index)>>>(
+        static_cast<const T*>(x.data()), data_or_null<T>(res), sum.defined() ? static_cast<T*>(sum.data()) : nullptr,
+        static_cast<const T*>(w.data()), static_cast<T*>(y.data()), static_cast<A*>(rstd.data()), rows, cols, A(eps));
+    LT_CUDA_CHECK_LAUNCH();
   });
 }
 
-template <class T, int V, int L, int S>
+template <class T, int V, int L>
 void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, const Tensor& w, const Tensor& rstd,
                      const Tensor& dx, const Tensor& dweight, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
   int dev = x.device().index;
   cudaStream_t s = stream(dev);
   size_t smem = 0;
-  // Rows held in registers with 16-byte packs are staged (S rows of dy, x, dres per row group). On an H100 at
+  // Rows held in registers with 16-byte packs are staged (two rows of dy, x, dres per row group). On an H100 at
   // 32768 rows of 768, loading them straight took 14% longer and staging three rows 10% longer (docs/BENCHMARKS.md).
   const bool stage = sizeof(T) * V == 16 && cols / V <= int64_t(L) * kHeld<V>;
-  const size_t stage_bytes = stage ? size_t(kThreads / L) * S * 3 * size_t(cols) * sizeof(T) : 0;
+  const size_t stage_bytes = stage ? size_t(kThreads / L) * 6 * size_t(cols) * sizeof(T) : 0;
   if (dweight.defined()) {
     smem = (size_t(cols) * sizeof(A) + 15) / 16 * 16;
     int max_smem = 0;
@@ -372,17 +326,17 @@ void launch_backward(const Tensor& dy, const Tensor& dres, const Tensor& x, cons
   smem += stage_bytes;
   if (smem > 40 * 1024)
     LT_CUDA_CHECK(
-        cudaFuncSetAttribute(backward_kernel<T, V, L, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+        cudaFuncSetAttribute(backward_kernel<T, V, L>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   // One wave of resident blocks, each over several row groups: a second, partial wave would leave most of
   // the card idle at its end, and fewer blocks mean fewer weight-gradient partials to add.
   int per_sm = 0;
-  LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<T, V, L, S>, kThreads, smem));
+  LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, backward_kernel<T, V, L>, kThreads, smem));
   const int64_t blocks = grid_for(rows, kThreads / L), cap = int64_t(per_sm > 0 ? per_sm : 1) * sm_count(dev);
   const unsigned grid = unsigned(blocks < cap ? blocks : cap);
   Tensor part;
   if (dweight.defined())
     part = empty({int64_t(grid), cols}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
-  backward_kernel<T, V, L, S><<<grid, kThreads, smem, s>>>(
+  backward_kernel<T, V, L><<<grid, kThreads, smem, s>>>(
       static_cast<const T*>(dy.data()), data_or_null<T>(dres), static_cast<const T*>(x.data()),
       static_cast<const T*>(w.data()),
       static_cast<const A*>(rstd.data()), dx.defined() ? static_cast<T*>(dx.data()) : nullptr,
@@ -398,14 +352,7 @@ template <class T, int V>
 void backward_for(const Tensor& dy, const Tensor& dres, const Tensor& x, const Tensor& w, const Tensor& rstd,
                   const Tensor& dx, const Tensor& dweight, int64_t rows, int64_t cols) {
   with_lanes<V>(cols, [&](auto lanes) {
-    constexpr int L = decltype(lanes)::value;
-    // Short rows (a head of 128) bring few bytes a row group: four staged rows keep enough of them in flight
-    // where the buffers still leave two blocks an SM; long rows stage two.
-    const size_t four = size_t(kThreads / L) * 4 * 3 * size_t(cols) * sizeof(T);
-    if (sizeof(T) * V == 16 && L <= 32 && four <= kFourStageBytes && stages_wanted() == 4)
-      launch_backward<T, V, L, 4>(dy, dres, x, w, rstd, dx, dweight, rows, cols);
-    else
-      launch_backward<T, V, L, 2>(dy, dres, x, w, rstd, dx, dweight, rows, cols);
+    launch_backward<T, V, decltype(lanes)::value>(dy, dres, x, w, rstd, dx, dweight, rows, cols);
   });
 }
 
