@@ -711,3 +711,29 @@ TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CU
 // Forward through the op: the output and the states. Backward through the launchers (the tape adds its own
 // buffers for the incoming gradients): the states only, the gradients being allocated by the caller. Noncausal
 // f32 and causal f32 run the sweeps; noncausal and causal bf16 the chunk kernels.
+
+// Every FAL kernel of this file's cases once, at small shapes, for compute-sanitizer (racecheck over one of the
+// cases above runs past six minutes): the chunked causal forward, state walks and gradient kernels (wgmma and
+// mma.sync; every, half and no saved states) on a partial chunk and across a cut, D' 256 and 64, bf16 and f16;
+// the chunked noncausal passes (both row-pass forms); the f32 sweeps; the rotate path. (The documents' kernels have
+// their own cases in test_documents_cuda.cpp.)
+TEST_CASE("cuda fal every kernel at small shapes, for the sanitizers" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  for (const auto& [c, dt, N, segments] :
+       {std::tuple<const StepConfig*, DType, int64_t, int64_t>{&kChunkConfigs[0], DType::BF16, 161, 2},
+        {&kChunkConfigs[2], DType::F16, 65, 0}}) {
+    CAPTURE(c->name);
+    REQUIRE(fal_cuda::causal_chunked(dt, c->D, c->E, kernel_spec(*c, step_options(*c, 3, gpu()))));
+    check_fused_sequence(*c, true, dt, 3100 + N, N, 2, true, 0, segments);
+  }
+  REQUIRE(fal_cuda::noncausal_chunked(DType::BF16, 128, 128,
+                                      kernel_spec(kNoncausalChunkConfigs[0], step_options(kNoncausalChunkConfigs[0], 3,
+                                                                                         gpu()))));
+  check_fused_sequence(kNoncausalChunkConfigs[0], false, DType::BF16, 3200, 161, 2, true, 100);
+  check_fused_sequence(kSequenceConfigs[0], true, DType::F32, 3300);
+  check_fused_sequence(kSequenceConfigs[0], false, DType::F32, 3310);
+  require_rotates_first(kRotateChunkConfigs[0], true, DType::BF16);
+  check_fused_sequence(kRotateChunkConfigs[0], true, DType::BF16, 3400, 100, 1);
+#endif
+}
