@@ -238,16 +238,22 @@ TEST_CASE("mqar: accuracy well above chance") {
   c.warmup = 10;
   c.val_batches = 2;
   c.val_every = 100;
-  // One run's accuracy swings with rounding alone (0.03 to 0.21 over seeds), so the mean of three runs.
+  // One run's accuracy swings with rounding alone (0.03 to 0.21 over seeds), so the mean of three runs. Under the
+  // sanitizers (each run ~9x as long) one run, its loss checked: the accuracy is the plain build's to check.
+#ifdef LINTAPE_SANITIZED_BUILD
+  const std::vector<uint64_t> seeds{1};
+#else
+  const std::vector<uint64_t> seeds{1, 2, 3};
+#endif
   double mean_accuracy = 0;
-  for (uint64_t seed : {1, 2, 3}) {
+  for (uint64_t seed : seeds) {
     c.seed = seed;
     const TrainResult r = Trainer(c, {}).run();
     INFO("seed " << seed << ": accuracy " << r.accuracy << ", loss " << r.losses.front() << " -> " << r.losses.back());
     CHECK(r.losses.back() < 0.85 * r.losses.front());
-    mean_accuracy += r.accuracy / 3;
+    mean_accuracy += r.accuracy / double(seeds.size());
   }
-  CHECK(mean_accuracy > 0.08);  // chance is 1/128; these runs reach about 0.14
+  if (seeds.size() == 3) CHECK(mean_accuracy > 0.08);  // chance is 1/128; these runs reach about 0.14
 }
 
 TEST_CASE("resume is bit-identical to an uninterrupted run") {
