@@ -14,7 +14,7 @@
 # The build folder is build-gpu/ in the repository (LINTAPE_GPU_BUILD overrides it); a second run
 # rebuilds only what changed. The sanitizers run the doctest cases matching LINTAPE_SANITIZE_CASES
 # (default '*cuda*'; racecheck over every case takes longer than one device call, so narrow it to the
-# kernels that changed, e.g. '*cuda*tpa*', or for FAL '*for the sanitizers*': every FAL kernel once at small
+# kernels that changed, e.g. '*cuda*tpa*', or for FAL '*for the sanitizers*': the FAL kernels once at small
 # shapes, about 30 s under racecheck on an H200).
 set -uo pipefail
 

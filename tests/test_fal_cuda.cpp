@@ -708,16 +708,13 @@ TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CU
 #endif
 }
 
-// Forward through the op: the output and the states. Backward through the launchers (the tape adds its own
-// buffers for the incoming gradients): the states only, the gradients being allocated by the caller. Noncausal
-// f32 and causal f32 run the sweeps; noncausal and causal bf16 the chunk kernels.
-
-// Every FAL kernel of this file's cases once, at small shapes, for compute-sanitizer (racecheck over one of the
+// The FAL kernels of this file's cases but the mma.sync noncausal row passes, once each at small shapes, for compute-sanitizer (racecheck over one of the
 // cases above runs past six minutes): the chunked causal forward, state walks and gradient kernels (wgmma and
 // mma.sync; every, half and no saved states) on a partial chunk and across a cut, D' 256 and 64, bf16 and f16;
-// the chunked noncausal passes (both row-pass forms); the f32 sweeps; the rotate path. (The documents' kernels have
-// their own cases in test_documents_cuda.cpp.)
-TEST_CASE("cuda fal every kernel at small shapes, for the sanitizers" * LT_CUDA_CASE) {
+// the chunked noncausal reductions and wgmma row passes (silu acts; the softmax-q configurations of the noncausal
+// cases run the mma.sync row passes); the f32 sweeps; the rotate path. (The documents' kernels have their own cases
+// in test_documents_cuda.cpp.)
+TEST_CASE("cuda fal the kernels at small shapes, for the sanitizers" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   for (const auto& [c, dt, N, segments] :
