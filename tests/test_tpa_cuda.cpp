@@ -564,7 +564,8 @@ TEST_CASE("cuda tpa decode cluster schedule matches the CPU reference" * LT_CUDA
   // M = 1, M not a multiple of any tile (the 64-row tiles of H <= 32, the 32-row ones of H = 64), ranks 1
   // and 16 for q, up to 4 for k and v, D 64 and 128, E 64 and 128, a batch past the inline lengths (300);
   // split_rows 0 (the launcher's choice: one cluster a sequence, e.g. B = 5, M = 1000, or several, e.g.
-  // B = 2, M = 4097) and 32 (many splits: several clusters a sequence, combined by the last block).
+  // B = 2, M = 4097) and 32 (many splits: several clusters a sequence, combined by the last cluster; with 0, by
+  // the last block).
   const DecodeShape shapes[] = {{3, 1, 32, 16, 1, 1, 128, 128},   {5, 1000, 32, 1, 1, 1, 128, 128},
                                 {4, 777, 16, 16, 4, 4, 64, 64},   {2, 4097, 64, 16, 1, 1, 128, 128},
                                 {8, 2048, 32, 16, 1, 1, 128, 128}, {300, 40, 8, 2, 1, 1, 64, 64},
@@ -601,9 +602,9 @@ TEST_CASE("cuda tpa decode general kernel at ranks 1 and 16" * LT_CUDA_CASE) {
 TEST_CASE("cuda tpa decode cluster schedule: seeds' shape, repeated calls, a TpaCache in place" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
-  // B = 2 at M = 8192 takes several clusters a sequence (the last block combines them, then resets its
-  // counter), or with 0 one partial a split: the error vs f64 within 5e-3 and the same bits on a second
-  // call.
+  // B = 2 at M = 8192 takes several clusters a sequence (the last cluster combines them, then resets the
+  // counter), or with 0 one partial a split (the last block combines them): the error vs f64 within 5e-3 and the
+  // same bits on a second call.
   for (int cluster : {0, 4, 8}) {
     CAPTURE(cluster);
     const DecodeShape s{2, 8192, 32, 16, 1, 1, 128, 128};

@@ -23,8 +23,9 @@
 // size that keeps the most blocks resident with every cluster resident. Each block leaves its merged (acc, max,
 // sum) in its shared memory; block r of a cluster combines the r-th slice of the (h, e) values across the cluster
 // through distributed shared memory. One cluster a sequence writes the output; with several, each writes a partial
-// and the sequence's last block combines those. Above the portable 8 (9..16), one cluster a sequence wherever the
-// splits fit one and every sequence's cluster stays resident. docs/ops/tpa.md says more.
+// and the sequence's last cluster to finish combines those, each of its blocks a slice of the output. Above the
+// portable 8 (9..16), one cluster a sequence wherever the splits fit one and every sequence's cluster stays
+// resident. docs/ops/tpa.md says more.
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
@@ -384,6 +385,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     ml_s[warp * 32 + 16 + gr + 8] = l_run[1];
   }
   __syncthreads();
+  int q_begin = 0, q_end = H * E / 4;  // the quads of the output this block combines over the partial results
   float* res_o = reinterpret_cast<float*>(smem + g.res);  // cluster schedule: [h][e], then max[h], sum[h]
   float* res_m = res_o + H * E;
   float* res_l = res_m + H;
@@ -485,8 +487,24 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
         }
       }
     }
-    cluster.sync();  // no block leaves while another reads its shared memory
-    if (whole) return;
+    if (whole) {
+      cluster.sync();  // no block leaves while another reads its shared memory
+      return;
+    }
+    // The sequence's last cluster to finish combines the partials, each of its blocks a slice of the quads (one
+    // block alone took 2 us longer at B 8, M >= 4096 on an H200): rank 0 counts the cluster once every block's
+    // slice is out, and tells the others.
+    __threadfence();
+    cluster.sync();  // also: no block leaves while another reads its shared memory
+    if (rank == 0 && tid == 0) {
+      const int last = atomicAdd(counters + b, 1) == g.splits / C - 1;
+      for (int c = 0; c < C; ++c) *cluster.map_shared_rank(&is_last, c) = last;
+    }
+    cluster.sync();
+    if (!is_last) return;
+    __threadfence();
+    q_begin = min(quads, rank * per);
+    q_end = min(quads, q_begin + per);
   } else {
     const int64_t slot = int64_t(b) * g.splits + split;
     for (int i = tid; i < H * E; i += kThreads) {
@@ -513,13 +531,13 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
       }
     }
     if (g.splits == 1) return;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(counters + b, 1) == g.splits - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
   }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) is_last = atomicAdd(counters + b, 1) == g.splits - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
 
   // The combine: weight of slot s for head h = 2^(m_s - m) / sum_s' l_s' 2^(m_s' - m); a slot is a split,
   // or a cluster of splits in the cluster schedule.
@@ -552,8 +570,8 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     // Two quads a thread and kGather slots at a time, loaded unconditionally (past S at slot S - 1, weighing
     // 0): one L2 round trip for 2 kGather values, where the loop below, with fewer slots than its unroll of
     // 16, waits on each slot's load in turn.
-    for (int i0 = tid; i0 < quads; i0 += 2 * kThreads) {
-      const int iq[2] = {i0, min(i0 + kThreads, quads - 1)};
+    for (int i0 = q_begin + tid; i0 < q_end; i0 += 2 * kThreads) {
+      const int iq[2] = {i0, min(i0 + kThreads, q_end - 1)};
       float4 o[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
       for (int s0 = 0; s0 < S; s0 += kGather) {
         float4 v[2][kGather];
@@ -575,12 +593,12 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
       }
 #pragma unroll
       for (int u = 0; u < 2; ++u)
-        if (u == 0 || i0 + kThreads < quads)
+        if (u == 0 || i0 + kThreads < q_end)
           *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + iq[u] * 4) =
               make_uint2(pack2<T>(o[u].x, o[u].y), pack2<T>(o[u].z, o[u].w));
     }
   } else {
-    for (int i = tid; i < quads; i += kThreads) {
+    for (int i = q_begin + tid; i < q_end; i += kThreads) {
       const int h = i * 4 / E;
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 16
@@ -596,7 +614,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
           make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
     }
   }
-  if (tid == 0) counters[b] = 0;  // ready for the next call
+  if (tid == 0 && q_begin == 0) counters[b] = 0;  // ready for the next call
 }
 
 // Splits: one wave of resident blocks over the batch (the kernel is bound by the bytes its blocks keep
@@ -608,8 +626,8 @@ int choose_splits(int64_t B, int64_t M, int64_t resident, const Geo& g) {
   return int(std::max<int64_t>(1, std::min<int64_t>({wave, (tiles + 1) / 2, kMaxSplits})));
 }
 
-// Zeroed counters (one per sequence) that the last block of each sequence resets: kept for the life
-// of the process, outside the tensor allocator (a few KiB), grown when a larger batch comes.
+// Zeroed counters (one per sequence) that the last cluster (or block) of each sequence resets: kept
+// for the life of the process, outside the tensor allocator (a few KiB), grown when a larger batch comes.
 int* split_counters(int device, int64_t B) {
   static std::mutex mu;
   static int* ptr[kMaxDevices] = {};
@@ -709,7 +727,7 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   if (cluster) {
     // Each size up to the one asked for runs some blocks at once with every cluster of the grid resident (past
     // that, a second wave); the largest within a tenth of the most wins, as each cluster leaves one partial for
-    // the last block to read (H100, B 8 M 8192: clusters of 1, 32 partials, 43.6 us; of 4, 8 partials, 37.0).
+    // the last cluster to read (H100, B 8 M 8192: clusters of 1, 32 partials, 43.6 us; of 4, 8 partials, 37.0).
     int64_t blocks[kMaxCluster + 1] = {}, most = 0;
     for (int c = cluster; c >= 1; --c) {
       blocks[c] = resident_with(c) / c / B * c;
