@@ -751,9 +751,11 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
     // Short caches: one tile a split where the splits make one portable cluster a sequence and every block has an SM
     // of its own, so each block's chain is a tile shorter (a tile's chain costs more than the cluster's combine; H200,
     // B 8, M 192-512: 11.5-12.8 us against 14.3-15.1). Past that (more blocks than SMs, or clusters past 8) two
-    // tiles a split measured as fast or faster (B 32 M 384: 15.3 against 15.7 us; B 8 M 1024: 14.6 against 14.9).
+    // tiles a split measured as fast or faster (B 32 M 384: 15.3 against 15.7 us; B 8 M 1024: 14.6 against 14.9),
+    // and at two tiles one block without the cluster's combine (B 32 M 128: 12.4 against 12.7 us).
     const int64_t tiles = (M + g.rows - 1) / g.rows;
-    if (cluster && request > kMaxCluster && tiles > s && tiles <= kMaxCluster && B * tiles <= sm_count(device) &&
+    if (cluster && request > kMaxCluster && tiles >= 3 && tiles > s && tiles <= kMaxCluster &&
+        B * tiles <= sm_count(device) &&
         resident_with(int(tiles)) / tiles >= B)
       s = int(tiles);
     rows = ((M + s - 1) / s + g.rows - 1) / g.rows * g.rows;
