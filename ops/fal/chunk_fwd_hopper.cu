@@ -20,6 +20,7 @@
 #include <type_traits>
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/chunk_wgmma.cuh"
+#include "ops/fal/phase_probe.cuh"
 
 namespace lintape::fal_cuda {
 
@@ -147,7 +148,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
   // Descriptors (core/cuda_wgmma.cuh): K-major tiles step 8 columns a block along K and 8 rows (128 bytes)
   // along M / N; MN-major ones 8 rows along K and a block along M / N.
   constexpr uint32_t kRows8 = 8 * 16, kTileBlock = kBlock * sizeof(T), kStateBlock = L::kSBlock * sizeof(T);
+  stamp(a, 0);
   for (int c = c0; c < c1; ++c) {
+    stamp(a, 1);
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
     // Shared memory's addresses from one opaque base per chunk (hoisted out of the loop, they would take
@@ -165,6 +168,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     state_to_tile<T, PP, EP, W::NW>(sbc, acc, srow, scol);
     cuda::fence_proxy_async();
     __syncthreads();
+    stamp(a, 2);
 
     // 2. The scores and the state update (S_c is in shared memory).
     const float carry = decay_pow(log2_lam, cl);
@@ -197,6 +201,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
                (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
       tile_to_memory<T, PP, EP, NThr>(sbc, dst, a.E);
     }
+    stamp(a, 3);
 
     // The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
     T* const pc = base + L::kP;
@@ -213,6 +218,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
       }
     cuda::fence_proxy_async();
     __syncthreads();  // every warpgroup's scores are in
+    stamp(a, 4);
 
     // 3. Y = diag(gamma) Q S_c + (Q K^T o M) V, this warpgroup's E / 4 columns.
     float y[EO / 2];
@@ -250,6 +256,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operand(y);
     cuda::wgmma_fence_operand(acc);
+    stamp(a, 5);
 
     // out = gb o Y (g's rows were brought to L2 at the chunk's start).
     {
@@ -287,12 +294,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
       }
     }
     __syncthreads();  // every product is done with the tiles, S_c and the scores
+    stamp(a, 6);
     // 4. The next chunk's tiles; the one after it in flight until then.
     if (c + 1 < c1) {
       encode_chunk(c + 1);
       if (c + 2 < c1) fetch_chunk(c + 2);
     }
+    stamp(a, 7);
   }
+  stamp(a, 8);
   // The walk's end, found again (held across the loop, its address would take registers).
   float* last = walk_of(a, opaque_index(blockIdx.x), false).last;
   if (last)
@@ -311,6 +321,7 @@ void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true> : hopper_forward_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  PhaseProbe probe(BH * a.G, 9, BH * a.nC, true, "forward");
   kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }

@@ -44,9 +44,8 @@ using namespace decode_tc_kernel;
 
 // Splits: one wave of resident blocks over the batch (the kernel is bound by the bytes its blocks keep
 // in flight, so every resident slot should stream), each split at least two tiles long (the pipeline's
-// depth), at most kMaxSplits.
-int choose_splits(int64_t B, int64_t M, int64_t resident, const Geo& g) {
-  const int64_t tiles = (M + g.rows - 1) / g.rows;
+// depth), at most kMaxSplits. tiles: the cache's tiles of g.rows.
+int choose_splits(int64_t B, int64_t tiles, int64_t resident) {
   const int64_t wave = std::max<int64_t>(1, resident / B);
   return int(std::max<int64_t>(1, std::min<int64_t>({wave, (tiles + 1) / 2, kMaxSplits})));
 }
@@ -172,13 +171,13 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
     // The size asked for (tests: many clusters a sequence), where one cluster of it fits the GPU.
     if (cluster) cluster = request > kMaxCluster && resident_with(request) > 0 ? request : cluster_cap;
   } else {
-    int s = choose_splits(B, M, resident, g);
+    const int64_t tiles = (M + g.rows - 1) / g.rows;
+    int s = choose_splits(B, tiles, resident);
     // Short caches: one tile a split where the splits make one portable cluster a sequence and every block has an SM
     // of its own, so each block's chain is a tile shorter (a tile's chain costs more than the cluster's combine; H200,
     // B 8, M 192-512: 11.5-12.8 us against 14.3-15.1). Past that (more blocks than SMs, or clusters past 8) two
     // tiles a split measured as fast or faster (B 32 M 384: 15.3 against 15.7 us; B 8 M 1024: 14.6 against 14.9),
     // and at two tiles one block without the cluster's combine (B 32 M 128: 12.4 against 12.7 us).
-    const int64_t tiles = (M + g.rows - 1) / g.rows;
     if (cluster && request > kMaxCluster && tiles >= 3 && tiles > s && tiles <= kMaxCluster &&
         B * tiles <= sm_count(device) &&
         resident_with(int(tiles)) / tiles >= B)
