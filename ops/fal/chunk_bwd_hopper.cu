@@ -13,6 +13,7 @@
 // and R_(c+1) the state tile of ops/fal/chunk_wgmma.cuh (blocks of 8 E columns), read MN-major by Y and dV and
 // K-major by dQ and dK. Calls with documents keep the mma.sync kernel. Notes: bench/notes/fal-hopper.md.
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include "core/cuda_wgmma.cuh"
@@ -86,7 +87,7 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-template <class T, int DP, int PP, int EP, bool Half>
+template <class T, int DP, int PP, int EP, bool Half, bool Probe = false>
 __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 
   // 1. The raw q, k rows (group 1), then S_c (group 2) unless it is advanced here (then chunk c - 1's raw k and v
   // rows come first, group 0).
-  stamp(a, 0);
+  stamp<Probe>(0);
   if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   auto stage_qk = [&] {
     stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
@@ -204,18 +205,18 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   else
     cp_async_wait<1>();  // q and k are in; S_c may still be in flight
   __syncthreads();       // the angle table; an advance is done with the tiles it borrowed
-  stamp(a, 1);
+  stamp<Probe>(1);
   encode_qk<T, DP, NThr>(a, sm + L::kV, sm + L::kV + kC * DP, tab, t0, sm + L::kQ, sm + L::kK, a.act_q, a.act_k,
                          cosine);
   __syncthreads();  // the raw rows are read: V and dY take their place
-  stamp(a, 2);
+  stamp<Probe>(2);
   store_rows<T, EP, NThr, CoreColumnTile>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm + L::kV, CoreColumnTile{});
   store_rows<T, EP, NThr, CoreColumnTile>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm + L::kDY, CoreColumnTile{});
   cuda::fence_proxy_async();
   load_state_tile<T, DP, EP, NThr>(a, R, 0, sm + L::kR0);  // R_(c+1)'s first half (group 3)
   cp_async_commit();
   __syncthreads();  // Q, K, V, dY
-  stamp(a, 3);
+  stamp<Probe>(3);
 
   // 2. The masked, decayed scores Am and Bm, this warpgroup's keys.
   {
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   cp_async_wait<1>();  // S_c is in (R's first half may still be in flight)
   cuda::fence_proxy_async();
   __syncthreads();
-  stamp(a, 4);
+  stamp<Probe>(4);
 
   // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load during the second
   // products (during the first, ptxas spills).
@@ -295,7 +296,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(d1);
     }
     __syncthreads();  // every warpgroup has read S_c: R's second half takes its place (group 4)
-    stamp(a, 5);
+    stamp<Probe>(5);
     if constexpr (kTwo) {
       load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
       cp_async_commit();
@@ -327,7 +328,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(d0);
       cuda::wgmma_fence_operand(d1);
     }
-    stamp(a, 6);
+    stamp<Probe>(6);
     // dg = act_g'(g) (dO o Y); dq = act_q'(q) (cos dQ_0 + sin dQ_1). The model's acts as constants: code without
     // dispatch.
     T* dg = at_head<T>(a.dg, b, a.sdg_b, h, a.E);
@@ -344,11 +345,11 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     else
       epilogue(std::false_type{});
   }
-  stamp(a, 7);
+  stamp<Probe>(7);
   cp_async_wait<0>();  // R_(c+1) is in
   cuda::fence_proxy_async();
   __syncthreads();
-  stamp(a, 8);
+  stamp<Probe>(8);
 
   // 4. dV and dK from R_(c+1): its first half in R0's place, its second in S_c's. The raw v (when it has an act)
   // and k values of this thread's dv and dk elements load meanwhile.
@@ -390,7 +391,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(k0);
       cuda::wgmma_fence_operand(k1);
     }
-    stamp(a, 9);
+    stamp<Probe>(9);
     scale_acc_rows(dvo, k0, k1, [&](int r) { return decay_pow(log2_lam, cl - 1 - trow(r)); });  // delta
     {
       const uint64_t am_mn = cuda::wgmma_desc(sm + L::kAm, kRows8, kTileBytes);
@@ -415,7 +416,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(k0);
       cuda::wgmma_fence_operand(k1);
     }
-    stamp(a, 10);
+    stamp<Probe>(10);
     T* dv = at_head<T>(a.dv, b, a.sdv_b, h, a.E);
     T* dk = at_head<T>(a.dk, b, a.sdk_b, h, a.D);
     auto epilogue = [&](auto fixed) {
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     else
       epilogue(std::false_type{});
   }
-  stamp(a, 11);
+  stamp<Probe>(11);
 #endif
 }
 
@@ -438,8 +439,15 @@ template <class T, int DP, int PP, int EP>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
+  const bool probed = kProbeShape<T, DP, PP, EP> && phase_probe_wanted();
+  if constexpr (kProbeShape<T, DP, PP, EP>)
+    if (probed)
+      kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, true>
+                             : hopper_grad_kernel<T, DP, PP, EP, false, true>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  PhaseProbe probe(a.nC * BH, 12, a.nC * BH, false, "gradient");
+  std::optional<PhaseProbe> probe;
+  if (probed) probe.emplace(a.nC * BH, 12, a.nC * BH, false, "gradient");
+  if (probed && a.half_states) probe->split_parity(a.nC);
   kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
