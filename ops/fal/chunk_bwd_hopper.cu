@@ -13,12 +13,10 @@
 // and R_(c+1) the state tile of ops/fal/chunk_wgmma.cuh (blocks of 8 E columns), read MN-major by Y and dV and
 // K-major by dQ and dK. Calls with documents keep the mma.sync kernel. Notes: bench/notes/fal-hopper.md.
 #include <cstdlib>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/chunk_wgmma.cuh"
-#include "ops/fal/phase_probe.cuh"
 
 namespace lintape::fal_cuda {
 
@@ -87,7 +85,7 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-template <class T, int DP, int PP, int EP, bool Half, bool Probe = false>
+template <class T, int DP, int PP, int EP, bool Half, bool LatePairs = false>
 __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -123,7 +121,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 
   // 1. The raw q, k rows (group 1), then S_c (group 2) unless it is advanced here (then chunk c - 1's raw k and v
   // rows come first, group 0).
-  stamp<Probe>(0);
   if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   auto stage_qk = [&] {
     stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
@@ -205,18 +202,15 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   else
     cp_async_wait<1>();  // q and k are in; S_c may still be in flight
   __syncthreads();       // the angle table; an advance is done with the tiles it borrowed
-  stamp<Probe>(1);
   encode_qk<T, DP, NThr>(a, sm + L::kV, sm + L::kV + kC * DP, tab, t0, sm + L::kQ, sm + L::kK, a.act_q, a.act_k,
                          cosine);
   __syncthreads();  // the raw rows are read: V and dY take their place
-  stamp<Probe>(2);
   store_rows<T, EP, NThr, CoreColumnTile>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm + L::kV, CoreColumnTile{});
   store_rows<T, EP, NThr, CoreColumnTile>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm + L::kDY, CoreColumnTile{});
   cuda::fence_proxy_async();
   load_state_tile<T, DP, EP, NThr>(a, R, 0, sm + L::kR0);  // R_(c+1)'s first half (group 3)
   cp_async_commit();
   __syncthreads();  // Q, K, V, dY
-  stamp<Probe>(3);
 
   // 2. The masked, decayed scores Am and Bm, this warpgroup's keys.
   {
@@ -256,10 +250,9 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   cp_async_wait<1>();  // S_c is in (R's first half may still be in flight)
   cuda::fence_proxy_async();
   __syncthreads();
-  stamp<Probe>(4);
 
-  // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load during the second
-  // products (during the first, ptxas spills).
+  // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load after the first
+  // products (during them, ptxas spills).
   const bool model_acts = noncausal::model_acts_of(a);
   const int64_t t_first = t0 + trow(0);  // the thread's rows: t_first and t_first + 8
   {
@@ -296,7 +289,12 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(d1);
     }
     __syncthreads();  // every warpgroup has read S_c: R's second half takes its place (group 4)
-    stamp<Probe>(5);
+    // The raw values ahead of R's second half, whose 32 KiB would otherwise queue before them.
+    if constexpr (!LatePairs) {
+      load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
+      load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
+      load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
+    }
     if constexpr (kTwo) {
       load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
       cp_async_commit();
@@ -320,15 +318,16 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
                                        desc_at(k_mn, DP / 8 * kTileBytes + 2 * ks * kRows8));
       }
       cuda::wgmma_commit();
-      load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
-      load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
-      load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
+      if constexpr (LatePairs) {
+        load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
+        load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
+        load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
+      }
       cuda::wgmma_wait<0>();
       cuda::wgmma_fence_operand(y);
       cuda::wgmma_fence_operand(d0);
       cuda::wgmma_fence_operand(d1);
     }
-    stamp<Probe>(6);
     // dg = act_g'(g) (dO o Y); dq = act_q'(q) (cos dQ_0 + sin dQ_1). The model's acts as constants: code without
     // dispatch.
     T* dg = at_head<T>(a.dg, b, a.sdg_b, h, a.E);
@@ -345,11 +344,9 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     else
       epilogue(std::false_type{});
   }
-  stamp<Probe>(7);
   cp_async_wait<0>();  // R_(c+1) is in
   cuda::fence_proxy_async();
   __syncthreads();
-  stamp<Probe>(8);
 
   // 4. dV and dK from R_(c+1): its first half in R0's place, its second in S_c's. The raw v (when it has an act)
   // and k values of this thread's dv and dk elements load meanwhile.
@@ -391,7 +388,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(k0);
       cuda::wgmma_fence_operand(k1);
     }
-    stamp<Probe>(9);
     scale_acc_rows(dvo, k0, k1, [&](int r) { return decay_pow(log2_lam, cl - 1 - trow(r)); });  // delta
     {
       const uint64_t am_mn = cuda::wgmma_desc(sm + L::kAm, kRows8, kTileBytes);
@@ -416,7 +412,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(k0);
       cuda::wgmma_fence_operand(k1);
     }
-    stamp<Probe>(10);
     T* dv = at_head<T>(a.dv, b, a.sdv_b, h, a.E);
     T* dk = at_head<T>(a.dk, b, a.sdk_b, h, a.D);
     auto epilogue = [&](auto fixed) {
@@ -431,23 +426,28 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     else
       epilogue(std::false_type{});
   }
-  stamp<Probe>(11);
 #endif
+}
+
+// The epilogue's raw values loaded under the second products, after R's second half (LINTAPE_FAL_LATE_PAIRS=1;
+// measurement only).
+bool env_late_pairs() {
+  static const bool on = [] {
+    const char* v = std::getenv("LINTAPE_FAL_LATE_PAIRS");
+    return v && v[0] == '1';
+  }();
+  return on;
 }
 
 template <class T, int DP, int PP, int EP>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
-  const bool probed = kProbeShape<T, DP, PP, EP> && phase_probe_wanted();
-  if constexpr (kProbeShape<T, DP, PP, EP>)
-    if (probed)
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && DP == 128 && PP == 256 && EP == 128)
+    if (env_late_pairs())
       kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, true>
                              : hopper_grad_kernel<T, DP, PP, EP, false, true>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  std::optional<PhaseProbe> probe;
-  if (probed) probe.emplace(a.nC * BH, 12, a.nC * BH, false, "gradient");
-  if (probed && a.half_states) probe->split_parity(a.nC);
   kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }

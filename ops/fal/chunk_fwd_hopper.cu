@@ -12,16 +12,15 @@
 // The tiles use CoreColumnTile (8-column blocks of 16-byte rows): read K-major by the scores and Y's products,
 // MN-major by the state update. 512 threads at 128 registers hold the state (64 values a thread at D' = 256,
 // E = 128) beside the products' accumulators, so the code keeps short live ranges: addresses rebuilt from an
-// opaque base each chunk, g loaded only in the epilogue (brought to L2 first), the encode 4 columns at a time.
+// opaque base each chunk, g's values loaded under Y's products (brought to L2 at the chunk's top), the
+// encode 4 columns at a time.
 // The mma.sync kernel of ops/fal/chunk_fwd.cu keeps the calls with documents, the local passes of a cut and
 // every call where this one does not run. Notes and timings: bench/notes/fal-hopper.md (session 8).
 #include <cstdlib>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include "core/cuda_wgmma.cuh"
 #include "ops/fal/chunk_wgmma.cuh"
-#include "ops/fal/phase_probe.cuh"
 
 namespace lintape::fal_cuda {
 
@@ -62,7 +61,7 @@ struct HopperSmem {
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Save: a.states receives S_c (every chunk's, or the even
 // chunks' with a.half_states). Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
-template <class T, int DP, int PP, int EP, bool Save, bool Probe = false, bool LateG = false>
+template <class T, int DP, int PP, int EP, bool Save>
 __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -149,9 +148,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
   // Descriptors (core/cuda_wgmma.cuh): K-major tiles step 8 columns a block along K and 8 rows (128 bytes)
   // along M / N; MN-major ones 8 rows along K and a block along M / N.
   constexpr uint32_t kRows8 = 8 * 16, kTileBlock = kBlock * sizeof(T), kStateBlock = L::kSBlock * sizeof(T);
-  stamp<Probe>(0);
   for (int c = c0; c < c1; ++c) {
-    stamp<Probe>(1);
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
     // Shared memory's addresses from one opaque base per chunk (hoisted out of the loop, they would take
@@ -169,7 +166,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     state_to_tile<T, PP, EP, W::NW>(sbc, acc, srow, scol);
     cuda::fence_proxy_async();
     __syncthreads();
-    stamp<Probe>(2);
 
     // 2. The scores and the state update (S_c is in shared memory).
     const float carry = decay_pow(log2_lam, cl);
@@ -202,7 +198,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
                (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
       tile_to_memory<T, PP, EP, NThr>(sbc, dst, a.E);
     }
-    stamp<Probe>(3);
 
     // The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
     T* const pc = base + L::kP;
@@ -219,13 +214,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
       }
     cuda::fence_proxy_async();
     __syncthreads();  // every warpgroup's scores are in
-    stamp<Probe>(4);
     // g's values of this thread's out elements, loaded under Y's products (rows trow(0) and trow(0) + 8, two a
     // word), so that the epilogue does not wait on them.
     uint32_t graw[EO / 8][2];
-    if constexpr (!LateG)
-      load_pairs<T, EO>(a, at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E), a.sg_t, t0 + trow(0),
-                        wg * EO, a.E, graw);
+    load_pairs<T, EO>(a, at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E), a.sg_t, t0 + trow(0),
+                      wg * EO, a.E, graw);
 
     // 3. Y = diag(gamma) Q S_c + (Q K^T o M) V, this warpgroup's E / 4 columns.
     float y[EO / 2];
@@ -263,10 +256,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operand(y);
     cuda::wgmma_fence_operand(acc);
-    stamp<Probe>(5);
 
     // out = gb o Y.
-    if constexpr (!LateG) {
+    {
       T* __restrict__ out = static_cast<T*>(a.out) + (opaque_index(b) * a.N * a.H + opaque_index(h)) * a.E;
       const int act_g = model_acts ? int(FalStepSpec::kSilu) : a.act_g;
 #pragma unroll
@@ -282,53 +274,14 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
             store2(out + t * a.H * a.E + e, gb[0] * y[4 * j + 2 * r], gb[1] * y[4 * j + 2 * r + 1]);
         }
       }
-    } else {
-      {
-        const int64_t bo = opaque_index(b), ho = opaque_index(h);
-        const T* __restrict__ g = at_head<T>(a.g, bo, a.sg_b, ho, a.E);
-        T* __restrict__ out = static_cast<T*>(a.out) + (bo * a.N * a.H + ho) * a.E;
-        const int e0 = wg * EO + 2 * (lane & 3);
-        // Two column groups at a time: their loads before their stores (out might alias g for all the compiler
-        // knows), with few registers beside the state.
-#pragma unroll
-        for (int j0 = 0; j0 < EO / 8; j0 += 2) {
-          float gb[2][4];
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; r += 2) {
-              const int64_t t = t0 + trow(r);
-              const int e = e0 + 8 * (j0 + j);
-              if (t < a.N && e < a.E)
-                load2(g + t * a.sg_t + e, gb[j][r], gb[j][r + 1]);
-              else
-                gb[j][r] = gb[j][r + 1] = 0.0f;
-            }
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            act_n(gb[j], model_acts ? int(FalStepSpec::kSilu) : a.act_g, true);
-            const int e = e0 + 8 * (j0 + j);
-#pragma unroll
-            for (int r = 0; r < 4; r += 2) {
-              const int64_t t = t0 + trow(r);
-              if (t < a.N && e < a.E)
-                store2(out + t * a.H * a.E + e, gb[j][r] * y[4 * (j0 + j) + r],
-                       gb[j][r + 1] * y[4 * (j0 + j) + r + 1]);
-            }
-          }
-        }
-      }
     }
     __syncthreads();  // every product is done with the tiles, S_c and the scores
-    stamp<Probe>(6);
     // 4. The next chunk's tiles; the one after it in flight until then.
     if (c + 1 < c1) {
       encode_chunk(c + 1);
       if (c + 2 < c1) fetch_chunk(c + 2);
     }
-    stamp<Probe>(7);
   }
-  stamp<Probe>(8);
   // The walk's end, found again (held across the loop, its address would take registers).
   float* last = walk_of(a, opaque_index(blockIdx.x), false).last;
   if (last)
@@ -342,30 +295,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
 #endif
 }
 
-// The epilogue's g loaded there rather than under Y's products (LINTAPE_FAL_LATE_G=1; measurement only).
-bool env_late_g() {
-  static const bool on = [] {
-    const char* v = std::getenv("LINTAPE_FAL_LATE_G");
-    return v && v[0] == '1';
-  }();
-  return on;
-}
-
 template <class T, int DP, int PP, int EP>
 void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true> : hopper_forward_kernel<T, DP, PP, EP, false>;
-  if constexpr (kProbeShape<T, DP, PP, EP>) {
-    if (phase_probe_wanted())
-      kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true, true>
-                        : hopper_forward_kernel<T, DP, PP, EP, false, true>;
-    else if (env_late_g())
-      kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true, false, true>
-                        : hopper_forward_kernel<T, DP, PP, EP, false, false, true>;
-  }
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  std::optional<PhaseProbe> probe;
-  if (kProbeShape<T, DP, PP, EP> && phase_probe_wanted()) probe.emplace(BH * a.G, 9, BH * a.nC, true, "forward");
   kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
 }
