@@ -85,7 +85,7 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-template <class T, int DP, int PP, int EP, bool Half, bool LatePairs = false>
+template <class T, int DP, int PP, int EP, bool Half, bool EarlyAngles = false>
 __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -120,8 +120,10 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   auto tcol = [&](int c0, int j) { return c0 + 8 * j + 2 * (lane & 3); };
 
   // 1. The raw q, k rows (group 1), then S_c (group 2) unless it is advanced here (then chunk c - 1's raw k and v
-  // rows come first, group 0).
-  if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
+  // rows come first, group 0). The angle table after the copies are issued (its theta loads would hold back those
+  // of the table's four warps).
+  if constexpr (EarlyAngles)
+    if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   auto stage_qk = [&] {
     stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
     stage_raw<T, DP, NThr>(a, k, a.sk_t, t0, a.D, sm + L::kV + kC * DP);
@@ -131,6 +133,8 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_qk();
     load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
     cp_async_commit();
+    if constexpr (!EarlyAngles)
+      if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   } else {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
     // products and roundings from S_(c-1) as saved in T, the state split over the warpgroups as the walks split
@@ -142,6 +146,8 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
     cp_async_commit();
     stage_qk();
+    if constexpr (!EarlyAngles)
+      if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
     auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
     auto scol = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
     // S_(c-1)'s values of this thread as loaded (two a word), unpacked once the encode has hidden their latency.
@@ -252,7 +258,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   __syncthreads();
 
   // 3. Y and dQ from S_c. The raw g, dO and q values of this thread's dg and dq elements load after the first
-  // products (during them, ptxas spills).
+  // products (during them, ptxas spills), ahead of R's second half.
   const bool model_acts = noncausal::model_acts_of(a);
   const int64_t t_first = t0 + trow(0);  // the thread's rows: t_first and t_first + 8
   {
@@ -290,11 +296,9 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     }
     __syncthreads();  // every warpgroup has read S_c: R's second half takes its place (group 4)
     // The raw values ahead of R's second half, whose 32 KiB would otherwise queue before them.
-    if constexpr (!LatePairs) {
-      load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
-      load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
-      load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
-    }
+    load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
+    load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
+    load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
     if constexpr (kTwo) {
       load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
       cp_async_commit();
@@ -318,11 +322,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
                                        desc_at(k_mn, DP / 8 * kTileBytes + 2 * ks * kRows8));
       }
       cuda::wgmma_commit();
-      if constexpr (LatePairs) {
-        load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
-        load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
-        load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
-      }
       cuda::wgmma_wait<0>();
       cuda::wgmma_fence_operand(y);
       cuda::wgmma_fence_operand(d0);
@@ -429,11 +428,10 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 #endif
 }
 
-// The epilogue's raw values loaded under the second products, after R's second half (LINTAPE_FAL_LATE_PAIRS=1;
-// measurement only).
-bool env_late_pairs() {
+// The angle table filled before the block's first copies are issued (LINTAPE_FAL_EARLY_ANGLES=1; measurement only).
+bool env_early_angles() {
   static const bool on = [] {
-    const char* v = std::getenv("LINTAPE_FAL_LATE_PAIRS");
+    const char* v = std::getenv("LINTAPE_FAL_EARLY_ANGLES");
     return v && v[0] == '1';
   }();
   return on;
@@ -444,7 +442,7 @@ void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
   if constexpr (std::is_same_v<T, __nv_bfloat16> && DP == 128 && PP == 256 && EP == 128)
-    if (env_late_pairs())
+    if (env_early_angles())
       kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, true>
                              : hopper_grad_kernel<T, DP, PP, EP, false, true>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
