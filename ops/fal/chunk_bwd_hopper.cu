@@ -85,7 +85,7 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-template <class T, int DP, int PP, int EP, bool Half, bool EarlyAngles = false>
+template <class T, int DP, int PP, int EP, bool Half>
 __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
 #ifndef LINTAPE_WGMMA
   __trap();
@@ -122,8 +122,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   // 1. The raw q, k rows (group 1), then S_c (group 2) unless it is advanced here (then chunk c - 1's raw k and v
   // rows come first, group 0). The angle table after the copies are issued (its theta loads would hold back those
   // of the table's four warps).
-  if constexpr (EarlyAngles)
-    if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   auto stage_qk = [&] {
     stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
     stage_raw<T, DP, NThr>(a, k, a.sk_t, t0, a.D, sm + L::kV + kC * DP);
@@ -133,8 +131,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_qk();
     load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
     cp_async_commit();
-    if constexpr (!EarlyAngles)
-      if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
+    if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   } else {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
     // products and roundings from S_(c-1) as saved in T, the state split over the warpgroups as the walks split
@@ -146,8 +143,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
     cp_async_commit();
     stage_qk();
-    if constexpr (!EarlyAngles)
-      if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
+    if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
     auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
     auto scol = [&](int j) { return gn * W::NW + 8 * j + 2 * (lane & 3); };
     // S_(c-1)'s values of this thread as loaded (two a word), unpacked once the encode has hidden their latency.
@@ -428,23 +424,10 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 #endif
 }
 
-// The angle table filled before the block's first copies are issued (LINTAPE_FAL_EARLY_ANGLES=1; measurement only).
-bool env_early_angles() {
-  static const bool on = [] {
-    const char* v = std::getenv("LINTAPE_FAL_EARLY_ANGLES");
-    return v && v[0] == '1';
-  }();
-  return on;
-}
-
 template <class T, int DP, int PP, int EP>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && DP == 128 && PP == 256 && EP == 128)
-    if (env_early_angles())
-      kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, true>
-                             : hopper_grad_kernel<T, DP, PP, EP, false, true>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a);
   LT_CUDA_CHECK_LAUNCH();
