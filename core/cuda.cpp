@@ -111,8 +111,10 @@ bool capturing(int device) {
   return status != cudaStreamCaptureStatusNone;
 }
 
-CUtensorMap swizzled_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
-                                const cuuint64_t* strides, const cuuint32_t* box, const char* op) {
+namespace {
+CUtensorMap encode_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
+                              const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle,
+                              const char* op) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -124,10 +126,21 @@ CUtensorMap swizzled_tensor_map(const void* x, CUtensorMapDataType type, int ran
   LT_CHECK(rank >= 1 && rank <= 5, "[", op, "] a tensor map of ", rank, " dims (1 to 5)");
   CUtensorMap map;
   const CUresult r = encode(&map, type, cuuint32_t(rank), const_cast<void*>(x), dims, strides, box, steps,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   LT_CHECK(r == CUDA_SUCCESS, "[", op, "] cuTensorMapEncodeTiled failed: ", int(r));
   return map;
+}
+}  // namespace
+
+CUtensorMap swizzled_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
+                                const cuuint64_t* strides, const cuuint32_t* box, const char* op) {
+  return encode_tensor_map(x, type, rank, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, op);
+}
+
+CUtensorMap plain_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
+                             const cuuint64_t* strides, const cuuint32_t* box, const char* op) {
+  return encode_tensor_map(x, type, rank, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, op);
 }
 
 }  // namespace lintape::cuda

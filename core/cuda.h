@@ -29,6 +29,9 @@ bool capturing(int device = -1);
 // array read as zeros and are skipped by bulk writes. `op` names the caller in errors.
 CUtensorMap swizzled_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
                                 const cuuint64_t* strides, const cuuint32_t* box, const char* op);
+// The same without a swizzle: the box lands in shared memory as a dense array, innermost dim first.
+CUtensorMap plain_tensor_map(const void* x, CUtensorMapDataType type, int rank, const cuuint64_t* dims,
+                             const cuuint64_t* strides, const cuuint32_t* box, const char* op);
 
 // Grid size for a 1-D launch of n work items with `threads` threads each handling `per_thread` items.
 inline unsigned grid_for(int64_t n, int threads, int64_t per_thread = 1) {

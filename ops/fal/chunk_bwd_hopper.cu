@@ -36,21 +36,27 @@ constexpr int kBlock = CoreColumnTile::kBlock;
 
 // Shared memory in elements of T: Q, K (kC x PP), V, dY (kC x EP), Am, Bm (kC x kC), all CoreColumnTile; S_c
 // (StateTile<PP, EP>); R_(c+1)'s first LRPE half (StateTile<DP, EP>; its second half takes S_c's place); then
-// the LRPE angle table in floats. The raw q and k rows are staged over V, dY and the scores (free until they are
+// the LRPE angle table in floats and (Tma: the state tiles unpadded, brought by the tensor copy engine) the
+// three copies' mbarriers. The raw q and k rows are staged over V, dY and the scores (free until they are
 // encoded); an advance's raw k and v rows of chunk c - 1 over R's first half.
-template <int DP, int PP, int EP>
+template <int DP, int PP, int EP, bool Tma>
 struct GradTiles {
+  using STile = StateTile<PP, EP, Tma ? 0 : 8>;
+  using RTile = StateTile<DP, EP, Tma ? 0 : 8>;
   static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kTileC = kC / 8 * kBlock;
-  static constexpr int kSBlock = StateTile<PP, EP>::kBlock, kRBlock = StateTile<DP, EP>::kBlock;
+  static constexpr int kSBlock = STile::kBlock, kRBlock = RTile::kBlock;
   static constexpr int kQ = 0, kK = kQ + kTileP, kV = kK + kTileP, kDY = kV + kTileE, kAm = kDY + kTileE;
-  static constexpr int kBm = kAm + kTileC, kS = kBm + kTileC, kR0 = kS + StateTile<PP, EP>::kElems;
-  static constexpr int kPrev = kC * (DP + EP), kR0Elems = StateTile<DP, EP>::kElems;
+  // S_c's place also holds an advance's diag(delta) V tile (larger than an unpadded state tile at P = kC).
+  static constexpr int kSPlace = STile::kElems > kTileE ? STile::kElems : kTileE;
+  static constexpr int kBm = kAm + kTileC, kS = kBm + kTileC, kR0 = kS + kSPlace;
+  static constexpr int kPrev = kC * (DP + EP), kR0Elems = RTile::kElems;
   static constexpr int kEnd = kR0 + (kR0Elems > kPrev ? kR0Elems : kPrev);
   static_assert(2 * kC * DP <= kS - kV, "the raw q and k rows fit over V, dY and the scores");
-  static_assert(StateTile<DP, EP>::kElems <= StateTile<PP, EP>::kElems && kTileE <= StateTile<PP, EP>::kElems,
-                "R's second half and an advance's diag(delta) V fit S_c's place");
+  static_assert(RTile::kElems <= kSPlace, "R's second half fits S_c's place");
+  static_assert(kS % 64 == 0 && kR0 % 64 == 0, "the state tiles start on 128 bytes (2-byte T), as copies need");
+  static_assert(kEnd % 4 == 0, "the mbarriers after the angle table are 8-byte aligned");
   static constexpr size_t bytes(size_t elem) {
-    return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP;
+    return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP + 3 * sizeof(uint64_t);
   }
 };
 
@@ -85,12 +91,14 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-template <class T, int DP, int PP, int EP, bool Half>
-__global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) {
+// smap, rmap (Tma): state_tensor_map of a.states (a box of PP rows) and of a.rstates (DP rows, an LRPE half).
+template <class T, int DP, int PP, int EP, bool Half, bool Tma>
+__global__ void __launch_bounds__(kGradWgThreads, 1)
+    hopper_grad_kernel(Args a, const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap rmap) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
-  using L = GradTiles<DP, PP, EP>;
+  using L = GradTiles<DP, PP, EP, Tma>;
   constexpr int NThr = kGradWgThreads, EO = EP / 4, DO = DP / 4;  // a warpgroup's E and raw D columns
   constexpr bool kTwo = PP == 2 * DP;                              // the cosine LRPE's two halves
   constexpr uint32_t kRows8 = 8 * 16, kTileBytes = kBlock * sizeof(T);
@@ -98,6 +106,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
   float* const tab = reinterpret_cast<float*>(sm + L::kEnd);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(tab + noncausal::kAngleRows * DP);  // S_c, R's halves
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = cuda::warpgroup_index();
   const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
   const int h = int(bh % a.H);
@@ -112,8 +121,18 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   const T* v = at_head<T>(a.v, b, a.sv_b, h, a.E);
   const T* g = at_head<T>(a.g, b, a.sg_b, h, a.E);
   const T* dout = static_cast<const T*>(a.dout) + b * a.N * out_ts + h * a.E;
-  const T* S = static_cast<const T*>(a.states) + (bh * saved_chunks(a) + saved_slot(a, c)) * PE;
-  const T* R = static_cast<const T*>(a.rstates) + (bh * a.nC + c) * PE;
+  const int64_t s_slot = bh * saved_chunks(a) + saved_slot(a, c), r_slot = bh * a.nC + c;
+  const T* S = static_cast<const T*>(a.states) + s_slot * PE;
+  const T* R = static_cast<const T*>(a.rstates) + r_slot * PE;
+  // A state box by the tensor copy engine, one thread issuing: rows p0 ... of the slot's state into dst.
+  auto tma_state = [&](const CUtensorMap* map, uint64_t* bar, T* dst, int rows, int p0, int64_t slot) {
+    cuda::mbarrier_arrive_expect_tx(bar, uint32_t(rows * EP * sizeof(T)));
+    cuda::tma_load_4d(dst, map, bar, 0, p0, 0, int(slot));
+  };
+  if (Tma && threadIdx.x == 0) {
+    for (int i = 0; i < 3; ++i) cuda::mbarrier_init(&bars[i], 1);
+    cuda::mbarrier_init_fence();
+  }
   // The chunk row of accumulator value r (core/cuda_wgmma.cuh), and a warpgroup's column of value 4 j + r (and
   // the next one) among its n columns from c0.
   auto trow = [&](int r) { return 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
@@ -129,8 +148,12 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   };
   if (!advance) {
     stage_qk();
-    load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
-    cp_async_commit();
+    if constexpr (Tma) {
+      if (threadIdx.x == 0) tma_state(&smap, &bars[0], sm + L::kS, PP, 0, s_slot);
+    } else {
+      load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
+      cp_async_commit();
+    }
     if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   } else {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
@@ -192,14 +215,14 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       cuda::wgmma_fence_operand(acc);
     }
     __syncthreads();  // every warpgroup's product has read diag(delta) V: S_c takes its place
-    state_to_tile<T, PP, EP, W::NW>(sm + L::kS, acc, srow, scol);
+    state_to_tile<T, PP, EP, W::NW, Tma ? 0 : 8>(sm + L::kS, acc, srow, scol);
     cuda::fence_proxy_async();
   }
   Raw<EP, NThr> vr, gr, dr;
   fetch(a, v, a.sv_t, t0, 0, a.E, vr);
   fetch(a, g, a.sg_t, t0, 0, a.E, gr);
   fetch(a, dout, out_ts, t0, 0, a.E, dr);
-  if (advance)
+  if (advance || Tma)
     cp_async_wait<0>();
   else
     cp_async_wait<1>();  // q and k are in; S_c may still be in flight
@@ -210,8 +233,12 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
   store_rows<T, EP, NThr, CoreColumnTile>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm + L::kV, CoreColumnTile{});
   store_rows<T, EP, NThr, CoreColumnTile>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm + L::kDY, CoreColumnTile{});
   cuda::fence_proxy_async();
-  load_state_tile<T, DP, EP, NThr>(a, R, 0, sm + L::kR0);  // R_(c+1)'s first half (group 3)
-  cp_async_commit();
+  if constexpr (Tma) {  // R_(c+1)'s first half
+    if (threadIdx.x == 0) tma_state(&rmap, &bars[1], sm + L::kR0, DP, 0, r_slot);
+  } else {
+    load_state_tile<T, DP, EP, NThr>(a, R, 0, sm + L::kR0);  // (group 3)
+    cp_async_commit();
+  }
   __syncthreads();  // Q, K, V, dY
 
   // 2. The masked, decayed scores Am and Bm, this warpgroup's keys.
@@ -249,7 +276,11 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
       }
     cuda::fence_proxy_async();
   }
-  cp_async_wait<1>();  // S_c is in (R's first half may still be in flight)
+  if constexpr (Tma) {
+    if (!advance) cuda::mbarrier_wait(&bars[0], 0);  // S_c is in
+  } else {
+    cp_async_wait<1>();  // S_c is in (R's first half may still be in flight)
+  }
   cuda::fence_proxy_async();
   __syncthreads();
 
@@ -296,8 +327,12 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
     load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
     if constexpr (kTwo) {
-      load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
-      cp_async_commit();
+      if constexpr (Tma) {
+        if (threadIdx.x == 0) tma_state(&rmap, &bars[2], sm + L::kS, DP, DP, r_slot);
+      } else {
+        load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
+        cp_async_commit();
+      }
     }
     scale_acc_rows(y, d0, d1, [&](int r) { return decay_pow(log2_lam, trow(r) + 1); });  // gamma
     {
@@ -339,7 +374,12 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
     else
       epilogue(std::false_type{});
   }
-  cp_async_wait<0>();  // R_(c+1) is in
+  if constexpr (Tma) {  // R_(c+1) is in
+    cuda::mbarrier_wait(&bars[1], 0);
+    if (kTwo) cuda::mbarrier_wait(&bars[2], 0);
+  } else {
+    cp_async_wait<0>();
+  }
   cuda::fence_proxy_async();
   __syncthreads();
 
@@ -424,12 +464,16 @@ __global__ void __launch_bounds__(kGradWgThreads, 1) hopper_grad_kernel(Args a) 
 #endif
 }
 
-template <class T, int DP, int PP, int EP>
+template <class T, int DP, int PP, int EP, bool Tma>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
-  constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
-  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
+  constexpr size_t smem = GradTiles<DP, PP, EP, Tma>::bytes(sizeof(T));
+  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, Tma>
+                              : hopper_grad_kernel<T, DP, PP, EP, false, Tma>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a);
+  const CUtensorMap smap =
+      state_tensor_map(Tma ? a.states : nullptr, a, BH * (a.half_states ? (a.nC + 1) / 2 : a.nC), PP, EP);
+  const CUtensorMap rmap = state_tensor_map(Tma ? a.rstates : nullptr, a, BH * a.nC, DP, EP);
+  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a, smap, rmap);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -456,10 +500,13 @@ bool hopper_gradients_run(const Args& a) {
 void hopper_gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
+    if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
+      if (dtype == DType::BF16 && states_by_threads("gradient"))
+        return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, st);
     if (dtype == DType::BF16)
-      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, st);
+      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
     else
-      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP>(a, BH, st);
+      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
   });
 }
 

@@ -46,28 +46,34 @@ __device__ __forceinline__ T* opaque_ptr(T* p) {
 constexpr int kBlock = CoreColumnTile::kBlock;
 
 // Shared memory, in elements of T from the start: Q and K (kC x PP), V and diag(delta) V (kC x EP), all in
-// CoreColumnTile; S_c (PP x EP, EP / 8 blocks of PP rows of 16 bytes, MN-major along E); the masked scores (kC x
-// kC, CoreColumnTile); the raw q, k, v rows of the next chunk; then the LRPE angle table in floats.
-template <int DP, int PP, int EP>
+// CoreColumnTile; S_c (PP x EP, EP / 8 blocks of PP rows of 16 bytes, MN-major along E; unpadded where the tensor
+// copy engine saves it); the masked scores (kC x kC, CoreColumnTile); the raw q, k, v rows of the next chunk; then
+// the LRPE angle table in floats.
+template <int DP, int PP, int EP, bool Tma>
 struct HopperSmem {
-  static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kSBlock = StateTile<PP, EP>::kBlock;
+  using STile = StateTile<PP, EP, Tma ? 0 : 8>;
+  static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kSBlock = STile::kBlock;
   static constexpr int kQ = 0, kK = kQ + kTileP, kV = kK + kTileP, kVd = kV + kTileE, kS = kVd + kTileE;
-  static constexpr int kP = kS + StateTile<PP, EP>::kElems, kRawQ = kP + kC / 8 * kBlock, kRawK = kRawQ + kC * DP;
+  static constexpr int kP = kS + STile::kElems, kRawQ = kP + kC / 8 * kBlock, kRawK = kRawQ + kC * DP;
   static constexpr int kRawV = kRawK + kC * DP, kEnd = kRawV + kC * EP;
+  static_assert(kS % 64 == 0, "S_c's tile starts on 128 bytes (2-byte T), as the tensor copy engine needs");
   static constexpr size_t bytes(size_t elem) {
     return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP;
   }
 };
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Save: a.states receives S_c (every chunk's, or the even
-// chunks' with a.half_states). Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
-template <class T, int DP, int PP, int EP, bool Save>
-__global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args a) {
+// chunks' with a.half_states); Tma: by the tensor copy engine (smap: state_tensor_map of a.states), one thread
+// issuing, rather than by every thread. Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
+template <class T, int DP, int PP, int EP, bool Save, bool Tma>
+__global__ void __launch_bounds__(kHopperThreads, 1)
+    hopper_forward_kernel(Args a, const __grid_constant__ CUtensorMap smap) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
   using W = StateWarps<PP, EP>;
-  using L = HopperSmem<DP, PP, EP>;
+  using L = HopperSmem<DP, PP, EP, Tma>;
+  constexpr int kPad = Tma ? 0 : 8;
   constexpr int NThr = kHopperThreads, EO = EP / 4;  // Y's columns per warpgroup
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
@@ -163,7 +169,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
         cuda::prefetch_l2(at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E) + (t0 + i) * a.sg_t + e8);
     }
     // 1. S_c into shared memory; the barrier also publishes chunk c's tiles.
-    state_to_tile<T, PP, EP, W::NW>(sbc, acc, srow, scol);
+    state_to_tile<T, PP, EP, W::NW, kPad>(sbc, acc, srow, scol);
     cuda::fence_proxy_async();
     __syncthreads();
 
@@ -191,12 +197,19 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
         cuda::wgmma_mma<T, W::NW, 1, 1>(acc, desc_at(k_mn, kk * 16), desc_at(vd_mn, kk * 16));
       cuda::wgmma_commit();
     }
-    // S_c to memory for the backward while the products run (with half_states, the even chunks' only); the
-    // next chunk's barriers guard its shared copy.
+    // S_c to memory for the backward while the products run (with half_states, the even chunks' only): by the
+    // tensor copy engine, waited before the tile is written again (the chunk's last barrier), or by the threads,
+    // the next chunk's barriers guarding its shared copy.
     if (Save && !(a.half_states && (c & 1))) {
-      T* dst = static_cast<T*>(a.states) +
-               (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
-      tile_to_memory<T, PP, EP, NThr>(sbc, dst, a.E);
+      const int64_t slot = opaque_index(bh) * saved_chunks(a) + saved_slot(a, c);
+      if constexpr (Tma) {
+        if (threadIdx.x == 0) {
+          cuda::tma_store_4d(&smap, sbc, 0, 0, 0, int(slot));
+          cuda::bulk_commit();
+        }
+      } else {
+        tile_to_memory<T, PP, EP, NThr>(sbc, static_cast<T*>(a.states) + slot * int64_t(a.P) * a.E, a.E);
+      }
     }
 
     // The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
@@ -275,6 +288,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
         }
       }
     }
+    if (Tma && Save && threadIdx.x == 0) cuda::bulk_wait_read();
     __syncthreads();  // every product is done with the tiles, S_c and the scores
     // 4. The next chunk's tiles; the one after it in flight until then.
     if (c + 1 < c1) {
@@ -282,6 +296,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
       if (c + 2 < c1) fetch_chunk(c + 2);
     }
   }
+  if (Tma && Save && threadIdx.x == 0) cuda::bulk_wait();
   // The walk's end, found again (held across the loop, its address would take registers).
   float* last = walk_of(a, opaque_index(blockIdx.x), false).last;
   if (last)
@@ -295,12 +310,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1) hopper_forward_kernel(Args 
 #endif
 }
 
-template <class T, int DP, int PP, int EP>
+template <class T, int DP, int PP, int EP, bool Tma>
 void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
-  constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
-  auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true> : hopper_forward_kernel<T, DP, PP, EP, false>;
+  constexpr size_t smem = HopperSmem<DP, PP, EP, Tma>::bytes(sizeof(T));
+  auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true, Tma>
+                         : hopper_forward_kernel<T, DP, PP, EP, false, Tma>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a);
+  const CUtensorMap smap =
+      state_tensor_map(Tma ? a.states : nullptr, a, BH * (a.half_states ? (a.nC + 1) / 2 : a.nC), PP, EP);
+  kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a, smap);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -327,10 +345,13 @@ bool hopper_forward_runs(const Args& a) {
 void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
+    if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
+      if (dtype == DType::BF16 && states_by_threads("forward"))
+        return launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, st);
     if (dtype == DType::BF16)
-      launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, st);
+      launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
     else
-      launch_hopper<__half, S::kDP, S::kPP, S::kEP>(a, BH, st);
+      launch_hopper<__half, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
   });
 }
 

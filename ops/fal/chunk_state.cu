@@ -37,22 +37,25 @@ struct WalkTiles {
 };
 
 // Two buffers of tiles, the raw rows of the next chunk (x, z and, in reverse, dO), the state tile on its way to
-// memory and the angle table.
-template <int DP, int PP, int EP>
+// memory and the angle table. Tma: the tile goes to memory by the tensor copy engine (unpadded).
+template <int DP, int PP, int EP, bool Tma>
 constexpr size_t walk_smem_bytes(size_t elem) {
   return elem * size_t(2 * (WalkTiles<PP, EP>::kX + WalkTiles<PP, EP>::kZ) + kC * (DP + 2 * EP) +
-                       StateTile<PP, EP>::kElems) +
+                       StateTile<PP, EP, Tma ? 0 : 8>::kElems) +
          sizeof(float) * noncausal::kAngleRows * DP;
 }
 
-// DP = D, PP = D', EP = E rounded up to 64 or 128. Only where LINTAPE_WGMMA was compiled (walk_runs checks).
-template <class T, int DP, int PP, int EP, bool Reverse>
-__global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool model_acts) {
+// DP = D, PP = D', EP = E rounded up to 64 or 128. smap: state_tensor_map of the states written (Tma). Only where
+// LINTAPE_WGMMA was compiled (walk_runs checks).
+template <class T, int DP, int PP, int EP, bool Reverse, bool Tma>
+__global__ void __launch_bounds__(kWalkThreads, 1)
+    walk_kernel(Args a, bool model_acts, const __grid_constant__ CUtensorMap smap) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
   using W = StateWarps<PP, EP>;
   using Tiles = WalkTiles<PP, EP>;
+  using Tile = StateTile<PP, EP, Tma ? 0 : 8>;
   constexpr int NThr = kWalkThreads, kBuffer = Tiles::kX + Tiles::kZ, kBlock = CoreColumnTile::kBlock;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* tiles = reinterpret_cast<T*>(smem_raw);  // buffer i: X at i kBuffer, then Z
@@ -60,7 +63,8 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool mode
   T* raw_z = raw_x + kC * DP;
   T* raw_d = raw_z + kC * EP;
   T* stile = raw_d + kC * EP;
-  float* angles = reinterpret_cast<float*>(stile + StateTile<PP, EP>::kElems);
+  static_assert((2 * kBuffer + kC * (DP + 2 * EP)) % 64 == 0, "the state tile starts on 128 bytes (2-byte T)");
+  float* angles = reinterpret_cast<float*>(stile + Tile::kElems);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wg = cuda::warpgroup_index(), gm = wg % W::WGM, gn = wg / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, Reverse);
@@ -156,8 +160,13 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool mode
     // The state entering this step into the shared tile, then to memory in 16-byte pieces while the product
     // runs (as 4-byte stores straight from the registers, each waited on the one before: 60% of the samples).
     if (states) {
-      state_to_tile<T, PP, EP, W::NW>(stile, acc, row, col);
+      state_to_tile<T, PP, EP, W::NW, Tma ? 0 : 8>(stile, acc, row, col);
+      if (Tma) cuda::fence_proxy_async();  // the tensor copy engine reads it
       __syncthreads();
+      if (Tma && threadIdx.x == 0) {
+        cuda::tma_store_4d(&smap, stile, 0, 0, 0, int(opaque_index(bh) * a.nC + c));
+        cuda::bulk_commit();
+      }
     }
     const float carry = decay_pow(log2_lam, chunk_len(c));
 #pragma unroll
@@ -172,17 +181,19 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool mode
       cuda::wgmma_mma<T, W::NW, 1, 1>(acc, cuda::wgmma_desc(xa + kk * 8, kLbo, kSbo),
                                       cuda::wgmma_desc(zb + kk * 8, kLbo, kSbo));
     cuda::wgmma_commit();
-    if (states) tile_to_memory<T, PP, EP, NThr>(stile, states + int64_t(c) * PE, a.E);  // before the next barrier
+    if (!Tma && states) tile_to_memory<T, PP, EP, NThr>(stile, states + int64_t(c) * PE, a.E);  // before the next barrier
     const bool more = s + 1 < steps;
     if (more) store_chunk(chunk_at(s + 1), buf ^ 1);
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operand(acc);
     if (more) {
+      if (Tma && states && threadIdx.x == 0) cuda::bulk_wait_read();  // the tile may be written again
       __syncthreads();  // the next buffer is written; this one's product is done
       if (s + 2 < steps) fetch_chunk(chunk_at(s + 2));  // in flight during the next product and encode
       buf ^= 1;
     }
   }
+  if (Tma && states && threadIdx.x == 0) cuda::bulk_wait();
   // The walk's end, found again (held across the loop, its address would take registers).
   float* last = walk_of(a, opaque_index(blockIdx.x), Reverse).last;
   if (last)
@@ -196,12 +207,14 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(Args a, bool mode
 #endif
 }
 
-template <class T, int DP, int PP, int EP>
+template <class T, int DP, int PP, int EP, bool Tma>
 void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
-  constexpr size_t smem = walk_smem_bytes<DP, PP, EP>(sizeof(T));
-  auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true> : walk_kernel<T, DP, PP, EP, false>;
+  constexpr size_t smem = walk_smem_bytes<DP, PP, EP, Tma>(sizeof(T));
+  auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true, Tma> : walk_kernel<T, DP, PP, EP, false, Tma>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a));
+  const void* states = a.local ? nullptr : reverse ? a.rstates : a.states;
+  const CUtensorMap smap = state_tensor_map(Tma ? states : nullptr, a, BH * a.nC, PP, EP);
+  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a), smap);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -216,6 +229,24 @@ bool env_wants_slices() {
 
 }  // namespace
 
+CUtensorMap state_tensor_map(const void* states, const Args& a, int64_t slots, int rows, int EP) {
+  CUtensorMap map{};
+  if (!states) return map;
+  const cuuint64_t dims[4] = {8, cuuint64_t(a.P), cuuint64_t(a.E / 8), cuuint64_t(slots)};
+  const cuuint64_t strides[3] = {cuuint64_t(a.E) * 2, 16, cuuint64_t(a.P) * cuuint64_t(a.E) * 2};
+  const cuuint32_t box[4] = {8, cuuint32_t(rows), cuuint32_t(EP / 8), 1};
+  return cuda::plain_tensor_map(states, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, dims, strides, box, "fal");
+}
+
+// LINTAPE_FAL_STATE_COPY=threads (every kernel) or a list naming some of forward, walks, gradient.
+bool states_by_threads(const char* kernel) {
+  static const std::string v = [] {
+    const char* e = std::getenv("LINTAPE_FAL_STATE_COPY");
+    return std::string(e ? e : "");
+  }();
+  return v == "threads" || v.find(kernel) != std::string::npos;
+}
+
 bool walk_runs(const Args& a) {
   const StatePassKernel k = g_state_pass;
   if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && env_wants_slices())) return false;
@@ -228,10 +259,13 @@ bool walk_runs(const Args& a) {
 void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
+    if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
+      if (dtype == DType::BF16 && states_by_threads("walks"))
+        return launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, reverse, st);
     if (dtype == DType::BF16)
-      launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, reverse, st);
+      launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, reverse, st);
     else
-      launch_walk<__half, S::kDP, S::kPP, S::kEP>(a, BH, reverse, st);
+      launch_walk<__half, S::kDP, S::kPP, S::kEP, true>(a, BH, reverse, st);
   });
 }
 

@@ -4,6 +4,7 @@
 // D' x E f32 state over four warpgroups, its shared tile, the staging of a chunk's raw rows in shared memory by
 // cp.async and their encode, the epilogues that read and write a thread's elements of an accumulator tile.
 #pragma once
+#include "core/cuda_tma.cuh"
 #include "ops/fal/noncausal.cuh"
 
 namespace lintape::fal_cuda::chunk {
@@ -20,20 +21,30 @@ struct StateWarps {
 };
 
 // The state in T in shared memory (S_c or R_(c+1)): PP rows by EP columns, EP / 8 blocks of PP rows of 16 bytes
-// (wgmma's MN-major layout along E, so that the forward's Y = Q S_c reads it), each block padded by 16 bytes.
-template <int PP, int EP>
+// (wgmma's MN-major layout along E, so that the forward's Y = Q S_c reads it). Pad: elements after each block;
+// 8 (16 bytes) where threads copy the tile in 16-byte pieces a row (their accesses then fall on distinct banks),
+// none where the tensor copy engine moves it (state_tensor_map: one box a tile).
+template <int PP, int EP, int Pad = 8>
 struct StateTile {
-  static constexpr int kBlock = PP * 8 + 8, kElems = EP / 8 * kBlock;
+  static constexpr int kBlock = PP * 8 + Pad, kElems = EP / 8 * kBlock;
 };
+
+// The tensor copy engine's view of saved states (`slots` states of P x E in 2-byte elements, row-major, E a
+// multiple of 8) as unpadded StateTile blocks: dims (8, P, E / 8, slots), a box of `rows` rows of EP / 8 blocks at
+// one slot; blocks past E read as zeros and are skipped by stores. A zeroed map where states is null. Host code.
+CUtensorMap state_tensor_map(const void* states, const Args& a, int64_t slots, int rows, int EP);
+// Whether `kernel` (forward, walks or gradient) at the model's shape in bf16 moves the states by threads, in padded
+// tiles, as before the tensor copies: LINTAPE_FAL_STATE_COPY (a measurement's switch), read once. Host code.
+bool states_by_threads(const char* kernel);
 // A thread's state values (the accumulator layout of core/cuda_wgmma.cuh: value 4 j + r at row(r), column
 // col(j) + r % 2) into the tile. A warp's stores fall on 32 distinct banks.
-template <class T, int PP, int EP, int NW, class Row, class Col>
+template <class T, int PP, int EP, int NW, int Pad = 8, class Row, class Col>
 __device__ __forceinline__ void state_to_tile(T* tile, const float (&acc)[NW / 2], Row row, Col col) {
 #pragma unroll
   for (int j = 0; j < NW / 8; ++j)
 #pragma unroll
     for (int r = 0; r < 4; r += 2)
-      store2(tile + (col(j) >> 3) * StateTile<PP, EP>::kBlock + row(r) * 8 + (col(j) & 7), acc[4 * j + r],
+      store2(tile + (col(j) >> 3) * StateTile<PP, EP, Pad>::kBlock + row(r) * 8 + (col(j) & 7), acc[4 * j + r],
              acc[4 * j + r + 1]);
 }
 // The tile's first E columns to dst (PP rows of E, E a multiple of 8) in 16-byte pieces, a fixed piece of
