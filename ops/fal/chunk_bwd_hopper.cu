@@ -36,8 +36,8 @@ constexpr int kBlock = CoreColumnTile::kBlock;
 
 // Shared memory in elements of T: Q, K (kC x PP), V, dY (kC x EP), Am, Bm (kC x kC), all CoreColumnTile; S_c
 // (StateTile<PP, EP>); R_(c+1)'s first LRPE half (StateTile<DP, EP>; its second half takes S_c's place); then
-// the LRPE angle table in floats and (Tma: the state tiles unpadded, brought by the tensor copy engine) the
-// three copies' mbarriers. The raw q and k rows are staged over V, dY and the scores (free until they are
+// the LRPE angle table in floats and the tensor copies' mbarriers (S_c, R's two halves, q and k, an advance's
+// rows). Tma: the state tiles unpadded, brought by the tensor copy engine. The raw q and k rows are staged over V, dY and the scores (free until they are
 // encoded); an advance's raw k and v rows of chunk c - 1 over R's first half.
 template <int DP, int PP, int EP, bool Tma>
 struct GradTiles {
@@ -53,10 +53,11 @@ struct GradTiles {
   static constexpr int kEnd = kR0 + (kR0Elems > kPrev ? kR0Elems : kPrev);
   static_assert(2 * kC * DP <= kS - kV, "the raw q and k rows fit over V, dY and the scores");
   static_assert(RTile::kElems <= kSPlace, "R's second half fits S_c's place");
-  static_assert(kS % 64 == 0 && kR0 % 64 == 0, "the state tiles start on 128 bytes (2-byte T), as copies need");
+  static_assert(kS % 64 == 0 && kR0 % 64 == 0 && kV % 64 == 0 && kC * DP % 64 == 0,
+                "the state tiles and the staged rows start on 128 bytes (2-byte T), as tensor copies need");
   static_assert(kEnd % 4 == 0, "the mbarriers after the angle table are 8-byte aligned");
   static constexpr size_t bytes(size_t elem) {
-    return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP + 3 * sizeof(uint64_t);
+    return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP + 5 * sizeof(uint64_t);
   }
 };
 
@@ -91,10 +92,14 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-// smap, rmap (Tma): state_tensor_map of a.states (a box of PP rows) and of a.rstates (DP rows, an LRPE half).
-template <class T, int DP, int PP, int EP, bool Half, bool Tma>
+// Tma: the states by the tensor copy engine (smap, rmap: state_tensor_map of a.states, a box of PP rows, and of
+// a.rstates, DP rows: an LRPE half); TmaRows: the staged raw rows too (qmap, kmap, vmap: row_tensor_map of q, k, v).
+// One thread issues them.
+template <class T, int DP, int PP, int EP, bool Half, bool Tma, bool TmaRows>
 __global__ void __launch_bounds__(kGradWgThreads, 1)
-    hopper_grad_kernel(Args a, const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap rmap) {
+    hopper_grad_kernel(Args a, const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap rmap,
+                       const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
+                       const __grid_constant__ CUtensorMap vmap) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
@@ -106,7 +111,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
   float* const tab = reinterpret_cast<float*>(sm + L::kEnd);
-  uint64_t* const bars = reinterpret_cast<uint64_t*>(tab + noncausal::kAngleRows * DP);  // S_c, R's halves
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(tab + noncausal::kAngleRows * DP);  // GradTiles' order
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = cuda::warpgroup_index();
   const int64_t c = blockIdx.x, bh = blockIdx.y, b = bh / a.H, t0 = c * kC;
   const int h = int(bh % a.H);
@@ -129,10 +134,15 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
     cuda::mbarrier_arrive_expect_tx(bar, uint32_t(rows * EP * sizeof(T)));
     cuda::tma_load_4d(dst, map, bar, 0, p0, 0, int(slot));
   };
-  if (Tma && threadIdx.x == 0) {
-    for (int i = 0; i < 3; ++i) cuda::mbarrier_init(&bars[i], 1);
+  if ((Tma || TmaRows) && threadIdx.x == 0) {
+    for (int i = 0; i < 5; ++i) cuda::mbarrier_init(&bars[i], 1);
     cuda::mbarrier_init_fence();
   }
+  if (Tma || TmaRows) __syncthreads();  // the mbarriers are set up before any copy completes on them
+  // Staged rows t ... t + kC - 1 (kC x W) by the tensor copy engine into dst, completing on bar.
+  auto tma_rows = [&](const CUtensorMap* map, uint64_t* bar, T* dst, int64_t t) {
+    cuda::tma_load_4d(dst, map, bar, 0, int(t), h, int(b));
+  };
   // The chunk row of accumulator value r (core/cuda_wgmma.cuh), and a warpgroup's column of value 4 j + r (and
   // the next one) among its n columns from c0.
   auto trow = [&](int r) { return 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
@@ -142,6 +152,14 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
   // rows come first, group 0). The angle table after the copies are issued (its theta loads would hold back those
   // of the table's four warps).
   auto stage_qk = [&] {
+    if constexpr (TmaRows) {
+      if (threadIdx.x == 0) {
+        cuda::mbarrier_arrive_expect_tx(&bars[3], uint32_t(2 * kC * DP * sizeof(T)));
+        tma_rows(&qmap, &bars[3], sm + L::kV, t0);
+        tma_rows(&kmap, &bars[3], sm + L::kV + kC * DP, t0);
+      }
+      return;
+    }
     stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
     stage_raw<T, DP, NThr>(a, k, a.sk_t, t0, a.D, sm + L::kV + kC * DP);
     cp_async_commit();
@@ -162,9 +180,17 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
     using W = StateWarps<PP, EP>;
     const int gm = wg % W::WGM, gn = wg / W::WGM;
     const int64_t tp = t0 - kC;
-    stage_raw<T, DP, NThr>(a, k, a.sk_t, tp, a.D, sm + L::kR0);
-    stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
-    cp_async_commit();
+    if constexpr (TmaRows) {
+      if (threadIdx.x == 0) {
+        cuda::mbarrier_arrive_expect_tx(&bars[4], uint32_t(kC * (DP + EP) * sizeof(T)));
+        tma_rows(&kmap, &bars[4], sm + L::kR0, tp);
+        tma_rows(&vmap, &bars[4], sm + L::kR0 + kC * DP, tp);
+      }
+    } else {
+      stage_raw<T, DP, NThr>(a, k, a.sk_t, tp, a.D, sm + L::kR0);
+      stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
+      cp_async_commit();
+    }
     stage_qk();
     if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
     auto srow = [&](int r) { return 64 * gm + 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
@@ -178,7 +204,10 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
         const int e = scol(j);
         sraw[2 * j + r / 2] = e < a.E ? *reinterpret_cast<const uint32_t*>(S + size_t(srow(r)) * a.E + e) : 0u;
       }
-    cp_async_wait<1>();  // chunk c - 1's rows (the chunk's own q and k may still be in flight)
+    if constexpr (TmaRows)
+      cuda::mbarrier_wait(&bars[4], 0);  // chunk c - 1's rows
+    else
+      cp_async_wait<1>();  // chunk c - 1's rows (the chunk's own q and k may still be in flight)
     __syncthreads();     // the angle table
     encode_qk<T, DP, NThr>(a, sm + L::kR0, nullptr, tab, tp, sm + L::kK, nullptr, a.act_k, a.act_k, cosine);
 #pragma unroll
@@ -222,7 +251,9 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
   fetch(a, v, a.sv_t, t0, 0, a.E, vr);
   fetch(a, g, a.sg_t, t0, 0, a.E, gr);
   fetch(a, dout, out_ts, t0, 0, a.E, dr);
-  if (advance || Tma)
+  if (TmaRows)
+    cuda::mbarrier_wait(&bars[3], 0);  // q and k are in
+  else if (advance || Tma)
     cp_async_wait<0>();
   else
     cp_async_wait<1>();  // q and k are in; S_c may still be in flight
@@ -464,16 +495,20 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
 #endif
 }
 
-template <class T, int DP, int PP, int EP, bool Tma>
+template <class T, int DP, int PP, int EP, bool Tma, bool TmaRows>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP, Tma>::bytes(sizeof(T));
-  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, Tma>
-                              : hopper_grad_kernel<T, DP, PP, EP, false, Tma>;
+  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, Tma, TmaRows>
+                              : hopper_grad_kernel<T, DP, PP, EP, false, Tma, TmaRows>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const CUtensorMap smap =
       state_tensor_map(Tma ? a.states : nullptr, a, BH * (a.half_states ? (a.nC + 1) / 2 : a.nC), PP, EP);
   const CUtensorMap rmap = state_tensor_map(Tma ? a.rstates : nullptr, a, BH * a.nC, DP, EP);
-  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a, smap, rmap);
+  const int64_t B = BH / a.H;
+  const CUtensorMap qmap = TmaRows ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP) : CUtensorMap{};
+  const CUtensorMap kmap = TmaRows ? row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP) : CUtensorMap{};
+  const CUtensorMap vmap = TmaRows ? row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP) : CUtensorMap{};
+  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a, smap, rmap, qmap, kmap, vmap);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -501,12 +536,16 @@ void hopper_gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
     if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
-      if (dtype == DType::BF16 && states_by_threads("gradient"))
-        return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, st);
+      if (dtype == DType::BF16) {
+        const bool states = copies_by_threads("gradient-states"), rows = copies_by_threads("gradient-rows");
+        if (states && rows) return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false, false>(a, BH, st);
+        if (states) return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false, true>(a, BH, st);
+        if (rows) return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true, false>(a, BH, st);
+      }
     if (dtype == DType::BF16)
-      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
+      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true, true>(a, BH, st);
     else
-      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
+      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP, true, true>(a, BH, st);
   });
 }
 

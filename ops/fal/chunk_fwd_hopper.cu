@@ -46,38 +46,38 @@ __device__ __forceinline__ T* opaque_ptr(T* p) {
 constexpr int kBlock = CoreColumnTile::kBlock;
 
 // Shared memory, in elements of T from the start: Q and K (kC x PP), V and diag(delta) V (kC x EP), all in
-// CoreColumnTile; S_c (PP x EP, EP / 8 blocks of PP rows of 16 bytes, MN-major along E; unpadded where the tensor
-// copy engine saves it); the masked scores (kC x kC, CoreColumnTile); the raw q, k, v rows of the next chunk; then
-// the LRPE angle table in floats.
-template <int DP, int PP, int EP, bool Tma>
+// CoreColumnTile; S_c (PP x EP, EP / 8 blocks of PP rows of 16 bytes, MN-major along E); the masked scores (kC x
+// kC, CoreColumnTile); the raw q, k, v rows of the next chunk; then the LRPE angle table in floats.
+template <int DP, int PP, int EP>
 struct HopperSmem {
-  using STile = StateTile<PP, EP, Tma ? 0 : 8>;
-  static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kSBlock = STile::kBlock;
+  static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kSBlock = StateTile<PP, EP>::kBlock;
   static constexpr int kQ = 0, kK = kQ + kTileP, kV = kK + kTileP, kVd = kV + kTileE, kS = kVd + kTileE;
-  static constexpr int kP = kS + STile::kElems, kRawQ = kP + kC / 8 * kBlock, kRawK = kRawQ + kC * DP;
+  static constexpr int kP = kS + StateTile<PP, EP>::kElems, kRawQ = kP + kC / 8 * kBlock, kRawK = kRawQ + kC * DP;
   static constexpr int kRawV = kRawK + kC * DP, kEnd = kRawV + kC * EP;
-  static_assert(kS % 64 == 0, "S_c's tile starts on 128 bytes (2-byte T), as the tensor copy engine needs");
-  static constexpr size_t bytes(size_t elem) {
-    return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP;
+  static_assert(kRawQ % 64 == 0 && kRawK % 64 == 0 && kRawV % 64 == 0, "the raw rows start on 128 bytes (2-byte T)");
+  static constexpr size_t bytes(size_t elem) {  // with the raw rows' mbarrier after the angle table
+    return elem * size_t(kEnd) + sizeof(float) * noncausal::kAngleRows * DP + sizeof(uint64_t);
   }
 };
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Save: a.states receives S_c (every chunk's, or the even
-// chunks' with a.half_states); Tma: by the tensor copy engine (smap: state_tensor_map of a.states), one thread
-// issuing, rather than by every thread. Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
+// chunks' with a.half_states). Tma: the raw rows come by the tensor copy engine (qmap, kmap, vmap: row_tensor_map of
+// q, k, v), one thread issuing, rather than by every thread's cp.async. Only where LINTAPE_WGMMA was compiled
+// (hopper_forward_runs checks).
 template <class T, int DP, int PP, int EP, bool Save, bool Tma>
 __global__ void __launch_bounds__(kHopperThreads, 1)
-    hopper_forward_kernel(Args a, const __grid_constant__ CUtensorMap smap) {
+    hopper_forward_kernel(Args a, const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
+                          const __grid_constant__ CUtensorMap vmap) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
   using W = StateWarps<PP, EP>;
-  using L = HopperSmem<DP, PP, EP, Tma>;
-  constexpr int kPad = Tma ? 0 : 8;
+  using L = HopperSmem<DP, PP, EP>;
   constexpr int NThr = kHopperThreads, EO = EP / 4;  // Y's columns per warpgroup
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
   float* const angles = reinterpret_cast<float*>(sm + L::kEnd);
+  uint64_t* const rows_in = reinterpret_cast<uint64_t*>(angles + noncausal::kAngleRows * DP);  // Tma's mbarrier
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int gm = wg % W::WGM, gn = wg / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, false);
@@ -102,7 +102,19 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   auto chunk_len = [&](int c) { return int(a.N - int64_t(c) * kC < kC ? a.N - int64_t(c) * kC : kC); };
   // The rows' addresses are rebuilt where they are used (b and h made opaque): held across the chunk loop, they
   // would take registers from the state.
+  // Tma: thread 0 alone, once every thread has read the previous chunk's rows (after a barrier); the k-th fetch of
+  // the walk completes phase k of rows_in.
   auto fetch_chunk = [&](int c) {
+    if constexpr (Tma) {
+      if (threadIdx.x == 0) {
+        const int bo = int(opaque_index(b)), ho = int(opaque_index(h)), t0 = c * kC;
+        cuda::mbarrier_arrive_expect_tx(rows_in, uint32_t(kC * (2 * DP + EP) * sizeof(T)));
+        cuda::tma_load_4d(sm + L::kRawQ, &qmap, rows_in, 0, t0, ho, bo);
+        cuda::tma_load_4d(sm + L::kRawK, &kmap, rows_in, 0, t0, ho, bo);
+        cuda::tma_load_4d(sm + L::kRawV, &vmap, rows_in, 0, t0, ho, bo);
+      }
+      return;
+    }
     const int64_t t0 = int64_t(c) * kC, bo = opaque_index(b), ho = opaque_index(h);
     stage_raw<T, DP, NThr>(a, at_head<T>(a.q, bo, a.sq_b, ho, a.D), a.sq_t, t0, a.D, sm + L::kRawQ);
     stage_raw<T, DP, NThr>(a, at_head<T>(a.k, bo, a.sk_b, ho, a.D), a.sk_t, t0, a.D, sm + L::kRawK);
@@ -118,7 +130,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
     const int act_v = kFixed ? int(FalStepSpec::kNone) : a.act_v;
-    cp_async_wait_all();
+    if constexpr (Tma)
+      cuda::mbarrier_wait(rows_in, uint32_t((c - w.c0) & 1));
+    else
+      cp_async_wait_all();
     encode_qk<T, DP, NThr>(a, sm + L::kRawQ, sm + L::kRawK, angles, t0, sm + L::kQ, sm + L::kK,
                            kFixed ? int(FalStepSpec::kSilu) : a.act_q, kFixed ? int(FalStepSpec::kSilu) : a.act_k,
                            kFixed || a.lrpe == FalStepSpec::kCosine);
@@ -143,13 +158,18 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       encode_acts(c, std::false_type{});
   };
 
-  if (a.lrpe == FalStepSpec::kCosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), angles);
   const int c0 = w.c0, c1 = w.c1;
+  if (Tma && threadIdx.x == 0) {
+    cuda::mbarrier_init(rows_in, 1);
+    cuda::mbarrier_init_fence();
+  }
+  if (Tma) __syncthreads();  // the mbarrier is set up before any copy completes on it
   if (c0 < c1) fetch_chunk(c0);
+  if (a.lrpe == FalStepSpec::kCosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), angles);
   __syncthreads();  // the angles are in
   if (c0 < c1) {
     encode_chunk(c0);
-    if (c0 + 1 < c1) fetch_chunk(c0 + 1);
+    if (!Tma && c0 + 1 < c1) fetch_chunk(c0 + 1);  // Tma: after the next barrier, in the chunk loop
   }
   // Descriptors (core/cuda_wgmma.cuh): K-major tiles step 8 columns a block along K and 8 rows (128 bytes)
   // along M / N; MN-major ones 8 rows along K and a block along M / N.
@@ -169,9 +189,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         cuda::prefetch_l2(at_head<T>(a.g, opaque_index(b), a.sg_b, opaque_index(h), a.E) + (t0 + i) * a.sg_t + e8);
     }
     // 1. S_c into shared memory; the barrier also publishes chunk c's tiles.
-    state_to_tile<T, PP, EP, W::NW, kPad>(sbc, acc, srow, scol);
+    state_to_tile<T, PP, EP, W::NW>(sbc, acc, srow, scol);
     cuda::fence_proxy_async();
     __syncthreads();
+    if (Tma && c + 1 < c1) fetch_chunk(c + 1);  // every thread has encoded chunk c's rows
 
     // 2. The scores and the state update (S_c is in shared memory).
     const float carry = decay_pow(log2_lam, cl);
@@ -197,19 +218,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         cuda::wgmma_mma<T, W::NW, 1, 1>(acc, desc_at(k_mn, kk * 16), desc_at(vd_mn, kk * 16));
       cuda::wgmma_commit();
     }
-    // S_c to memory for the backward while the products run (with half_states, the even chunks' only): by the
-    // tensor copy engine, waited before the tile is written again (the chunk's last barrier), or by the threads,
-    // the next chunk's barriers guarding its shared copy.
+    // S_c to memory for the backward while the products run (with half_states, the even chunks' only); the
+    // next chunk's barriers guard its shared copy.
     if (Save && !(a.half_states && (c & 1))) {
-      const int64_t slot = opaque_index(bh) * saved_chunks(a) + saved_slot(a, c);
-      if constexpr (Tma) {
-        if (threadIdx.x == 0) {
-          cuda::tma_store_4d(&smap, sbc, 0, 0, 0, int(slot));
-          cuda::bulk_commit();
-        }
-      } else {
-        tile_to_memory<T, PP, EP, NThr>(sbc, static_cast<T*>(a.states) + slot * int64_t(a.P) * a.E, a.E);
-      }
+      T* dst = static_cast<T*>(a.states) +
+               (opaque_index(bh) * saved_chunks(a) + saved_slot(a, c)) * int64_t(a.P) * a.E;
+      tile_to_memory<T, PP, EP, NThr>(sbc, dst, a.E);
     }
 
     // The masked, decayed scores of this warpgroup's keys into the chunk's score tile.
@@ -288,15 +302,13 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         }
       }
     }
-    if (Tma && Save && threadIdx.x == 0) cuda::bulk_wait_read();
     __syncthreads();  // every product is done with the tiles, S_c and the scores
     // 4. The next chunk's tiles; the one after it in flight until then.
     if (c + 1 < c1) {
       encode_chunk(c + 1);
-      if (c + 2 < c1) fetch_chunk(c + 2);
+      if (!Tma && c + 2 < c1) fetch_chunk(c + 2);
     }
   }
-  if (Tma && Save && threadIdx.x == 0) cuda::bulk_wait();
   // The walk's end, found again (held across the loop, its address would take registers).
   float* last = walk_of(a, opaque_index(blockIdx.x), false).last;
   if (last)
@@ -312,13 +324,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 
 template <class T, int DP, int PP, int EP, bool Tma>
 void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
-  constexpr size_t smem = HopperSmem<DP, PP, EP, Tma>::bytes(sizeof(T));
+  constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true, Tma>
                          : hopper_forward_kernel<T, DP, PP, EP, false, Tma>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const CUtensorMap smap =
-      state_tensor_map(Tma ? a.states : nullptr, a, BH * (a.half_states ? (a.nC + 1) / 2 : a.nC), PP, EP);
-  kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a, smap);
+  const int64_t B = BH / a.H;
+  const CUtensorMap qmap = Tma ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP) : CUtensorMap{};
+  const CUtensorMap kmap = Tma ? row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP) : CUtensorMap{};
+  const CUtensorMap vmap = Tma ? row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP) : CUtensorMap{};
+  kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a, qmap, kmap, vmap);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -346,7 +360,7 @@ void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
     if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
-      if (dtype == DType::BF16 && states_by_threads("forward"))
+      if (dtype == DType::BF16 && copies_by_threads("forward"))
         return launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, st);
     if (dtype == DType::BF16)
       launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, st);

@@ -37,25 +37,26 @@ struct WalkTiles {
 };
 
 // Two buffers of tiles, the raw rows of the next chunk (x, z and, in reverse, dO), the state tile on its way to
-// memory and the angle table. Tma: the tile goes to memory by the tensor copy engine (unpadded).
-template <int DP, int PP, int EP, bool Tma>
+// memory, the angle table and the raw rows' mbarrier (Tma).
+template <int DP, int PP, int EP>
 constexpr size_t walk_smem_bytes(size_t elem) {
   return elem * size_t(2 * (WalkTiles<PP, EP>::kX + WalkTiles<PP, EP>::kZ) + kC * (DP + 2 * EP) +
-                       StateTile<PP, EP, Tma ? 0 : 8>::kElems) +
-         sizeof(float) * noncausal::kAngleRows * DP;
+                       StateTile<PP, EP>::kElems) +
+         sizeof(float) * noncausal::kAngleRows * DP + sizeof(uint64_t);
 }
 
-// DP = D, PP = D', EP = E rounded up to 64 or 128. smap: state_tensor_map of the states written (Tma). Only where
-// LINTAPE_WGMMA was compiled (walk_runs checks).
+// DP = D, PP = D', EP = E rounded up to 64 or 128. Tma: the raw rows come by the tensor copy engine (xmap, zmap,
+// dmap: row_tensor_map of x, z and dO), one thread issuing. Only where LINTAPE_WGMMA was compiled (walk_runs
+// checks).
 template <class T, int DP, int PP, int EP, bool Reverse, bool Tma>
 __global__ void __launch_bounds__(kWalkThreads, 1)
-    walk_kernel(Args a, bool model_acts, const __grid_constant__ CUtensorMap smap) {
+    walk_kernel(Args a, bool model_acts, const __grid_constant__ CUtensorMap xmap,
+                const __grid_constant__ CUtensorMap zmap, const __grid_constant__ CUtensorMap dmap) {
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
   using W = StateWarps<PP, EP>;
   using Tiles = WalkTiles<PP, EP>;
-  using Tile = StateTile<PP, EP, Tma ? 0 : 8>;
   constexpr int NThr = kWalkThreads, kBuffer = Tiles::kX + Tiles::kZ, kBlock = CoreColumnTile::kBlock;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* tiles = reinterpret_cast<T*>(smem_raw);  // buffer i: X at i kBuffer, then Z
@@ -63,8 +64,10 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
   T* raw_z = raw_x + kC * DP;
   T* raw_d = raw_z + kC * EP;
   T* stile = raw_d + kC * EP;
-  static_assert((2 * kBuffer + kC * (DP + 2 * EP)) % 64 == 0, "the state tile starts on 128 bytes (2-byte T)");
-  float* angles = reinterpret_cast<float*>(stile + Tile::kElems);
+  float* angles = reinterpret_cast<float*>(stile + StateTile<PP, EP>::kElems);
+  uint64_t* rows_in = reinterpret_cast<uint64_t*>(angles + noncausal::kAngleRows * DP);  // Tma's mbarrier
+  static_assert(2 * kBuffer % 64 == 0 && kC * DP % 64 == 0 && kC * EP % 64 == 0,
+                "the raw rows start on 128 bytes (2-byte T)");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wg = cuda::warpgroup_index(), gm = wg % W::WGM, gn = wg / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, Reverse);
@@ -91,7 +94,19 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
   auto chunk_len = [&](int c) { return int(a.N - int64_t(c) * kC < kC ? a.N - int64_t(c) * kC : kC); };
   // The raw rows go to shared memory rather than registers, which the state fills; their addresses are rebuilt
   // here (b and h made opaque), as held across the loop they would take registers from the state.
+  // Tma: thread 0 alone, once every thread has read the previous chunk's rows (after a barrier); the fetch of step
+  // s completes phase s of rows_in.
   auto fetch_chunk = [&](int c) {
+    if constexpr (Tma) {
+      if (threadIdx.x == 0) {
+        const int bo = int(opaque_index(b)), ho = int(opaque_index(h)), t0 = c * kC;
+        cuda::mbarrier_arrive_expect_tx(rows_in, uint32_t(kC * (DP + (Reverse ? 2 : 1) * EP) * sizeof(T)));
+        cuda::tma_load_4d(raw_x, &xmap, rows_in, 0, t0, ho, bo);
+        cuda::tma_load_4d(raw_z, &zmap, rows_in, 0, t0, ho, bo);
+        if (Reverse) cuda::tma_load_4d(raw_d, &dmap, rows_in, 0, t0, ho, bo);
+      }
+      return;
+    }
     const int64_t t0 = int64_t(c) * kC, bo = opaque_index(b), ho = opaque_index(h);
     const T* x = Reverse ? at_head<T>(a.q, bo, a.sq_b, ho, a.D) : at_head<T>(a.k, bo, a.sk_b, ho, a.D);
     const int64_t xts = Reverse ? a.sq_t : a.sk_t;
@@ -135,8 +150,12 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
       store8(xs + Tiles::kX + CoreColumnTile{}(i, c8), y);
     }
   };
-  auto store_chunk = [&](int c, int buf) {
-    cp_async_wait_all();
+  auto store_chunk = [&](int s, int buf) {
+    const int c = chunk_at(s);
+    if constexpr (Tma)
+      cuda::mbarrier_wait(rows_in, uint32_t(s & 1));
+    else
+      cp_async_wait_all();
     if (model_acts)
       encode_chunk(c, buf, std::true_type{});
     else
@@ -144,11 +163,15 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
     cuda::fence_proxy_async();
   };
 
+  if (Tma && threadIdx.x == 0) {
+    cuda::mbarrier_init(rows_in, 1);
+    cuda::mbarrier_init_fence();
+  }
   if (a.lrpe == FalStepSpec::kCosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), angles);
-  __syncthreads();  // the angles are in
+  __syncthreads();  // the angles are in (and the mbarrier set up)
   if (steps > 0) {
     fetch_chunk(chunk_at(0));
-    store_chunk(chunk_at(0), 0);
+    store_chunk(0, 0);
   }
   __syncthreads();
   if (steps > 1) fetch_chunk(chunk_at(1));
@@ -160,13 +183,8 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
     // The state entering this step into the shared tile, then to memory in 16-byte pieces while the product
     // runs (as 4-byte stores straight from the registers, each waited on the one before: 60% of the samples).
     if (states) {
-      state_to_tile<T, PP, EP, W::NW, Tma ? 0 : 8>(stile, acc, row, col);
-      if (Tma) cuda::fence_proxy_async();  // the tensor copy engine reads it
+      state_to_tile<T, PP, EP, W::NW>(stile, acc, row, col);
       __syncthreads();
-      if (Tma && threadIdx.x == 0) {
-        cuda::tma_store_4d(&smap, stile, 0, 0, 0, int(opaque_index(bh) * a.nC + c));
-        cuda::bulk_commit();
-      }
     }
     const float carry = decay_pow(log2_lam, chunk_len(c));
 #pragma unroll
@@ -181,19 +199,17 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
       cuda::wgmma_mma<T, W::NW, 1, 1>(acc, cuda::wgmma_desc(xa + kk * 8, kLbo, kSbo),
                                       cuda::wgmma_desc(zb + kk * 8, kLbo, kSbo));
     cuda::wgmma_commit();
-    if (!Tma && states) tile_to_memory<T, PP, EP, NThr>(stile, states + int64_t(c) * PE, a.E);  // before the next barrier
+    if (states) tile_to_memory<T, PP, EP, NThr>(stile, states + int64_t(c) * PE, a.E);  // before the next barrier
     const bool more = s + 1 < steps;
-    if (more) store_chunk(chunk_at(s + 1), buf ^ 1);
+    if (more) store_chunk(s + 1, buf ^ 1);
     cuda::wgmma_wait<0>();
     cuda::wgmma_fence_operand(acc);
     if (more) {
-      if (Tma && states && threadIdx.x == 0) cuda::bulk_wait_read();  // the tile may be written again
       __syncthreads();  // the next buffer is written; this one's product is done
       if (s + 2 < steps) fetch_chunk(chunk_at(s + 2));  // in flight during the next product and encode
       buf ^= 1;
     }
   }
-  if (Tma && states && threadIdx.x == 0) cuda::bulk_wait();
   // The walk's end, found again (held across the loop, its address would take registers).
   float* last = walk_of(a, opaque_index(blockIdx.x), Reverse).last;
   if (last)
@@ -209,12 +225,18 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
 
 template <class T, int DP, int PP, int EP, bool Tma>
 void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
-  constexpr size_t smem = walk_smem_bytes<DP, PP, EP, Tma>(sizeof(T));
+  constexpr size_t smem = walk_smem_bytes<DP, PP, EP>(sizeof(T));
   auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true, Tma> : walk_kernel<T, DP, PP, EP, false, Tma>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const void* states = a.local ? nullptr : reverse ? a.rstates : a.states;
-  const CUtensorMap smap = state_tensor_map(Tma ? states : nullptr, a, BH * a.nC, PP, EP);
-  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a), smap);
+  CUtensorMap xmap{}, zmap{}, dmap{};
+  if (Tma) {
+    const int64_t B = BH / a.H;
+    xmap = reverse ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP) : row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
+    zmap = reverse ? row_tensor_map(a.g, a, B, a.E, a.sg_t, a.sg_b, EP) : row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
+    if (reverse) dmap = row_tensor_map(a.dout, a, B, a.E, int64_t(a.H) * a.E, a.N * a.H * a.E, EP);
+  }
+  kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a), xmap,
+                                                                                 zmap, dmap);
   LT_CUDA_CHECK_LAUNCH();
 }
 
@@ -231,17 +253,28 @@ bool env_wants_slices() {
 
 CUtensorMap state_tensor_map(const void* states, const Args& a, int64_t slots, int rows, int EP) {
   CUtensorMap map{};
-  if (!states) return map;
+  if (!states || slots <= 0 || a.P <= 0 || a.E <= 0) return map;
   const cuuint64_t dims[4] = {8, cuuint64_t(a.P), cuuint64_t(a.E / 8), cuuint64_t(slots)};
   const cuuint64_t strides[3] = {cuuint64_t(a.E) * 2, 16, cuuint64_t(a.P) * cuuint64_t(a.E) * 2};
   const cuuint32_t box[4] = {8, cuuint32_t(rows), cuuint32_t(EP / 8), 1};
   return cuda::plain_tensor_map(states, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, dims, strides, box, "fal");
 }
 
-// LINTAPE_FAL_STATE_COPY=threads (every kernel) or a list naming some of forward, walks, gradient.
-bool states_by_threads(const char* kernel) {
+CUtensorMap row_tensor_map(const void* x, const Args& a, int64_t B, int cols, int64_t ts, int64_t sb, int W) {
+  CUtensorMap map{};
+  if (!x || a.N <= 0 || B <= 0 || cols <= 0) return map;
+  if (B == 1) sb = ts * a.N;  // one batch: its stride is never used and may be anything
+  const cuuint64_t dims[4] = {cuuint64_t(cols), cuuint64_t(a.N), cuuint64_t(a.H), cuuint64_t(B)};
+  const cuuint64_t strides[3] = {cuuint64_t(ts) * 2, cuuint64_t(cols) * 2, cuuint64_t(sb) * 2};
+  const cuuint32_t box[4] = {cuuint32_t(W), cuuint32_t(kC), 1, 1};
+  return cuda::plain_tensor_map(x, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, dims, strides, box, "fal");
+}
+
+// LINTAPE_FAL_COPY=threads (every kernel) or a list naming some of forward, walks, gradient-states,
+// gradient-rows.
+bool copies_by_threads(const char* kernel) {
   static const std::string v = [] {
-    const char* e = std::getenv("LINTAPE_FAL_STATE_COPY");
+    const char* e = std::getenv("LINTAPE_FAL_COPY");
     return std::string(e ? e : "");
   }();
   return v == "threads" || v.find(kernel) != std::string::npos;
@@ -260,7 +293,7 @@ void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
     if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
-      if (dtype == DType::BF16 && states_by_threads("walks"))
+      if (dtype == DType::BF16 && copies_by_threads("walks"))
         return launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, reverse, st);
     if (dtype == DType::BF16)
       launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, reverse, st);

@@ -31,11 +31,15 @@ struct StateTile {
 
 // The tensor copy engine's view of saved states (`slots` states of P x E in 2-byte elements, row-major, E a
 // multiple of 8) as unpadded StateTile blocks: dims (8, P, E / 8, slots), a box of `rows` rows of EP / 8 blocks at
-// one slot; blocks past E read as zeros and are skipped by stores. A zeroed map where states is null. Host code.
+// one slot; blocks past E read as zeros. A zeroed map where there is nothing to read. Host code.
 CUtensorMap state_tensor_map(const void* states, const Args& a, int64_t slots, int rows, int EP);
-// Whether `kernel` (forward, walks or gradient) at the model's shape in bf16 moves the states by threads, in padded
-// tiles, as before the tensor copies: LINTAPE_FAL_STATE_COPY (a measurement's switch), read once. Host code.
-bool states_by_threads(const char* kernel);
+// The same for rows of an input read in place (x at (b, token 0, h, 0) of B batches: head h at h cols, token
+// stride ts, batch stride sb, elements): dims (cols, N, H, B), a box of kC rows of W columns, the staging layout of stage_raw (rows
+// past N and columns past cols read as zeros).
+CUtensorMap row_tensor_map(const void* x, const Args& a, int64_t B, int cols, int64_t ts, int64_t sb, int W);
+// Whether `kernel` (forward, walks, gradient-states or gradient-rows) at the model's shape in bf16 moves its rows or
+// states by threads, as before the tensor copies: LINTAPE_FAL_COPY (a measurement's switch), read once. Host code.
+bool copies_by_threads(const char* kernel);
 // A thread's state values (the accumulator layout of core/cuda_wgmma.cuh: value 4 j + r at row(r), column
 // col(j) + r % 2) into the tile. A warp's stores fall on 32 distinct banks.
 template <class T, int PP, int EP, int NW, int Pad = 8, class Row, class Col>
