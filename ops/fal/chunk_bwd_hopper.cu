@@ -1,7 +1,7 @@
 // Causal FAL's gradient kernel on Hopper's warpgroup products (ops/fal/chunk.cuh has the chunk algebra; the
 // mma.sync kernel of ops/fal/chunk_bwd.cu is the same algebra by 64-row angle slices). One block of four
 // warpgroups per (chunk, b, h), every product on wgmma with both operands in shared memory:
-//   1. the chunk's raw q, k rows staged by cp.async while S_c loads (with half_states an odd chunk first
+//   1. the chunk's raw q, k rows and S_c brought by the tensor copy engine (with half_states an odd chunk first
 //      advances S_(c-1) across chunk c - 1, as ops/fal/chunk_bwd.cu does); Q, K (through the acts and the
 //      LRPE), V and dY = dO o gb into their tiles; R_(c+1)'s first LRPE half starts loading;
 //   2. Am = (Q K^T) o M and Bm = (dY V^T) o M (warpgroup g: keys 16 g ... 16 g + 15) into shared tiles;
@@ -11,7 +11,8 @@
 //   4. with R_(c+1): dV = diag(delta) K R + Am^T dY gives dv; dK = diag(delta) V R^T + Bm^T Q gives dk.
 // Tiles use CoreColumnTile (8-column blocks of 16-byte rows), read K-major or MN-major as each product needs; S_c
 // and R_(c+1) the state tile of ops/fal/chunk_wgmma.cuh (blocks of 8 E columns), read MN-major by Y and dV and
-// K-major by dQ and dK. Calls with documents keep the mma.sync kernel. Notes: bench/notes/fal-hopper.md.
+// K-major by dQ and dK. Thread 0 issues every tensor copy (states, staged rows), each completing on its own
+// mbarrier. Calls with documents keep the mma.sync kernel. Notes: bench/notes/fal-hopper.md.
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -37,12 +38,13 @@ constexpr int kBlock = CoreColumnTile::kBlock;
 // Shared memory in elements of T: Q, K (kC x PP), V, dY (kC x EP), Am, Bm (kC x kC), all CoreColumnTile; S_c
 // (StateTile<PP, EP>); R_(c+1)'s first LRPE half (StateTile<DP, EP>; its second half takes S_c's place); then
 // the LRPE angle table in floats and the tensor copies' mbarriers (S_c, R's two halves, q and k, an advance's
-// rows). Tma: the state tiles unpadded, brought by the tensor copy engine. The raw q and k rows are staged over V, dY and the scores (free until they are
-// encoded); an advance's raw k and v rows of chunk c - 1 over R's first half.
-template <int DP, int PP, int EP, bool Tma>
+// rows). The state tiles are unpadded (the tensor copy engine writes them). The raw q and k rows are staged over
+// V, dY and the scores (free until they are encoded); an advance's raw k and v rows of chunk c - 1 over R's first
+// half.
+template <int DP, int PP, int EP>
 struct GradTiles {
-  using STile = StateTile<PP, EP, Tma ? 0 : 8>;
-  using RTile = StateTile<DP, EP, Tma ? 0 : 8>;
+  using STile = StateTile<PP, EP, 0>;
+  using RTile = StateTile<DP, EP, 0>;
   static constexpr int kTileP = PP / 8 * kBlock, kTileE = EP / 8 * kBlock, kTileC = kC / 8 * kBlock;
   static constexpr int kSBlock = STile::kBlock, kRBlock = RTile::kBlock;
   static constexpr int kQ = 0, kK = kQ + kTileP, kV = kK + kTileP, kDY = kV + kTileE, kAm = kDY + kTileE;
@@ -61,23 +63,6 @@ struct GradTiles {
   }
 };
 
-// Rows [p0, p0 + ROWS) of a chunk's stored state (P x E in T) into a StateTile<ROWS, EP> by cp.async (no commit);
-// columns past E are zeros.
-template <class T, int ROWS, int EP, int NThr>
-__device__ __forceinline__ void load_state_tile(const Args& a, const T* __restrict__ st, int p0, T* tile) {
-  constexpr int kPieces = EP / 8;
-  static_assert(ROWS * kPieces % NThr == 0, "whole pieces per thread");
-#pragma unroll
-  for (int it = 0; it < ROWS * kPieces / NThr; ++it) {
-    const int idx = threadIdx.x + it * NThr, p = idx / kPieces, e8 = (idx % kPieces) * 8;
-    T* dst = tile + (e8 >> 3) * StateTile<ROWS, EP>::kBlock + p * 8;
-    if (e8 < a.E)
-      cp_async16(dst, st + int64_t(p0 + p) * a.E + e8);
-    else
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-  }
-}
-
 // Row r's values (value 4 j + r of the accumulator layout) of one accumulator tile and of two others times
 // f(r): the decays gamma and delta of the chunk's rows.
 template <int NE, int ND, class F>
@@ -92,10 +77,10 @@ __device__ __forceinline__ void scale_acc_rows(float (&e)[NE], float (&d0)[ND], 
   }
 }
 
-// Tma: the states by the tensor copy engine (smap, rmap: state_tensor_map of a.states, a box of PP rows, and of
-// a.rstates, DP rows: an LRPE half); TmaRows: the staged raw rows too (qmap, kmap, vmap: row_tensor_map of q, k, v).
-// One thread issues them.
-template <class T, int DP, int PP, int EP, bool Half, bool Tma, bool TmaRows>
+// The states and the staged raw rows come by the tensor copy engine, one thread issuing: smap, rmap are
+// state_tensor_map of a.states (a box of PP rows) and of a.rstates (DP rows: an LRPE half); qmap, kmap, vmap
+// row_tensor_map of q, k, v.
+template <class T, int DP, int PP, int EP, bool Half>
 __global__ void __launch_bounds__(kGradWgThreads, 1)
     hopper_grad_kernel(Args a, const __grid_constant__ CUtensorMap smap, const __grid_constant__ CUtensorMap rmap,
                        const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
@@ -103,7 +88,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
 #ifndef LINTAPE_WGMMA
   __trap();
 #else
-  using L = GradTiles<DP, PP, EP, Tma>;
+  using L = GradTiles<DP, PP, EP>;
   constexpr int NThr = kGradWgThreads, EO = EP / 4, DO = DP / 4;  // a warpgroup's E and raw D columns
   constexpr bool kTwo = PP == 2 * DP;                              // the cosine LRPE's two halves
   constexpr uint32_t kRows8 = 8 * 16, kTileBytes = kBlock * sizeof(T);
@@ -117,7 +102,6 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
   const int h = int(bh % a.H);
   const int cl = int(a.N - t0 < kC ? a.N - t0 : kC);
   const float log2_lam = a.decay ? __log2f(a.decay[h]) : 0.0f;
-  const size_t PE = size_t(a.P) * a.E;
   const int64_t out_ts = int64_t(a.H) * a.E;  // dO's token stride
   const bool cosine = kTwo;
   const bool advance = Half && (c & 1);  // the saved state is S_(c-1): advance it across chunk c - 1
@@ -127,18 +111,17 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
   const T* g = at_head<T>(a.g, b, a.sg_b, h, a.E);
   const T* dout = static_cast<const T*>(a.dout) + b * a.N * out_ts + h * a.E;
   const int64_t s_slot = bh * saved_chunks(a) + saved_slot(a, c), r_slot = bh * a.nC + c;
-  const T* S = static_cast<const T*>(a.states) + s_slot * PE;
-  const T* R = static_cast<const T*>(a.rstates) + r_slot * PE;
+  const T* S = static_cast<const T*>(a.states) + s_slot * int64_t(a.P) * a.E;  // an advance reads S_(c-1) itself
   // A state box by the tensor copy engine, one thread issuing: rows p0 ... of the slot's state into dst.
   auto tma_state = [&](const CUtensorMap* map, uint64_t* bar, T* dst, int rows, int p0, int64_t slot) {
     cuda::mbarrier_arrive_expect_tx(bar, uint32_t(rows * EP * sizeof(T)));
     cuda::tma_load_4d(dst, map, bar, 0, p0, 0, int(slot));
   };
-  if ((Tma || TmaRows) && threadIdx.x == 0) {
+  if (threadIdx.x == 0) {
     for (int i = 0; i < 5; ++i) cuda::mbarrier_init(&bars[i], 1);
     cuda::mbarrier_init_fence();
   }
-  if (Tma || TmaRows) __syncthreads();  // the mbarriers are set up before any copy completes on them
+  __syncthreads();  // the mbarriers are set up before any copy completes on them
   // Staged rows t ... t + kC - 1 (kC x W) by the tensor copy engine into dst, completing on bar.
   auto tma_rows = [&](const CUtensorMap* map, uint64_t* bar, T* dst, int64_t t) {
     cuda::tma_load_4d(dst, map, bar, 0, int(t), h, int(b));
@@ -148,30 +131,18 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
   auto trow = [&](int r) { return 16 * (warp & 3) + (lane >> 2) + 8 * (r >> 1); };
   auto tcol = [&](int c0, int j) { return c0 + 8 * j + 2 * (lane & 3); };
 
-  // 1. The raw q, k rows (group 1), then S_c (group 2) unless it is advanced here (then chunk c - 1's raw k and v
-  // rows come first, group 0). The angle table after the copies are issued (its theta loads would hold back those
-  // of the table's four warps).
+  // 1. The raw q, k rows, then S_c unless it is advanced here (then chunk c - 1's raw k and v rows come first).
+  // The angle table after the copies are issued.
   auto stage_qk = [&] {
-    if constexpr (TmaRows) {
-      if (threadIdx.x == 0) {
-        cuda::mbarrier_arrive_expect_tx(&bars[3], uint32_t(2 * kC * DP * sizeof(T)));
-        tma_rows(&qmap, &bars[3], sm + L::kV, t0);
-        tma_rows(&kmap, &bars[3], sm + L::kV + kC * DP, t0);
-      }
-      return;
+    if (threadIdx.x == 0) {
+      cuda::mbarrier_arrive_expect_tx(&bars[3], uint32_t(2 * kC * DP * sizeof(T)));
+      tma_rows(&qmap, &bars[3], sm + L::kV, t0);
+      tma_rows(&kmap, &bars[3], sm + L::kV + kC * DP, t0);
     }
-    stage_raw<T, DP, NThr>(a, q, a.sq_t, t0, a.D, sm + L::kV);
-    stage_raw<T, DP, NThr>(a, k, a.sk_t, t0, a.D, sm + L::kV + kC * DP);
-    cp_async_commit();
   };
   if (!advance) {
     stage_qk();
-    if constexpr (Tma) {
-      if (threadIdx.x == 0) tma_state(&smap, &bars[0], sm + L::kS, PP, 0, s_slot);
-    } else {
-      load_state_tile<T, PP, EP, NThr>(a, S, 0, sm + L::kS);
-      cp_async_commit();
-    }
+    if (threadIdx.x == 0) tma_state(&smap, &bars[0], sm + L::kS, PP, 0, s_slot);
     if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
   } else {
     // S_c = lambda^kC S_(c-1) + K^T diag(delta) V over chunk c - 1 (whole: it is not the last), the forward's
@@ -180,16 +151,10 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
     using W = StateWarps<PP, EP>;
     const int gm = wg % W::WGM, gn = wg / W::WGM;
     const int64_t tp = t0 - kC;
-    if constexpr (TmaRows) {
-      if (threadIdx.x == 0) {
-        cuda::mbarrier_arrive_expect_tx(&bars[4], uint32_t(kC * (DP + EP) * sizeof(T)));
-        tma_rows(&kmap, &bars[4], sm + L::kR0, tp);
-        tma_rows(&vmap, &bars[4], sm + L::kR0 + kC * DP, tp);
-      }
-    } else {
-      stage_raw<T, DP, NThr>(a, k, a.sk_t, tp, a.D, sm + L::kR0);
-      stage_raw<T, EP, NThr>(a, v, a.sv_t, tp, a.E, sm + L::kR0 + kC * DP);
-      cp_async_commit();
+    if (threadIdx.x == 0) {
+      cuda::mbarrier_arrive_expect_tx(&bars[4], uint32_t(kC * (DP + EP) * sizeof(T)));
+      tma_rows(&kmap, &bars[4], sm + L::kR0, tp);
+      tma_rows(&vmap, &bars[4], sm + L::kR0 + kC * DP, tp);
     }
     stage_qk();
     if (cosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), tab);
@@ -204,11 +169,8 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
         const int e = scol(j);
         sraw[2 * j + r / 2] = e < a.E ? *reinterpret_cast<const uint32_t*>(S + size_t(srow(r)) * a.E + e) : 0u;
       }
-    if constexpr (TmaRows)
-      cuda::mbarrier_wait(&bars[4], 0);  // chunk c - 1's rows
-    else
-      cp_async_wait<1>();  // chunk c - 1's rows (the chunk's own q and k may still be in flight)
-    __syncthreads();     // the angle table
+    cuda::mbarrier_wait(&bars[4], 0);  // chunk c - 1's rows (the chunk's own q and k may still be in flight)
+    __syncthreads();                   // the angle table
     encode_qk<T, DP, NThr>(a, sm + L::kR0, nullptr, tab, tp, sm + L::kK, nullptr, a.act_k, a.act_k, cosine);
 #pragma unroll
     for (int it = 0; it < Raw<EP, NThr>::kIt; ++it) {
@@ -244,19 +206,14 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
       cuda::wgmma_fence_operand(acc);
     }
     __syncthreads();  // every warpgroup's product has read diag(delta) V: S_c takes its place
-    state_to_tile<T, PP, EP, W::NW, Tma ? 0 : 8>(sm + L::kS, acc, srow, scol);
+    state_to_tile<T, PP, EP, W::NW, 0>(sm + L::kS, acc, srow, scol);
     cuda::fence_proxy_async();
   }
   Raw<EP, NThr> vr, gr, dr;
   fetch(a, v, a.sv_t, t0, 0, a.E, vr);
   fetch(a, g, a.sg_t, t0, 0, a.E, gr);
   fetch(a, dout, out_ts, t0, 0, a.E, dr);
-  if (TmaRows)
-    cuda::mbarrier_wait(&bars[3], 0);  // q and k are in
-  else if (advance || Tma)
-    cp_async_wait<0>();
-  else
-    cp_async_wait<1>();  // q and k are in; S_c may still be in flight
+  cuda::mbarrier_wait(&bars[3], 0);  // q and k are in; S_c may still be in flight
   __syncthreads();       // the angle table; an advance is done with the tiles it borrowed
   encode_qk<T, DP, NThr>(a, sm + L::kV, sm + L::kV + kC * DP, tab, t0, sm + L::kQ, sm + L::kK, a.act_q, a.act_k,
                          cosine);
@@ -264,12 +221,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
   store_rows<T, EP, NThr, CoreColumnTile>(a, vr, nullptr, a.act_v, t0, 0, nullptr, sm + L::kV, CoreColumnTile{});
   store_rows<T, EP, NThr, CoreColumnTile>(a, gr, &dr, a.act_g, t0, 0, nullptr, sm + L::kDY, CoreColumnTile{});
   cuda::fence_proxy_async();
-  if constexpr (Tma) {  // R_(c+1)'s first half
-    if (threadIdx.x == 0) tma_state(&rmap, &bars[1], sm + L::kR0, DP, 0, r_slot);
-  } else {
-    load_state_tile<T, DP, EP, NThr>(a, R, 0, sm + L::kR0);  // (group 3)
-    cp_async_commit();
-  }
+  if (threadIdx.x == 0) tma_state(&rmap, &bars[1], sm + L::kR0, DP, 0, r_slot);  // R_(c+1)'s first half
   __syncthreads();  // Q, K, V, dY
 
   // 2. The masked, decayed scores Am and Bm, this warpgroup's keys.
@@ -307,11 +259,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
       }
     cuda::fence_proxy_async();
   }
-  if constexpr (Tma) {
-    if (!advance) cuda::mbarrier_wait(&bars[0], 0);  // S_c is in
-  } else {
-    cp_async_wait<1>();  // S_c is in (R's first half may still be in flight)
-  }
+  if (!advance) cuda::mbarrier_wait(&bars[0], 0);  // S_c is in (R's first half may still be in flight)
   cuda::fence_proxy_async();
   __syncthreads();
 
@@ -357,14 +305,7 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
     load_pairs<T, EO>(a, g, a.sg_t, t_first, wg * EO, a.E, graw);
     load_pairs<T, EO>(a, dout, out_ts, t_first, wg * EO, a.E, draw);
     load_pairs<T, DO>(a, q, a.sq_t, t_first, wg * DO, a.D, qraw);
-    if constexpr (kTwo) {
-      if constexpr (Tma) {
-        if (threadIdx.x == 0) tma_state(&rmap, &bars[2], sm + L::kS, DP, DP, r_slot);
-      } else {
-        load_state_tile<T, DP, EP, NThr>(a, R, DP, sm + L::kS);
-        cp_async_commit();
-      }
-    }
+    if (kTwo && threadIdx.x == 0) tma_state(&rmap, &bars[2], sm + L::kS, DP, DP, r_slot);
     scale_acc_rows(y, d0, d1, [&](int r) { return decay_pow(log2_lam, trow(r) + 1); });  // gamma
     {
       const uint64_t am_k = cuda::wgmma_desc(sm + L::kAm, kTileBytes, kRows8);
@@ -405,12 +346,8 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
     else
       epilogue(std::false_type{});
   }
-  if constexpr (Tma) {  // R_(c+1) is in
-    cuda::mbarrier_wait(&bars[1], 0);
-    if (kTwo) cuda::mbarrier_wait(&bars[2], 0);
-  } else {
-    cp_async_wait<0>();
-  }
+  cuda::mbarrier_wait(&bars[1], 0);  // R_(c+1) is in
+  if (kTwo) cuda::mbarrier_wait(&bars[2], 0);
   cuda::fence_proxy_async();
   __syncthreads();
 
@@ -495,19 +432,17 @@ __global__ void __launch_bounds__(kGradWgThreads, 1)
 #endif
 }
 
-template <class T, int DP, int PP, int EP, bool Tma, bool TmaRows>
+template <class T, int DP, int PP, int EP>
 void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
-  constexpr size_t smem = GradTiles<DP, PP, EP, Tma>::bytes(sizeof(T));
-  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true, Tma, TmaRows>
-                              : hopper_grad_kernel<T, DP, PP, EP, false, Tma, TmaRows>;
+  constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
+  auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const CUtensorMap smap =
-      state_tensor_map(Tma ? a.states : nullptr, a, BH * (a.half_states ? (a.nC + 1) / 2 : a.nC), PP, EP);
-  const CUtensorMap rmap = state_tensor_map(Tma ? a.rstates : nullptr, a, BH * a.nC, DP, EP);
+  const CUtensorMap smap = state_tensor_map(a.states, a, BH * (a.half_states ? (a.nC + 1) / 2 : a.nC), PP, EP);
+  const CUtensorMap rmap = state_tensor_map(a.rstates, a, BH * a.nC, DP, EP);
   const int64_t B = BH / a.H;
-  const CUtensorMap qmap = TmaRows ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP) : CUtensorMap{};
-  const CUtensorMap kmap = TmaRows ? row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP) : CUtensorMap{};
-  const CUtensorMap vmap = TmaRows ? row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP) : CUtensorMap{};
+  const CUtensorMap qmap = row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP);
+  const CUtensorMap kmap = row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
+  const CUtensorMap vmap = row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
   kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a, smap, rmap, qmap, kmap, vmap);
   LT_CUDA_CHECK_LAUNCH();
 }
@@ -535,17 +470,10 @@ bool hopper_gradients_run(const Args& a) {
 void hopper_gradients(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
-    if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
-      if (dtype == DType::BF16) {
-        const bool states = copies_by_threads("gradient-states"), rows = copies_by_threads("gradient-rows");
-        if (states && rows) return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false, false>(a, BH, st);
-        if (states) return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false, true>(a, BH, st);
-        if (rows) return launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true, false>(a, BH, st);
-      }
     if (dtype == DType::BF16)
-      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true, true>(a, BH, st);
+      launch_hopper_grad<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, st);
     else
-      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP, true, true>(a, BH, st);
+      launch_hopper_grad<__half, S::kDP, S::kPP, S::kEP>(a, BH, st);
   });
 }
 

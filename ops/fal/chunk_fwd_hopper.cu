@@ -8,7 +8,8 @@
 //      asked) and g's rows toward L2; then the scores masked and decayed into a shared tile, the four
 //      warpgroups' key columns making the chunk's scores;
 //   3. Y = diag(gamma) Q S_c + (Q K^T o M) V (warpgroup g: E / 4 columns), out = gb o Y;
-//   4. the next chunk's rows, staged by cp.async one chunk ahead, through the acts and the LRPE into the tiles.
+//   4. the next chunk's rows, brought by the tensor copy engine one chunk ahead (issued after barrier 1, once
+//      every thread has read the rows before them), through the acts and the LRPE into the tiles.
 // The tiles use CoreColumnTile (8-column blocks of 16-byte rows): read K-major by the scores and Y's products,
 // MN-major by the state update. 512 threads at 128 registers hold the state (64 values a thread at D' = 256,
 // E = 128) beside the products' accumulators, so the code keeps short live ranges: addresses rebuilt from an
@@ -61,10 +62,9 @@ struct HopperSmem {
 };
 
 // DP = D, PP = D', EP = E rounded up to 64 or 128. Save: a.states receives S_c (every chunk's, or the even
-// chunks' with a.half_states). Tma: the raw rows come by the tensor copy engine (qmap, kmap, vmap: row_tensor_map of
-// q, k, v), one thread issuing, rather than by every thread's cp.async. Only where LINTAPE_WGMMA was compiled
-// (hopper_forward_runs checks).
-template <class T, int DP, int PP, int EP, bool Save, bool Tma>
+// chunks' with a.half_states). The raw rows come by the tensor copy engine (qmap, kmap, vmap: row_tensor_map of
+// q, k, v), one thread issuing. Only where LINTAPE_WGMMA was compiled (hopper_forward_runs checks).
+template <class T, int DP, int PP, int EP, bool Save>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_forward_kernel(Args a, const __grid_constant__ CUtensorMap qmap, const __grid_constant__ CUtensorMap kmap,
                           const __grid_constant__ CUtensorMap vmap) {
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sm = reinterpret_cast<T*>(smem_raw);
   float* const angles = reinterpret_cast<float*>(sm + L::kEnd);
-  uint64_t* const rows_in = reinterpret_cast<uint64_t*>(angles + noncausal::kAngleRows * DP);  // Tma's mbarrier
+  uint64_t* const rows_in = reinterpret_cast<uint64_t*>(angles + noncausal::kAngleRows * DP);  // the rows' mbarrier
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int gm = wg % W::WGM, gn = wg / W::WGM;
   const Walk w = walk_of(a, blockIdx.x, false);
@@ -100,29 +100,19 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     }
 
   auto chunk_len = [&](int c) { return int(a.N - int64_t(c) * kC < kC ? a.N - int64_t(c) * kC : kC); };
-  // The rows' addresses are rebuilt where they are used (b and h made opaque): held across the chunk loop, they
-  // would take registers from the state.
-  // Tma: thread 0 alone, once every thread has read the previous chunk's rows (after a barrier); the k-th fetch of
-  // the walk completes phase k of rows_in.
+  // Chunk c's raw rows by thread 0 alone, once every thread has read the previous chunk's (after a barrier): the
+  // k-th fetch of the walk completes phase k of rows_in. (b and h made opaque: held across the chunk loop, they
+  // would take registers from the state.)
   auto fetch_chunk = [&](int c) {
-    if constexpr (Tma) {
-      if (threadIdx.x == 0) {
-        const int bo = int(opaque_index(b)), ho = int(opaque_index(h)), t0 = c * kC;
-        cuda::mbarrier_arrive_expect_tx(rows_in, uint32_t(kC * (2 * DP + EP) * sizeof(T)));
-        cuda::tma_load_4d(sm + L::kRawQ, &qmap, rows_in, 0, t0, ho, bo);
-        cuda::tma_load_4d(sm + L::kRawK, &kmap, rows_in, 0, t0, ho, bo);
-        cuda::tma_load_4d(sm + L::kRawV, &vmap, rows_in, 0, t0, ho, bo);
-      }
-      return;
+    if (threadIdx.x == 0) {
+      const int bo = int(opaque_index(b)), ho = int(opaque_index(h)), t0 = c * kC;
+      cuda::mbarrier_arrive_expect_tx(rows_in, uint32_t(kC * (2 * DP + EP) * sizeof(T)));
+      cuda::tma_load_4d(sm + L::kRawQ, &qmap, rows_in, 0, t0, ho, bo);
+      cuda::tma_load_4d(sm + L::kRawK, &kmap, rows_in, 0, t0, ho, bo);
+      cuda::tma_load_4d(sm + L::kRawV, &vmap, rows_in, 0, t0, ho, bo);
     }
-    const int64_t t0 = int64_t(c) * kC, bo = opaque_index(b), ho = opaque_index(h);
-    stage_raw<T, DP, NThr>(a, at_head<T>(a.q, bo, a.sq_b, ho, a.D), a.sq_t, t0, a.D, sm + L::kRawQ);
-    stage_raw<T, DP, NThr>(a, at_head<T>(a.k, bo, a.sk_b, ho, a.D), a.sk_t, t0, a.D, sm + L::kRawK);
-    stage_raw<T, EP, NThr>(a, at_head<T>(a.v, bo, a.sv_b, ho, a.E), a.sv_t, t0, a.E, sm + L::kRawV);
-    cp_async_commit();
   };
-  // Chunk c's fetched rows into the tiles (each thread reads back the pieces it fetched); wgmma reads them
-  // through the async proxy, so each writer fences. The model's acts (silu on q, k and g, none on v) and the
+  // Chunk c's fetched rows into the tiles; wgmma reads them through the async proxy, so each writer fences. The model's acts (silu on q, k and g, none on v) and the
   // cosine LRPE are compiled as constants: the encode without dispatch, its chains free to interleave.
   const bool model_acts = noncausal::model_acts_of(a) && a.lrpe == FalStepSpec::kCosine;
   auto encode_acts = [&](int c, auto fixed) {
@@ -130,10 +120,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     const int64_t t0 = int64_t(c) * kC;
     const int cl = chunk_len(c);
     const int act_v = kFixed ? int(FalStepSpec::kNone) : a.act_v;
-    if constexpr (Tma)
-      cuda::mbarrier_wait(rows_in, uint32_t((c - w.c0) & 1));
-    else
-      cp_async_wait_all();
+    cuda::mbarrier_wait(rows_in, uint32_t((c - w.c0) & 1));
     encode_qk<T, DP, NThr>(a, sm + L::kRawQ, sm + L::kRawK, angles, t0, sm + L::kQ, sm + L::kK,
                            kFixed ? int(FalStepSpec::kSilu) : a.act_q, kFixed ? int(FalStepSpec::kSilu) : a.act_k,
                            kFixed || a.lrpe == FalStepSpec::kCosine);
@@ -159,18 +146,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   };
 
   const int c0 = w.c0, c1 = w.c1;
-  if (Tma && threadIdx.x == 0) {
+  if (threadIdx.x == 0) {
     cuda::mbarrier_init(rows_in, 1);
     cuda::mbarrier_init_fence();
   }
-  if (Tma) __syncthreads();  // the mbarrier is set up before any copy completes on it
+  __syncthreads();  // the mbarrier is set up before any copy completes on it
   if (c0 < c1) fetch_chunk(c0);
   if (a.lrpe == FalStepSpec::kCosine) noncausal::fill_angles<DP>(a, h, NThr / (DP / 8), angles);
   __syncthreads();  // the angles are in
-  if (c0 < c1) {
-    encode_chunk(c0);
-    if (!Tma && c0 + 1 < c1) fetch_chunk(c0 + 1);  // Tma: after the next barrier, in the chunk loop
-  }
+  if (c0 < c1) encode_chunk(c0);  // the next chunk's rows are fetched after the next barrier, in the chunk loop
   // Descriptors (core/cuda_wgmma.cuh): K-major tiles step 8 columns a block along K and 8 rows (128 bytes)
   // along M / N; MN-major ones 8 rows along K and a block along M / N.
   constexpr uint32_t kRows8 = 8 * 16, kTileBlock = kBlock * sizeof(T), kStateBlock = L::kSBlock * sizeof(T);
@@ -192,7 +176,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     state_to_tile<T, PP, EP, W::NW>(sbc, acc, srow, scol);
     cuda::fence_proxy_async();
     __syncthreads();
-    if (Tma && c + 1 < c1) fetch_chunk(c + 1);  // every thread has encoded chunk c's rows
+    if (c + 1 < c1) fetch_chunk(c + 1);  // every thread has encoded chunk c's rows
 
     // 2. The scores and the state update (S_c is in shared memory).
     const float carry = decay_pow(log2_lam, cl);
@@ -304,10 +288,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     }
     __syncthreads();  // every product is done with the tiles, S_c and the scores
     // 4. The next chunk's tiles; the one after it in flight until then.
-    if (c + 1 < c1) {
-      encode_chunk(c + 1);
-      if (!Tma && c + 2 < c1) fetch_chunk(c + 2);
-    }
+    if (c + 1 < c1) encode_chunk(c + 1);
   }
   // The walk's end, found again (held across the loop, its address would take registers).
   float* last = walk_of(a, opaque_index(blockIdx.x), false).last;
@@ -322,16 +303,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 #endif
 }
 
-template <class T, int DP, int PP, int EP, bool Tma>
+template <class T, int DP, int PP, int EP>
 void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
-  auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true, Tma>
-                         : hopper_forward_kernel<T, DP, PP, EP, false, Tma>;
+  auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true> : hopper_forward_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int64_t B = BH / a.H;
-  const CUtensorMap qmap = Tma ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP) : CUtensorMap{};
-  const CUtensorMap kmap = Tma ? row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP) : CUtensorMap{};
-  const CUtensorMap vmap = Tma ? row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP) : CUtensorMap{};
+  const CUtensorMap qmap = row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP);
+  const CUtensorMap kmap = row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
+  const CUtensorMap vmap = row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
   kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a, qmap, kmap, vmap);
   LT_CUDA_CHECK_LAUNCH();
 }
@@ -359,13 +339,10 @@ bool hopper_forward_runs(const Args& a) {
 void hopper_forward(const Args& a, DType dtype, int64_t BH, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
-    if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
-      if (dtype == DType::BF16 && copies_by_threads("forward"))
-        return launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, st);
     if (dtype == DType::BF16)
-      launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
+      launch_hopper<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, st);
     else
-      launch_hopper<__half, S::kDP, S::kPP, S::kEP, true>(a, BH, st);
+      launch_hopper<__half, S::kDP, S::kPP, S::kEP>(a, BH, st);
   });
 }
 

@@ -8,8 +8,8 @@
 // where it runs (LINTAPE_FAL_STATE_PASS=slices runs the slices): on an H200 the backward is 1.06-1.10x faster
 // than with the slices (bench/notes/fal-hopper.md, session 8). Each chunk's state goes to memory through a
 // shared tile in 16-byte pieces while the product runs (as a chain of 4-byte stores from the registers it made
-// the walks 1.6x slower than the slices on an H100, session 4), and the rows are encoded as the wgmma forward
-// encodes them (ops/fal/chunk_wgmma.cuh), their angles afresh each chunk.
+// the walks 1.6x slower than the slices on an H100, session 4), and the rows, brought by the tensor copy engine,
+// are encoded as the wgmma forward encodes them (ops/fal/chunk_wgmma.cuh), their angles afresh each chunk.
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -37,7 +37,7 @@ struct WalkTiles {
 };
 
 // Two buffers of tiles, the raw rows of the next chunk (x, z and, in reverse, dO), the state tile on its way to
-// memory, the angle table and the raw rows' mbarrier (Tma).
+// memory, the angle table and the raw rows' mbarrier.
 template <int DP, int PP, int EP>
 constexpr size_t walk_smem_bytes(size_t elem) {
   return elem * size_t(2 * (WalkTiles<PP, EP>::kX + WalkTiles<PP, EP>::kZ) + kC * (DP + 2 * EP) +
@@ -45,10 +45,9 @@ constexpr size_t walk_smem_bytes(size_t elem) {
          sizeof(float) * noncausal::kAngleRows * DP + sizeof(uint64_t);
 }
 
-// DP = D, PP = D', EP = E rounded up to 64 or 128. Tma: the raw rows come by the tensor copy engine (xmap, zmap,
-// dmap: row_tensor_map of x, z and dO), one thread issuing. Only where LINTAPE_WGMMA was compiled (walk_runs
-// checks).
-template <class T, int DP, int PP, int EP, bool Reverse, bool Tma>
+// DP = D, PP = D', EP = E rounded up to 64 or 128. The raw rows come by the tensor copy engine (xmap, zmap, dmap:
+// row_tensor_map of x, z and dO), one thread issuing. Only where LINTAPE_WGMMA was compiled (walk_runs checks).
+template <class T, int DP, int PP, int EP, bool Reverse>
 __global__ void __launch_bounds__(kWalkThreads, 1)
     walk_kernel(Args a, bool model_acts, const __grid_constant__ CUtensorMap xmap,
                 const __grid_constant__ CUtensorMap zmap, const __grid_constant__ CUtensorMap dmap) {
@@ -65,7 +64,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
   T* raw_d = raw_z + kC * EP;
   T* stile = raw_d + kC * EP;
   float* angles = reinterpret_cast<float*>(stile + StateTile<PP, EP>::kElems);
-  uint64_t* rows_in = reinterpret_cast<uint64_t*>(angles + noncausal::kAngleRows * DP);  // Tma's mbarrier
+  uint64_t* rows_in = reinterpret_cast<uint64_t*>(angles + noncausal::kAngleRows * DP);  // the rows' mbarrier
   static_assert(2 * kBuffer % 64 == 0 && kC * DP % 64 == 0 && kC * EP % 64 == 0,
                 "the raw rows start on 128 bytes (2-byte T)");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -92,32 +91,17 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
   const int c0 = w.c0, steps = w.c1 - w.c0;
   auto chunk_at = [&](int s) { return Reverse ? c0 + steps - 1 - s : c0 + s; };
   auto chunk_len = [&](int c) { return int(a.N - int64_t(c) * kC < kC ? a.N - int64_t(c) * kC : kC); };
-  // The raw rows go to shared memory rather than registers, which the state fills; their addresses are rebuilt
-  // here (b and h made opaque), as held across the loop they would take registers from the state.
-  // Tma: thread 0 alone, once every thread has read the previous chunk's rows (after a barrier); the fetch of step
-  // s completes phase s of rows_in.
+  // The raw rows of chunk c into shared memory (rather than registers, which the state fills) by thread 0 alone,
+  // once every thread has read the previous chunk's (after a barrier): the fetch of step s completes phase s of
+  // rows_in. (b and h made opaque: held across the loop, they would take registers from the state.)
   auto fetch_chunk = [&](int c) {
-    if constexpr (Tma) {
-      if (threadIdx.x == 0) {
-        const int bo = int(opaque_index(b)), ho = int(opaque_index(h)), t0 = c * kC;
-        cuda::mbarrier_arrive_expect_tx(rows_in, uint32_t(kC * (DP + (Reverse ? 2 : 1) * EP) * sizeof(T)));
-        cuda::tma_load_4d(raw_x, &xmap, rows_in, 0, t0, ho, bo);
-        cuda::tma_load_4d(raw_z, &zmap, rows_in, 0, t0, ho, bo);
-        if (Reverse) cuda::tma_load_4d(raw_d, &dmap, rows_in, 0, t0, ho, bo);
-      }
-      return;
+    if (threadIdx.x == 0) {
+      const int bo = int(opaque_index(b)), ho = int(opaque_index(h)), t0 = c * kC;
+      cuda::mbarrier_arrive_expect_tx(rows_in, uint32_t(kC * (DP + (Reverse ? 2 : 1) * EP) * sizeof(T)));
+      cuda::tma_load_4d(raw_x, &xmap, rows_in, 0, t0, ho, bo);
+      cuda::tma_load_4d(raw_z, &zmap, rows_in, 0, t0, ho, bo);
+      if (Reverse) cuda::tma_load_4d(raw_d, &dmap, rows_in, 0, t0, ho, bo);
     }
-    const int64_t t0 = int64_t(c) * kC, bo = opaque_index(b), ho = opaque_index(h);
-    const T* x = Reverse ? at_head<T>(a.q, bo, a.sq_b, ho, a.D) : at_head<T>(a.k, bo, a.sk_b, ho, a.D);
-    const int64_t xts = Reverse ? a.sq_t : a.sk_t;
-    const T* z = Reverse ? at_head<T>(a.g, bo, a.sg_b, ho, a.E) : at_head<T>(a.v, bo, a.sv_b, ho, a.E);
-    const int64_t zts = Reverse ? a.sg_t : a.sv_t;
-    const int64_t dts = int64_t(a.H) * a.E;
-    stage_raw<T, DP, NThr>(a, x, xts, t0, a.D, raw_x);
-    stage_raw<T, EP, NThr>(a, z, zts, t0, a.E, raw_z);
-    if (Reverse)
-      stage_raw<T, EP, NThr>(a, static_cast<const T*>(a.dout) + bo * a.N * dts + ho * a.E, dts, t0, a.E, raw_d);
-    cp_async_commit();
   };
   // The fetched rows of chunk c into buffer buf: X through the act and the LRPE, Z through its act (times dO in
   // reverse) and the row's decay (gamma_i reverse, delta_i forward; zeros past the sequence). wgmma reads them
@@ -152,10 +136,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
   };
   auto store_chunk = [&](int s, int buf) {
     const int c = chunk_at(s);
-    if constexpr (Tma)
-      cuda::mbarrier_wait(rows_in, uint32_t(s & 1));
-    else
-      cp_async_wait_all();
+    cuda::mbarrier_wait(rows_in, uint32_t(s & 1));
     if (model_acts)
       encode_chunk(c, buf, std::true_type{});
     else
@@ -163,7 +144,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
     cuda::fence_proxy_async();
   };
 
-  if (Tma && threadIdx.x == 0) {
+  if (threadIdx.x == 0) {
     cuda::mbarrier_init(rows_in, 1);
     cuda::mbarrier_init_fence();
   }
@@ -223,18 +204,18 @@ __global__ void __launch_bounds__(kWalkThreads, 1)
 #endif
 }
 
-template <class T, int DP, int PP, int EP, bool Tma>
+template <class T, int DP, int PP, int EP>
 void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   constexpr size_t smem = walk_smem_bytes<DP, PP, EP>(sizeof(T));
-  auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true, Tma> : walk_kernel<T, DP, PP, EP, false, Tma>;
+  auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true> : walk_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  CUtensorMap xmap{}, zmap{}, dmap{};
-  if (Tma) {
-    const int64_t B = BH / a.H;
-    xmap = reverse ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP) : row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
-    zmap = reverse ? row_tensor_map(a.g, a, B, a.E, a.sg_t, a.sg_b, EP) : row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
-    if (reverse) dmap = row_tensor_map(a.dout, a, B, a.E, int64_t(a.H) * a.E, a.N * a.H * a.E, EP);
-  }
+  const int64_t B = BH / a.H;
+  const CUtensorMap xmap = reverse ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP)
+                                   : row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
+  const CUtensorMap zmap = reverse ? row_tensor_map(a.g, a, B, a.E, a.sg_t, a.sg_b, EP)
+                                   : row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
+  const CUtensorMap dmap =
+      reverse ? row_tensor_map(a.dout, a, B, a.E, int64_t(a.H) * a.E, a.N * a.H * a.E, EP) : CUtensorMap{};
   kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a), xmap,
                                                                                  zmap, dmap);
   LT_CUDA_CHECK_LAUNCH();
@@ -270,16 +251,6 @@ CUtensorMap row_tensor_map(const void* x, const Args& a, int64_t B, int cols, in
   return cuda::plain_tensor_map(x, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, dims, strides, box, "fal");
 }
 
-// LINTAPE_FAL_COPY=threads (every kernel) or a list naming some of forward, walks, gradient-states,
-// gradient-rows.
-bool copies_by_threads(const char* kernel) {
-  static const std::string v = [] {
-    const char* e = std::getenv("LINTAPE_FAL_COPY");
-    return std::string(e ? e : "");
-  }();
-  return v == "threads" || v.find(kernel) != std::string::npos;
-}
-
 bool walk_runs(const Args& a) {
   const StatePassKernel k = g_state_pass;
   if (k == StatePassKernel::Slices || (k == StatePassKernel::Auto && env_wants_slices())) return false;
@@ -292,13 +263,10 @@ bool walk_runs(const Args& a) {
 void walk_pass(const Args& a, DType dtype, int64_t BH, bool reverse, cudaStream_t st) {
   for_wgmma_shape(a, [&](auto shape) {
     using S = decltype(shape);
-    if constexpr (S::kDP == 128 && S::kPP == 256 && S::kEP == 128)
-      if (dtype == DType::BF16 && copies_by_threads("walks"))
-        return launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP, false>(a, BH, reverse, st);
     if (dtype == DType::BF16)
-      launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP, true>(a, BH, reverse, st);
+      launch_walk<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, BH, reverse, st);
     else
-      launch_walk<__half, S::kDP, S::kPP, S::kEP, true>(a, BH, reverse, st);
+      launch_walk<__half, S::kDP, S::kPP, S::kEP>(a, BH, reverse, st);
   });
 }
 

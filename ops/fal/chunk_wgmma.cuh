@@ -34,12 +34,9 @@ struct StateTile {
 // one slot; blocks past E read as zeros. A zeroed map where there is nothing to read. Host code.
 CUtensorMap state_tensor_map(const void* states, const Args& a, int64_t slots, int rows, int EP);
 // The same for rows of an input read in place (x at (b, token 0, h, 0) of B batches: head h at h cols, token
-// stride ts, batch stride sb, elements): dims (cols, N, H, B), a box of kC rows of W columns, the staging layout of stage_raw (rows
-// past N and columns past cols read as zeros).
+// stride ts, batch stride sb, elements): dims (cols, N, H, B), a box of kC rows of W columns, which lands as
+// stage_raw stages them (rows past N and columns past cols read as zeros).
 CUtensorMap row_tensor_map(const void* x, const Args& a, int64_t B, int cols, int64_t ts, int64_t sb, int W);
-// Whether `kernel` (forward, walks, gradient-states or gradient-rows) at the model's shape in bf16 moves its rows or
-// states by threads, as before the tensor copies: LINTAPE_FAL_COPY (a measurement's switch), read once. Host code.
-bool copies_by_threads(const char* kernel);
 // A thread's state values (the accumulator layout of core/cuda_wgmma.cuh: value 4 j + r at row(r), column
 // col(j) + r % 2) into the tile. A warp's stores fall on 32 distinct banks.
 template <class T, int PP, int EP, int NW, int Pad = 8, class Row, class Col>
@@ -52,7 +49,9 @@ __device__ __forceinline__ void state_to_tile(T* tile, const float (&acc)[NW / 2
              acc[4 * j + r + 1]);
 }
 // The tile's first E columns to dst (PP rows of E, E a multiple of 8) in 16-byte pieces, a fixed piece of
-// every NThr / (EP / 8)-th row per thread. (This form kept the wgmma forward's state in its registers.)
+// every NThr / (EP / 8)-th row per thread. (This form kept the wgmma forward's state in its registers. The tensor
+// copy engine's store of the tile, one box of 16-byte rows, made the forward 1.3x and the walks 1.2x slower:
+// bench/notes/fal-hopper.md, session 18.)
 template <class T, int PP, int EP, int NThr>
 __device__ __forceinline__ void tile_to_memory(const T* tile, T* dst, int E) {
   constexpr int kPieces = EP / 8, kRowsPer = NThr / kPieces;  // 16-byte pieces a row; rows a pass
