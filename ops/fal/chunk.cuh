@@ -103,7 +103,7 @@ __device__ __forceinline__ int64_t opaque_index(int64_t x) {
 
 // The chunks whose entering states a.states holds per (b, h), and the slot of chunk c's (with half_states, of
 // chunk c - 1's for an odd c: the backward's gradient kernel advances it across chunk c - 1).
-__device__ __forceinline__ int64_t saved_chunks(const Args& a) { return a.half_states ? (a.nC + 1) / 2 : a.nC; }
+__host__ __device__ __forceinline__ int64_t saved_chunks(const Args& a) { return a.half_states ? (a.nC + 1) / 2 : a.nC; }
 __device__ __forceinline__ int64_t saved_slot(const Args& a, int64_t c) { return a.half_states ? c / 2 : c; }
 
 // The chunks [c0, c1) that block x of a causal pass walks, and the f32 (D', E) states it starts from and

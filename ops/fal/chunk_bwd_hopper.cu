@@ -437,13 +437,11 @@ void launch_hopper_grad(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = GradTiles<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.half_states ? hopper_grad_kernel<T, DP, PP, EP, true> : hopper_grad_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const CUtensorMap smap = state_tensor_map(a.states, a, BH * (a.half_states ? (a.nC + 1) / 2 : a.nC), PP, EP);
+  const CUtensorMap smap = state_tensor_map(a.states, a, BH * saved_chunks(a), PP, EP);
   const CUtensorMap rmap = state_tensor_map(a.rstates, a, BH * a.nC, DP, EP);
-  const int64_t B = BH / a.H;
-  const CUtensorMap qmap = row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP);
-  const CUtensorMap kmap = row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
-  const CUtensorMap vmap = row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
-  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(a, smap, rmap, qmap, kmap, vmap);
+  kernel<<<dim3(unsigned(a.nC), unsigned(BH)), kGradWgThreads, smem, st>>>(
+      a, smap, rmap, row_tensor_map(a, BH, RowInput::Q, DP), row_tensor_map(a, BH, RowInput::K, DP),
+      row_tensor_map(a, BH, RowInput::V, EP));
   LT_CUDA_CHECK_LAUNCH();
 }
 

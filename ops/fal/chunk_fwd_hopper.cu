@@ -112,8 +112,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       cuda::tma_load_4d(sm + L::kRawV, &vmap, rows_in, 0, t0, ho, bo);
     }
   };
-  // Chunk c's fetched rows into the tiles; wgmma reads them through the async proxy, so each writer fences. The model's acts (silu on q, k and g, none on v) and the
-  // cosine LRPE are compiled as constants: the encode without dispatch, its chains free to interleave.
+  // Chunk c's fetched rows into the tiles; wgmma reads them through the async proxy, so each writer fences. The
+  // model's acts (silu on q, k and g, none on v) and the cosine LRPE are compiled as constants: the encode without
+  // dispatch, its chains free to interleave.
   const bool model_acts = noncausal::model_acts_of(a) && a.lrpe == FalStepSpec::kCosine;
   auto encode_acts = [&](int c, auto fixed) {
     constexpr bool kFixed = decltype(fixed)::value;
@@ -308,11 +309,9 @@ void launch_hopper(const Args& a, int64_t BH, cudaStream_t st) {
   constexpr size_t smem = HopperSmem<DP, PP, EP>::bytes(sizeof(T));
   auto kernel = a.states ? hopper_forward_kernel<T, DP, PP, EP, true> : hopper_forward_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const int64_t B = BH / a.H;
-  const CUtensorMap qmap = row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP);
-  const CUtensorMap kmap = row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
-  const CUtensorMap vmap = row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
-  kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a, qmap, kmap, vmap);
+  kernel<<<unsigned(BH * a.G), kHopperThreads, smem, st>>>(a, row_tensor_map(a, BH, RowInput::Q, DP),
+                                                           row_tensor_map(a, BH, RowInput::K, DP),
+                                                           row_tensor_map(a, BH, RowInput::V, EP));
   LT_CUDA_CHECK_LAUNCH();
 }
 

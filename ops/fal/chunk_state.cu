@@ -209,13 +209,9 @@ void launch_walk(const Args& a, int64_t BH, bool reverse, cudaStream_t st) {
   constexpr size_t smem = walk_smem_bytes<DP, PP, EP>(sizeof(T));
   auto kernel = reverse ? walk_kernel<T, DP, PP, EP, true> : walk_kernel<T, DP, PP, EP, false>;
   LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const int64_t B = BH / a.H;
-  const CUtensorMap xmap = reverse ? row_tensor_map(a.q, a, B, a.D, a.sq_t, a.sq_b, DP)
-                                   : row_tensor_map(a.k, a, B, a.D, a.sk_t, a.sk_b, DP);
-  const CUtensorMap zmap = reverse ? row_tensor_map(a.g, a, B, a.E, a.sg_t, a.sg_b, EP)
-                                   : row_tensor_map(a.v, a, B, a.E, a.sv_t, a.sv_b, EP);
-  const CUtensorMap dmap =
-      reverse ? row_tensor_map(a.dout, a, B, a.E, int64_t(a.H) * a.E, a.N * a.H * a.E, EP) : CUtensorMap{};
+  const CUtensorMap xmap = row_tensor_map(a, BH, reverse ? RowInput::Q : RowInput::K, DP);
+  const CUtensorMap zmap = row_tensor_map(a, BH, reverse ? RowInput::G : RowInput::V, EP);
+  const CUtensorMap dmap = reverse ? row_tensor_map(a, BH, RowInput::DOut, EP) : CUtensorMap{};
   kernel<<<unsigned(BH * (a.local ? a.G - 1 : a.G)), kWalkThreads, smem, st>>>(a, noncausal::model_acts_of(a), xmap,
                                                                                  zmap, dmap);
   LT_CUDA_CHECK_LAUNCH();
@@ -241,7 +237,9 @@ CUtensorMap state_tensor_map(const void* states, const Args& a, int64_t slots, i
   return cuda::plain_tensor_map(states, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, dims, strides, box, "fal");
 }
 
-CUtensorMap row_tensor_map(const void* x, const Args& a, int64_t B, int cols, int64_t ts, int64_t sb, int W) {
+namespace {
+// x at (b, token 0, h, 0), head h at h cols, token stride ts, batch stride sb (elements).
+CUtensorMap rows_map(const void* x, const Args& a, int64_t B, int cols, int64_t ts, int64_t sb, int W) {
   CUtensorMap map{};
   if (!x || a.N <= 0 || B <= 0 || cols <= 0) return map;
   if (B == 1) sb = ts * a.N;  // one batch: its stride is never used and may be anything
@@ -249,6 +247,19 @@ CUtensorMap row_tensor_map(const void* x, const Args& a, int64_t B, int cols, in
   const cuuint64_t strides[3] = {cuuint64_t(ts) * 2, cuuint64_t(cols) * 2, cuuint64_t(sb) * 2};
   const cuuint32_t box[4] = {cuuint32_t(W), cuuint32_t(kC), 1, 1};
   return cuda::plain_tensor_map(x, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, dims, strides, box, "fal");
+}
+}  // namespace
+
+CUtensorMap row_tensor_map(const Args& a, int64_t BH, RowInput x, int W) {
+  const int64_t B = BH / a.H, dts = int64_t(a.H) * a.E;  // dO: (B, N, H, E) contiguous
+  switch (x) {
+    case RowInput::Q: return rows_map(a.q, a, B, a.D, a.sq_t, a.sq_b, W);
+    case RowInput::K: return rows_map(a.k, a, B, a.D, a.sk_t, a.sk_b, W);
+    case RowInput::V: return rows_map(a.v, a, B, a.E, a.sv_t, a.sv_b, W);
+    case RowInput::G: return rows_map(a.g, a, B, a.E, a.sg_t, a.sg_b, W);
+    case RowInput::DOut: break;
+  }
+  return rows_map(a.dout, a, B, a.E, dts, a.N * dts, W);
 }
 
 bool walk_runs(const Args& a) {

@@ -1,8 +1,9 @@
 // Internal to the FAL family: what the chunk kernels on Hopper's warpgroup products share (the state pass walks
 // of ops/fal/chunk_state.cu, the forward of ops/fal/chunk_fwd_hopper.cu, the gradient kernel of
 // ops/fal/chunk_bwd_hopper.cu, the noncausal row passes of ops/fal/noncausal_rows_hopper.cu): the split of a
-// D' x E f32 state over four warpgroups, its shared tile, the staging of a chunk's raw rows in shared memory by
-// cp.async and their encode, the epilogues that read and write a thread's elements of an accumulator tile.
+// D' x E f32 state over four warpgroups, its shared tile, the tensor maps of the saved states and of the
+// inputs' rows, the staging of a chunk's raw rows in shared memory (by cp.async where the tensor copy engine does
+// not bring them) and their encode, the epilogues that read and write a thread's elements of an accumulator tile.
 #pragma once
 #include "core/cuda_tma.cuh"
 #include "ops/fal/noncausal.cuh"
@@ -33,10 +34,11 @@ struct StateTile {
 // multiple of 8) as unpadded StateTile blocks: dims (8, P, E / 8, slots), a box of `rows` rows of EP / 8 blocks at
 // one slot; blocks past E read as zeros. A zeroed map where there is nothing to read. Host code.
 CUtensorMap state_tensor_map(const void* states, const Args& a, int64_t slots, int rows, int EP);
-// The same for rows of an input read in place (x at (b, token 0, h, 0) of B batches: head h at h cols, token
-// stride ts, batch stride sb, elements): dims (cols, N, H, B), a box of kC rows of W columns, which lands as
-// stage_raw stages them (rows past N and columns past cols read as zeros).
-CUtensorMap row_tensor_map(const void* x, const Args& a, int64_t B, int cols, int64_t ts, int64_t sb, int W);
+// The same for the rows of one input, read in place as at_head reads it (q, k: D columns a head; v, g, dO: E):
+// dims (columns, N, H, B), a box of kC rows of W columns, which lands as stage_raw stages them (rows past N and
+// columns past the head's read as zeros). BH = B x H.
+enum class RowInput { Q, K, V, G, DOut };
+CUtensorMap row_tensor_map(const Args& a, int64_t BH, RowInput x, int W);
 // A thread's state values (the accumulator layout of core/cuda_wgmma.cuh: value 4 j + r at row(r), column
 // col(j) + r % 2) into the tile. A warp's stores fall on 32 distinct banks.
 template <class T, int PP, int EP, int NW, int Pad = 8, class Row, class Col>
