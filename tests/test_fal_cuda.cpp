@@ -358,6 +358,32 @@ TEST_CASE("cuda fal chunked causal long sequence matches the reference" * LT_CUD
   }
 }
 
+#if LINTAPE_WITH_CUDA
+// The Hopper forward's balanced cut over a given number of blocks for a scope (then as the shapes want).
+struct ForwardBlocks {
+  explicit ForwardBlocks(int64_t blocks) { fal_cuda::set_forward_blocks(blocks); }
+  ~ForwardBlocks() { fal_cuda::set_forward_blocks(0); }
+};
+#endif
+
+// The Hopper forward's balanced cut (runs of the list of every (b, h)'s chunks, one a block): blocks whose runs
+// cross (b, h)s and start inside one (B 2, H 3, 13 chunks: 5 and 7 blocks), chains of cuts along a (b, h) (40
+// blocks of two chunks), every chunk a block (78), with and without S0, D' 256, 128 and 64 (no LRPE), with and
+// without decay, a partial last chunk; the pieces' sums and their scan through the outputs and the final state.
+TEST_CASE("cuda fal chunked causal forward's balanced cut matches the reference" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  uint64_t seed = 4100;
+  for (int64_t blocks : {5, 7, 40, 78}) {
+    CAPTURE(blocks);
+    ForwardBlocks cut(blocks);
+    check_fused_sequence(kChunkConfigs[0], true, DType::BF16, seed += 10, 777, 2, blocks % 2 == 1);
+    check_fused_sequence(kChunkConfigs[1], true, DType::BF16, seed += 10, 777, 2, true);
+    check_fused_sequence(kChunkConfigs[2], true, DType::F16, seed += 10, 800, 2, blocks % 2 == 0);
+  }
+#endif
+}
+
 // The forward saving every chunk's state for the backward (the tape's way) over more walks than the GPU has SMs
 // (B x H x G = 8 x 3 x 7: one 64-token chunk a segment, the last one of 17 tokens).
 TEST_CASE("cuda fal chunked causal saves the chunk states over many walks" * LT_CUDA_CASE) {
@@ -708,9 +734,10 @@ TEST_CASE("cuda fal rotate on the chunk kernels keeps no rotated q or k" * LT_CU
 #endif
 }
 
-// The FAL kernels of this file's cases but the mma.sync noncausal row passes, once each at small shapes, for compute-sanitizer (racecheck over one of the
-// cases above runs past six minutes): the chunked causal forward, state walks and gradient kernels (wgmma and
-// mma.sync; every, half and no saved states) on a partial chunk and across a cut, D' 256 and 64, bf16 and f16;
+// The FAL kernels of this file's cases but the mma.sync noncausal row passes, once each at small shapes, for
+// compute-sanitizer (racecheck over one of the cases above runs past six minutes): the chunked causal forward,
+// state walks and gradient kernels (wgmma and mma.sync; every, half and no saved states) on a partial chunk and
+// across a cut, D' 256 and 64, bf16 and f16, the forward's balanced cut (runs across (b, h)s, the pieces' sums);
 // the chunked noncausal reductions and wgmma row passes (silu acts; the softmax-q configurations of the noncausal
 // cases run the mma.sync row passes); the f32 sweeps; the rotate path. (The documents' kernels have their own cases
 // in test_documents_cuda.cpp.)
@@ -723,6 +750,10 @@ TEST_CASE("cuda fal the kernels at small shapes, for the sanitizers" * LT_CUDA_C
     CAPTURE(c->name);
     REQUIRE(fal_cuda::causal_chunked(dt, c->D, c->E, kernel_spec(*c, step_options(*c, 3, gpu()))));
     check_fused_sequence(*c, true, dt, 3100 + N, N, 2, true, 0, segments);
+  }
+  {
+    ForwardBlocks cut(5);
+    check_fused_sequence(kChunkConfigs[0], true, DType::BF16, 3150, 161, 2, true);
   }
   REQUIRE(fal_cuda::noncausal_chunked(DType::BF16, 128, 128,
                                       kernel_spec(kNoncausalChunkConfigs[0], step_options(kNoncausalChunkConfigs[0], 3,

@@ -14,7 +14,12 @@
 // (B, H, G - 1, D', E) in f32, are the only extra memory beside the chunk kernels' per-chunk states. Documents
 // (spec.starts) gate both kernels' chunks (chunk.cuh, sweep.cuh) and the scan, which passes no state across a
 // segment that a document start cuts off.
+// The Hopper forward cuts otherwise where that pays (balanced_blocks): one block an SM, each walking an equal run
+// of the list of every (b, h)'s chunks, across (b, h)s as it needs; the local sums of the pieces before the runs'
+// starts are many blocks' work (noncausal::reduce_pieces) and scan_pieces chains them within each (b, h).
+#include <cstdlib>
 #include "ops/fal/chunk.cuh"
+#include "ops/fal/noncausal.cuh"
 #include "ops/fal/sweep.cuh"
 
 namespace lintape::fal_cuda {
@@ -55,6 +60,33 @@ __global__ void scan_segments(float* __restrict__ cells, const float* __restrict
     s = next;
   }
   if (last) last[i] = s;
+}
+
+// The balanced cut's boundaries (chunk::Args::piece): for cut x (1 ... cuts) at item p = x piece, chunk c of
+// (b, h) = bh, c > 0, the state entering chunk c. A thread per value of each cut that starts a chain (its piece
+// begins at the (b, h)'s first chunk) walks the (b, h)'s cuts in order: the state so far (from S0, or zeros)
+// decayed across the piece, plus the piece's runs' sums (partial, runs of run_chunks chunks each, weighted from
+// their ends to the cut), into boundary slot x - 1.
+__global__ void scan_pieces(const float* __restrict__ partial, float* __restrict__ boundary,
+                            const float* __restrict__ S0, const float* __restrict__ decay, int H, int64_t nC,
+                            int64_t piece, int64_t cuts, int64_t runs, int64_t run_chunks, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= cuts * n) return;
+  const int64_t x0 = i / n + 1, j = i % n, bh = x0 * piece / nC;
+  int64_t c = x0 * piece - bh * nC;
+  if (c == 0 || c > piece) return;  // not a chain's first cut
+  const float log2_lam = decay ? __log2f(decay[bh % H]) : 0.0f;
+  float s = S0 ? S0[bh * n + j] : 0.0f;
+  for (int64_t x = x0, lo = 0; x <= cuts && x * piece / nC == bh; ++x) {
+    c = x * piece - bh * nC;
+    s *= chunk::decay_pow(log2_lam, int((c - lo) * chunk::kC));
+    for (int64_t r = 0; r * run_chunks < c - lo; ++r) {
+      const int64_t end = min(lo + (r + 1) * run_chunks, c);
+      s += chunk::decay_pow(log2_lam, int((c - end) * chunk::kC)) * partial[((x - 1) * runs + r) * n + j];
+    }
+    boundary[(x - 1) * n + j] = s;
+    lo = c;
+  }
 }
 
 // One causal sweep (rows pass `pass`) over the whole sequence, or over G segments with their entering states
@@ -142,7 +174,59 @@ void fill_boundaries(const chunk::Args& a, int64_t BH, bool reverse, DType dtype
   LT_CUDA_CHECK_LAUNCH();
 }
 
+// The balanced cut's boundary states (a.piece > 0, a.boundary): the pieces' sums in runs over the GPU, then the
+// scan along each (b, h).
+void piece_boundaries(const chunk::Args& a, DType dtype, cudaStream_t st, Device dev) {
+  const int64_t cuts = (a.list_end + a.piece - 1) / a.piece - 1, n = int64_t(a.P) * a.E;
+  if (cuts <= 0) return;
+  // Runs of about a third of the pieces' chunks an SM, so that the GPU has about three runs an SM to share.
+  int64_t local = 0;
+  for (int64_t x = 1; x <= cuts; ++x) {
+    const int64_t c = x * a.piece % a.nC;
+    local += c == 0 ? 0 : std::min(c, a.piece);
+  }
+  const int64_t sms = cuda::sm_count(dev.index);
+  const int64_t run_chunks = std::max<int64_t>(1, (local + 3 * sms - 1) / (3 * sms));
+  const int64_t runs = (a.piece + run_chunks - 1) / run_chunks;
+  Tensor partial = empty({cuts, runs, n}, DType::F32, dev);
+  noncausal::reduce_pieces(a, dtype, cuts, runs, run_chunks, partial.data_ptr<float>(), st);
+  scan_pieces<<<unsigned((cuts * n + 255) / 256), 256, 0, st>>>(partial.data_ptr<float>(), a.boundary, a.S0, a.decay,
+                                                                a.H, a.nC, a.piece, cuts, runs, run_chunks, n);
+  LT_CUDA_CHECK_LAUNCH();
+}
+
+int64_t g_forward_blocks = 0;  // set_forward_blocks
+
+// The blocks of the balanced cut asked for: set_forward_blocks, else LINTAPE_FAL_FORWARD_BLOCKS (a count; -1 for
+// none), else 0 (as the shapes want).
+int64_t forward_blocks_asked() {
+  if (g_forward_blocks != 0) return g_forward_blocks;
+  static const int64_t env = [] {
+    const char* v = std::getenv("LINTAPE_FAL_FORWARD_BLOCKS");
+    return v ? int64_t(std::atoll(v)) : int64_t(0);
+  }();
+  return env;
+}
+
+// The Hopper forward's balanced cut where it runs and pays (or as asked): a.piece, a.list_end and the boundary
+// states' memory (blocks - 1 of them); undefined and a.piece = 0 otherwise.
+Tensor cut_pieces(chunk::Args& a, int64_t BH, int64_t segments, Device dev) {
+  const int64_t asked = forward_blocks_asked();
+  if (segments != 0 || a.nC == 0 || asked < 0 || !chunk::hopper_forward_runs(a)) return Tensor();
+  const int64_t blocks = asked > 0 ? asked : balanced_blocks({BH, a.nC, a.D, a.P, a.E}, cuda::sm_count(dev.index));
+  if (blocks <= 0) return Tensor();
+  a.list_end = BH * a.nC;
+  a.piece = (a.list_end + blocks - 1) / blocks;
+  const int64_t used = (a.list_end + a.piece - 1) / a.piece;
+  if (used == 1) return Tensor();  // one block walks every chunk: no cut
+  Tensor boundary = empty({used - 1, a.P, a.E}, DType::F32, dev);
+  a.boundary = boundary.data_ptr<float>();
+  return boundary;
+}
+
 }  // namespace
+
+void set_forward_blocks(int64_t blocks) { g_forward_blocks = blocks; }
 
 bool causal_chunked(DType dtype, int64_t D, int64_t E, const FalStepSpec& spec) {
   return chunk::supported(dtype, D, E, spec);
@@ -185,6 +269,28 @@ int64_t chunk_segments(const ChunkShape& s, int sms, bool fused) {
   return best_cost < 0.9 * whole ? (s.nC + best - 1) / best : 1;
 }
 
+// The balanced cut against the uniform one, in chunk_segments' units (an H100's microseconds): the forward's
+// chunks a block walks (a third of a chunk more at each further (b, h)), the pieces' sums (about 4 us a chunk for
+// one block an SM, the pieces' chunks spread over the SMs), each cut's boundary traffic (written, read, scanned,
+// read again) and the two launches. Taken where it gains 10% on the uniform cut's walks alone.
+int64_t balanced_blocks(const ChunkShape& s, int sms) {
+  if (s.nC <= 0 || s.BH <= 0 || sms <= 0) return 0;
+  const int64_t total = s.BH * s.nC, piece = (total + sms - 1) / sms, blocks = (total + piece - 1) / piece;
+  int64_t cuts = 0, local = 0;
+  for (int64_t x = 1; x < blocks; ++x) {
+    const int64_t c = x * piece % s.nC;
+    if (c != 0) ++cuts, local += std::min(c, piece);
+  }
+  const double boundary_us = 4.0 * double(s.P * s.E * 4) / 2.5e6;
+  const int64_t walks = (piece + s.nC - 1) / s.nC + 1;  // the most (b, h)s a block's run touches
+  const double balanced = (double(piece) + 0.3 * double(walks - 1)) * 14.0 + double(local) / sms * 4.0 +
+                          double(cuts) * boundary_us + (cuts > 0 ? 10.0 : 0.0);
+  const int64_t G = chunk_segments(s, sms, true), per = (s.nC + G - 1) / G;
+  const double uniform =
+      double((s.BH * G + sms - 1) / sms) * (double(per) + (G > 1 ? 0.3 : 0.0)) * 14.0;
+  return balanced < 0.9 * uniform ? blocks : 0;
+}
+
 // One block per SM (the state fills shared memory): the time goes as the waves of blocks times the tokens a
 // block walks, and a split adds the local-state pass (about half a sweep) to each segment. A split must gain
 // 20% to be taken (each segment's state is memory).
@@ -218,8 +324,13 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
       a.half_states = states.size(2) < a.nC;
     }
     cudaStream_t st = cuda::stream(dev.index);
-    const Tensor boundary = cut_chunks(a, BH, segments, true, dev);
-    if (a.G > 1) fill_boundaries(a, BH, false, q.dtype(), st);
+    Tensor boundary = cut_pieces(a, BH, segments, dev);
+    if (a.piece > 0) {
+      piece_boundaries(a, q.dtype(), st, dev);
+    } else {
+      boundary = cut_chunks(a, BH, segments, true, dev);
+      if (a.G > 1) fill_boundaries(a, BH, false, q.dtype(), st);
+    }
     chunk::forward(a, q.dtype(), BH, st);
     return;
   }

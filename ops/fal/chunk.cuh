@@ -91,6 +91,11 @@ struct Args {
   int64_t G = 1, seg_chunks = 0;
   float* boundary = nullptr;
   bool local = false;
+  // The Hopper forward's balanced cut (piece > 0, G = 1): block x walks chunks [x piece, (x + 1) piece) of the
+  // list of every (b, h)'s chunks in order (item bh nC + c, list_end = B H nC items), which may take the end of
+  // one (b, h) and the start of the next ones; boundary (blocks - 1, D', E) f32 holds in slot x - 1 the state
+  // entering item x piece where that item is not a (b, h)'s first chunk (causal.cu's piece_boundaries).
+  int64_t piece = 0, list_end = 0;
   bool walks_in_z = false;  // state passes: grid (E tiles, slices, walks), else (walks, slices, E tiles)
 };
 
@@ -103,7 +108,9 @@ __device__ __forceinline__ int64_t opaque_index(int64_t x) {
 
 // The chunks whose entering states a.states holds per (b, h), and the slot of chunk c's (with half_states, of
 // chunk c - 1's for an odd c: the backward's gradient kernel advances it across chunk c - 1).
-__host__ __device__ __forceinline__ int64_t saved_chunks(const Args& a) { return a.half_states ? (a.nC + 1) / 2 : a.nC; }
+__host__ __device__ __forceinline__ int64_t saved_chunks(const Args& a) {
+  return a.half_states ? (a.nC + 1) / 2 : a.nC;
+}
 __device__ __forceinline__ int64_t saved_slot(const Args& a, int64_t c) { return a.half_states ? c / 2 : c; }
 
 // The chunks [c0, c1) that block x of a causal pass walks, and the f32 (D', E) states it starts from and
@@ -142,6 +149,24 @@ __device__ __forceinline__ Walk walk_of(const Args& a, int64_t x, bool reverse) 
   float* end = reverse ? a.dS0 : a.S_final;
   w.start = first ? (begin ? begin + w.bh * PE : nullptr) : a.boundary + (w.bh * slots + seg - (reverse ? 0 : 1)) * PE;
   w.last = final && end ? end + w.bh * PE : nullptr;
+  return w;
+}
+// The fused forward's k-th walk of block x (bh < 0: none): its one walk of walk_of, or under the balanced cut
+// (a.piece > 0) the part of its items in the k-th (b, h) they touch (only the first can start inside one).
+__device__ __forceinline__ Walk forward_walk(const Args& a, int64_t x, int k) {
+  if (a.piece == 0) {
+    if (k == 0) return walk_of(a, x, false);
+    return Walk{-1, 0, 0, nullptr, nullptr};
+  }
+  const size_t PE = size_t(a.P) * a.E;
+  const int64_t f0 = x * a.piece, f1 = min(f0 + a.piece, a.list_end), bh = f0 / a.nC + k;
+  if (bh * a.nC >= f1) return Walk{-1, 0, 0, nullptr, nullptr};
+  Walk w;
+  w.bh = bh;
+  w.c0 = int(max(f0 - bh * a.nC, int64_t(0)));
+  w.c1 = int(min(f1 - bh * a.nC, a.nC));
+  w.start = w.c0 > 0 ? a.boundary + (x - 1) * PE : a.S0 ? a.S0 + bh * PE : nullptr;
+  w.last = w.c1 == a.nC && a.S_final ? a.S_final + bh * PE : nullptr;
   return w;
 }
 

@@ -98,6 +98,13 @@ struct ChunkShape {
   int64_t BH, nC, D, P, E;  // P = D' (2 D with cosine LRPE)
 };
 int64_t chunk_segments(const ChunkShape& shape, int sms, bool fused);
+// The Hopper forward's balanced cut: the blocks (one an SM) that walk equal runs of the list of every (b, h)'s
+// chunks, across (b, h)s, or 0 where the uniform cut (chunk_segments) is about as fast.
+int64_t balanced_blocks(const ChunkShape& shape, int sms);
+// The balanced cut's blocks for the Hopper forward: 0 as the shapes want (balanced_blocks; the environment's
+// LINTAPE_FAL_FORWARD_BLOCKS where set), n > 0 that many, -1 none (the uniform cut). Calls that ask for a
+// number of segments keep the uniform cut. For tests; process-wide, not thread-safe.
+void set_forward_blocks(int64_t blocks);
 
 // Which kernel runs the causal chunk kernels' state passes (the backward's; the forward's when it did not save
 // the chunk states; the local passes of a cut): Walk, one wgmma block per (b, h) and segment holding the whole

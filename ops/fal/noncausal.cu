@@ -8,6 +8,7 @@
 #include <type_traits>
 #include "core/config.h"
 #include "core/cuda_wgmma.cuh"
+#include "ops/fal/chunk_wgmma.cuh"
 #include "ops/fal/noncausal.cuh"
 #include "ops/fal/sweep.cuh"
 
@@ -38,25 +39,30 @@ struct ReduceTiles {
   static constexpr int kZ = Wg ? EP / 8 * chunk::CoreColumnTile::kBlock : kC * (EP + kPad);
 };
 
-// X and Z tiles twice (the next item's rows are stored while this item's product runs), the angle table and the
-// threads' first-row angles.
+// X and Z tiles twice (the next item's rows are stored while this item's product runs), the angle table, the
+// threads' first-row angles and the decay weights of a chunk's rows (the causal pieces' sums).
 template <int DP, int PP, int EP, bool Wg>
 constexpr size_t reduce_smem_bytes(size_t elem) {
   using Tiles = ReduceTiles<PP, EP, Wg>;
   return 2 * elem * size_t(Tiles::kX + Tiles::kZ) + sizeof(float) * kAngleRows * DP +
-         FirstRowAngles<DP, kReduceThreads>::kBytes;
+         FirstRowAngles<DP, kReduceThreads>::kBytes + sizeof(float) * kC;
 }
 
 // A run of items (b, h, chunk), item w = bh nC + chunk, sums X^T Z over its chunks into partial[slot] (P x E
 // f32) for each (b, h) it touches, slot = blockIdx.x + bh (distinct: a run starts where the previous one ended).
 // Wg: the products run on wgmma, asynchronously, while the threads encode the next item (only where
 // LINTAPE_WGMMA was compiled: launch_reduce checks); else on mma.sync, then the encode.
-template <class T, int DP, int PP, int EP, bool Grad, bool Wg>
+// Pieces (kv only, wgmma): the causal forward's local sums under its balanced cut (chunk::Args::piece): block
+// (x - 1) total + r sums run r (`per` chunks) of the piece of items before cut x, the piece's chunks of one (b, h)
+// (the items from max(x piece - piece, the (b, h)'s first) to x piece), with the decay: lambda^(end - 1 - t) on
+// key t for a run ending at token `end`, into partial[blockIdx.x]; blocks past their piece write nothing.
+template <class T, int DP, int PP, int EP, bool Grad, bool Wg, bool Pieces = false>
 __global__ void __launch_bounds__(kReduceThreads, 1)
     reduce_kernel(Args a, float* __restrict__ partial, int64_t per, int64_t total, bool model_acts) {
 #ifndef LINTAPE_WGMMA
   if constexpr (Wg) __trap();  // launch_reduce picks Wg only where wgmma was compiled
 #endif
+  static_assert(!Pieces || (Wg && !Grad), "the pieces' sums are kv sums on wgmma");
   using W = ReduceWarps<PP, EP>;
   using Tiles = ReduceTiles<PP, EP, Wg>;
   constexpr int NThr = kReduceThreads, ldX = PP + kPad, ldZ = EP + kPad, kBuffer = Tiles::kX + Tiles::kZ;
@@ -67,7 +73,13 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
   T* tiles = reinterpret_cast<T*>(smem_raw);  // buffer i: X at i kBuffer, then Z
   float* angles = reinterpret_cast<float*>(tiles + 2 * kBuffer);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
+  int64_t begin = int64_t(blockIdx.x) * per, end = min(begin + per, total);
+  if constexpr (Pieces) {
+    const int64_t x = blockIdx.x / total + 1, r = blockIdx.x % total, p = x * a.piece, bh = p / a.nC;
+    const int64_t c = p - bh * a.nC, lo = max(c - a.piece, int64_t(0)) + r * per, hi = min(lo + per, c);
+    if (lo >= hi) return;  // a cut at a (b, h)'s first chunk (c = 0), or a run past the piece
+    begin = bh * a.nC + lo, end = bh * a.nC + hi;
+  }
   const int64_t dts = int64_t(a.H) * a.E;  // dout's token stride
   const bool cosine = a.lrpe == FalStepSpec::kCosine;
 
@@ -90,6 +102,7 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
   int angles_h = -1;
   FirstRowAngles<DP, NThr> first;
   first.kept = angles + kAngleRows * DP;
+  float* const delta = angles + kAngleRows * DP + FirstRowAngles<DP, NThr>::kBytes / sizeof(float);
   // model_acts (model_acts_of): the acts as constants, code without dispatch.
   auto encode_item = [&](const Item& it, int buf, auto fixed) {
     constexpr bool kFixed = decltype(fixed)::value;
@@ -97,7 +110,8 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
     const int act_z = kFixed ? int(Grad ? FalStepSpec::kSilu : FalStepSpec::kNone) : Grad ? a.act_g : a.act_v;
     T* xs = tiles + buf * kBuffer;
     encode_rows<T, DP, NThr>(a, xr, act_x, angles, first, it.t0(), xs, at_x);
-    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, act_z, it.t0(), 0, nullptr, xs + Tiles::kX, at_z);
+    chunk::store_rows<T, EP, NThr>(a, zr, Grad ? &dr : nullptr, act_z, it.t0(), 0, Pieces ? delta : nullptr,
+                                   xs + Tiles::kX, at_z);
   };
   auto store_item = [&](const Item& it, int buf) {
     if (cosine && it.h != angles_h) {
@@ -125,9 +139,9 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
       acc.zero();
     }
   };
-  // The (b, h)'s partial sum into its slot.
+  // The (b, h)'s partial sum into its slot (a piece's run: the block's).
   auto write = [&](int64_t bh) {
-    float* dst = partial + (int64_t(blockIdx.x) + bh) * PP * a.E;
+    float* dst = partial + (int64_t(blockIdx.x) + (Pieces ? 0 : bh)) * PP * a.E;
     if constexpr (Wg) {
 #pragma unroll
       for (int j = 0; j < W::NW / 8; ++j)
@@ -155,6 +169,13 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
   zero();
   Item cur;
   cur.start(begin, a);  // begin < end: no run is empty
+  // A piece's chunks are whole (only a (b, h)'s last chunk can be short, and a piece ends before a cut): key j of
+  // a chunk weighs lambda^(kC - 1 - j), and the sum so far lambda^kC more at each next chunk.
+  const float log2_lam = Pieces && a.decay ? __log2f(a.decay[cur.h]) : 0.0f;
+  if constexpr (Pieces) {
+    if (threadIdx.x < kC) delta[threadIdx.x] = chunk::decay_pow(log2_lam, kC - 1 - int(threadIdx.x));
+    __syncthreads();
+  }
   fetch_item(cur);
   store_item(cur, 0);
   __syncthreads();
@@ -183,6 +204,11 @@ __global__ void __launch_bounds__(kReduceThreads, 1)
       if (more) store_item(next, buf ^ 1);
       cuda::wgmma_wait<0>();
       cuda::wgmma_fence_operand(wacc);
+      if (Pieces && more) {
+        const float carry = chunk::decay_pow(log2_lam, kC);
+#pragma unroll
+        for (int i = 0; i < W::NW / 2; ++i) wacc[i] *= carry;
+      }
 #endif
     } else {
       chunk::warp_mma<T, true, true>(acc, xs, ldX, m0, xs + kC * ldX, ldZ, n0, kC);
@@ -240,6 +266,15 @@ void launch_reduce(const Args& a, int64_t BH, float* state, cudaStream_t st, Dev
   LT_CUDA_CHECK_LAUNCH();
 }
 
+template <class T, int DP, int PP, int EP>
+void launch_pieces(const Args& a, int64_t cuts, int64_t runs, int64_t run_chunks, float* partial, cudaStream_t st) {
+  auto kernel = reduce_kernel<T, DP, PP, EP, false, true, true>;
+  const size_t smem = reduce_smem_bytes<DP, PP, EP, true>(sizeof(T));
+  LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<unsigned(cuts * runs), kReduceThreads, smem, st>>>(a, partial, run_chunks, runs, model_acts_of(a));
+  LT_CUDA_CHECK_LAUNCH();
+}
+
 template <class T, int DP, int PP, bool Grad>
 void reduce_e(const Args& a, int64_t BH, float* state, cudaStream_t st, Device dev) {
   if (a.E > 64)
@@ -258,6 +293,17 @@ void reduce_t(const Args& a, int64_t BH, float* state, cudaStream_t st, Device d
 }
 
 }  // namespace
+
+void reduce_pieces(const Args& a, DType dtype, int64_t cuts, int64_t runs, int64_t run_chunks, float* partial,
+                   cudaStream_t st) {
+  chunk::for_wgmma_shape(a, [&](auto shape) {
+    using S = decltype(shape);
+    if (dtype == DType::BF16)
+      launch_pieces<__nv_bfloat16, S::kDP, S::kPP, S::kEP>(a, cuts, runs, run_chunks, partial, st);
+    else
+      launch_pieces<__half, S::kDP, S::kPP, S::kEP>(a, cuts, runs, run_chunks, partial, st);
+  });
+}
 
 void reduce(const Args& a, bool grad, DType dtype, int64_t BH, float* state, cudaStream_t st, Device dev) {
   if (dtype == DType::BF16)

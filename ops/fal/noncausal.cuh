@@ -193,6 +193,12 @@ __host__ __device__ inline bool model_acts_of(const Args& a) {
 // otherwise); state (B, H, P, E) f32.
 // state = kv (grad false: k and v over a.N keys) or dkv (grad true: q, g, dout over a.N queries).
 void reduce(const Args& a, bool grad, DType dtype, int64_t BH, float* state, cudaStream_t st, Device dev);
+// The causal forward's balanced cut (chunk::Args::piece, on wgmma): the piece of items before each cut x = 1 ...
+// cuts summed from zero (lambda^(end - 1 - t) kb_t^T vb_t) in `runs` runs of run_chunks chunks, run r of cut x
+// into partial[(x - 1) runs + r] (P x E f32 each; a run past its piece, or a cut at a (b, h)'s first chunk,
+// writes nothing). causal.cu's piece_boundaries scans them into the boundary states.
+void reduce_pieces(const Args& a, DType dtype, int64_t cuts, int64_t runs, int64_t run_chunks, float* partial,
+                   cudaStream_t st);
 enum RowPass : int { kOut, kQueryGrads, kKeyGrads };
 void rows(const Args& a, int pass, DType dtype, int64_t BH, const float* state, cudaStream_t st, Device dev);
 // The row passes on Hopper's warpgroup products (ops/fal/noncausal_rows_hopper.cu), which rows() runs where
