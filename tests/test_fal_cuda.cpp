@@ -384,6 +384,38 @@ TEST_CASE("cuda fal chunked causal forward's balanced cut matches the reference"
 #endif
 }
 
+// The balanced cut against the uniform one at the language model's shape (B 16, H 6, N 2048, D = E = 128, q, k, v,
+// g slices of one projection, the even chunks' states saved): pieces of several chunks summed in runs of several,
+// every cut (132 and 100 blocks) inside a (b, h). The two cuts differ only in rounding.
+TEST_CASE("cuda fal chunked causal forward's balanced cut agrees with the uniform cut at the model's shape" *
+          LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  const StepConfig& c = kChunkConfigs[0];
+  const int64_t B = 16, H = 6, N = 2048, nC = N / 64, P = fal_state_rows(c.lrpe, c.D);
+  const Tensor proj = randn({B, N, 4 * H, c.D}, DType::BF16, gpu(), 4400);
+  const FalStepSpec spec = kernel_spec(c, step_options(c, H, gpu()));
+  std::vector<std::vector<Tensor>> runs;  // out, S_final, saved states per cut
+  for (int64_t blocks : {-1, 132, 100}) {
+    ForwardBlocks cut(blocks);
+    std::vector<Tensor> r = {empty({B, N, H, c.E}, DType::BF16, gpu()), empty({B, H, P, c.E}, DType::F32, gpu()),
+                             empty({B, H, (nC + 1) / 2, P, c.E}, DType::BF16, gpu())};
+    for (Tensor& t : r) poison_(t);
+    fal_cuda::causal_forward(proj.narrow(2, 0, H), proj.narrow(2, H, H), proj.narrow(2, 2 * H, H),
+                             proj.narrow(2, 3 * H, H), spec, Tensor(), r[0], r[1], 0, r[2]);
+    for (Tensor& t : r) t = t.to(Device::cpu());
+    runs.push_back(r);
+  }
+  for (size_t i = 1; i < runs.size(); ++i)
+    for (size_t j = 0; j < 3; ++j) {
+      CAPTURE(i);
+      CAPTURE(j);
+      const double err = rel_error(runs[i][j], runs[0][j]);
+      CHECK(err <= 2e-3);
+    }
+#endif
+}
+
 // The forward saving every chunk's state for the backward (the tape's way) over more walks than the GPU has SMs
 // (B x H x G = 8 x 3 x 7: one 64-token chunk a segment, the last one of 17 tokens).
 TEST_CASE("cuda fal chunked causal saves the chunk states over many walks" * LT_CUDA_CASE) {

@@ -269,25 +269,17 @@ int64_t chunk_segments(const ChunkShape& s, int sms, bool fused) {
   return best_cost < 0.9 * whole ? (s.nC + best - 1) / best : 1;
 }
 
-// The balanced cut against the uniform one, in chunk_segments' units (an H100's microseconds): the forward's
-// chunks a block walks (a third of a chunk more at each further (b, h)), the pieces' sums (about 4 us a chunk for
-// one block an SM, the pieces' chunks spread over the SMs), each cut's boundary traffic (written, read, scanned,
-// read again) and the two launches. Taken where it gains 10% on the uniform cut's walks alone.
+// The balanced cut against the uniform one (chunk_segments' choice), in the uniform walk's chunk times, from the
+// first measurement (bench/notes/fal-hopper.md, session 19, an H200): a balanced block's chunk costs about 1.3 of
+// the uniform walk's (its kernel walks several (b, h)s and spills more at the 128-register cap), and the pieces'
+// sums, their scan and the extra walk's start about 15 chunk times. Taken where it gains 10%: one wave and a
+// small second (B x H a little over the SMs) with long sequences.
 int64_t balanced_blocks(const ChunkShape& s, int sms) {
   if (s.nC <= 0 || s.BH <= 0 || sms <= 0) return 0;
   const int64_t total = s.BH * s.nC, piece = (total + sms - 1) / sms, blocks = (total + piece - 1) / piece;
-  int64_t cuts = 0, local = 0;
-  for (int64_t x = 1; x < blocks; ++x) {
-    const int64_t c = x * piece % s.nC;
-    if (c != 0) ++cuts, local += std::min(c, piece);
-  }
-  const double boundary_us = 4.0 * double(s.P * s.E * 4) / 2.5e6;
-  const int64_t walks = (piece + s.nC - 1) / s.nC + 1;  // the most (b, h)s a block's run touches
-  const double balanced = (double(piece) + 0.3 * double(walks - 1)) * 14.0 + double(local) / sms * 4.0 +
-                          double(cuts) * boundary_us + (cuts > 0 ? 10.0 : 0.0);
+  const double balanced = 1.3 * double(piece) + 15.0;
   const int64_t G = chunk_segments(s, sms, true), per = (s.nC + G - 1) / G;
-  const double uniform =
-      double((s.BH * G + sms - 1) / sms) * (double(per) + (G > 1 ? 0.3 : 0.0)) * 14.0;
+  const double uniform = double((s.BH * G + sms - 1) / sms) * (double(per) + (G > 1 ? 0.3 : 0.0));
   return balanced < 0.9 * uniform ? blocks : 0;
 }
 
