@@ -28,7 +28,11 @@ inline FalOptions step_options(const StepConfig& c, int64_t H, Device dev) {
   o.causal = true;
   if (c.lrpe == FalLrpe::Cosine) o.theta = rates({H, c.D}, dev);
   if (c.lrpe == FalLrpe::Rotate) o.theta = c.theta_cols > 0 ? rates({H, c.theta_cols}, dev) : rates({1, c.D / 2}, dev);
-  if (c.decay) o.decay = from_vector({0.9, 0.99, 0.5}, {H}, DType::F32, dev);
+  if (c.decay) {  // 0.9, 0.99, 0.5 over the heads in turn
+    std::vector<double> lam;
+    for (int64_t h = 0; h < H; ++h) lam.push_back(h % 3 == 0 ? 0.9 : h % 3 == 1 ? 0.99 : 0.5);
+    o.decay = from_vector(lam, {H}, DType::F32, dev);
+  }
   return o;
 }
 
