@@ -395,24 +395,27 @@ TEST_CASE("cuda fal chunked causal forward's balanced cut agrees with the unifor
   const int64_t B = 16, H = 6, N = 2048, nC = N / 64, P = fal_state_rows(c.lrpe, c.D);
   const Tensor proj = randn({B, N, 4 * H, c.D}, DType::BF16, gpu(), 4400);
   const FalStepSpec spec = kernel_spec(c, step_options(c, H, gpu()));
-  std::vector<std::vector<Tensor>> runs;  // out, S_final, saved states per cut
-  for (int64_t blocks : {-1, 132, 100}) {
-    ForwardBlocks cut(blocks);
-    std::vector<Tensor> r = {empty({B, N, H, c.E}, DType::BF16, gpu()), empty({B, H, P, c.E}, DType::F32, gpu()),
-                             empty({B, H, (nC + 1) / 2, P, c.E}, DType::BF16, gpu())};
-    for (Tensor& t : r) poison_(t);
-    fal_cuda::causal_forward(proj.narrow(2, 0, H), proj.narrow(2, H, H), proj.narrow(2, 2 * H, H),
-                             proj.narrow(2, 3 * H, H), spec, Tensor(), r[0], r[1], 0, r[2]);
-    for (Tensor& t : r) t = t.to(Device::cpu());
-    runs.push_back(r);
-  }
-  for (size_t i = 1; i < runs.size(); ++i)
-    for (size_t j = 0; j < 3; ++j) {
-      CAPTURE(i);
-      CAPTURE(j);
-      const double err = rel_error(runs[i][j], runs[0][j]);
-      CHECK(err <= 2e-3);
+  for (bool save : {true, false}) {
+    std::vector<std::vector<Tensor>> runs;  // out, S_final, saved states per cut
+    for (int64_t blocks : {-1, 132, 100}) {
+      ForwardBlocks cut(blocks);
+      std::vector<Tensor> r = {empty({B, N, H, c.E}, DType::BF16, gpu()), empty({B, H, P, c.E}, DType::F32, gpu()),
+                               empty({B, H, (nC + 1) / 2, P, c.E}, DType::BF16, gpu())};
+      for (Tensor& t : r) poison_(t);
+      fal_cuda::causal_forward(proj.narrow(2, 0, H), proj.narrow(2, H, H), proj.narrow(2, 2 * H, H),
+                               proj.narrow(2, 3 * H, H), spec, Tensor(), r[0], r[1], 0, save ? r[2] : Tensor());
+      for (Tensor& t : r) t = t.to(Device::cpu());
+      runs.push_back(r);
     }
+    for (size_t i = 1; i < runs.size(); ++i)
+      for (size_t j = 0; j < (save ? 3u : 2u); ++j) {
+        CAPTURE(save);
+        CAPTURE(i);
+        CAPTURE(j);
+        const double err = rel_error(runs[i][j], runs[0][j]);  // about 5e-5 on an H200
+        CHECK(err <= 2e-3);
+      }
+  }
 #endif
 }
 

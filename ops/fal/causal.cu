@@ -242,23 +242,25 @@ int64_t causal_segment_tokens(int64_t N, int64_t G) {
 // cut adds the local passes over all segments but one (forward: the fused one; backward: one before each
 // state pass), a start-up of about a third of a chunk to every walk, and the boundary states' traffic (each
 // written, scanned and read: four crossings at 2.5 TB/s). It must gain 10%.
-int64_t chunk_segments(const ChunkShape& s, int sms, bool fused) {
-  if (s.nC <= 1 || s.BH <= 0 || sms <= 0) return 1;
+static double segments_cost(const ChunkShape& s, int sms, bool fused, int64_t per) {
   const int64_t tiles = s.D / 64 * ((s.E + 63) / 64);
   const double boundary_us = 4.0 * double(s.P * s.E * 4) / 2.5e6;
   auto waves = [&](int64_t blocks, int64_t per_sm) { return double((blocks + per_sm * sms - 1) / (per_sm * sms)); };
-  auto cost = [&](int64_t per) {
-    const int64_t G = (s.nC + per - 1) / per, cuts = s.BH * (G - 1);
-    const double steps = double(per) + (G > 1 ? 0.3 : 0.0);
-    if (fused) {
-      const double cut = G > 1 ? waves(cuts, 1) * steps * 5.0 + double(cuts) * boundary_us : 0.0;
-      return cut + waves(s.BH * G, 1) * steps * 14.0;
-    }
-    const double cut = G > 1 ? waves(cuts, 1) * steps * 5.0 + waves(cuts * tiles, 3) * steps * 5.5 +
-                                   2.0 * double(cuts) * boundary_us
-                             : 0.0;
-    return cut + 2.0 * waves(s.BH * G * tiles, 3) * steps * 6.0;
-  };
+  const int64_t G = (s.nC + per - 1) / per, cuts = s.BH * (G - 1);
+  const double steps = double(per) + (G > 1 ? 0.3 : 0.0);
+  if (fused) {
+    const double cut = G > 1 ? waves(cuts, 1) * steps * 5.0 + double(cuts) * boundary_us : 0.0;
+    return cut + waves(s.BH * G, 1) * steps * 14.0;
+  }
+  const double cut = G > 1 ? waves(cuts, 1) * steps * 5.0 + waves(cuts * tiles, 3) * steps * 5.5 +
+                                 2.0 * double(cuts) * boundary_us
+                           : 0.0;
+  return cut + 2.0 * waves(s.BH * G * tiles, 3) * steps * 6.0;
+}
+
+int64_t chunk_segments(const ChunkShape& s, int sms, bool fused) {
+  if (s.nC <= 1 || s.BH <= 0 || sms <= 0) return 1;
+  auto cost = [&](int64_t per) { return segments_cost(s, sms, fused, per); };
   int64_t best = s.nC;  // chunks per segment
   const double whole = cost(s.nC);
   double best_cost = whole;
@@ -269,18 +271,18 @@ int64_t chunk_segments(const ChunkShape& s, int sms, bool fused) {
   return best_cost < 0.9 * whole ? (s.nC + best - 1) / best : 1;
 }
 
-// The balanced cut against the uniform one (chunk_segments' choice), in the uniform walk's chunk times, from the
-// first measurement (bench/notes/fal-hopper.md, session 19, an H200): a balanced block's chunk costs about 1.3 of
-// the uniform walk's (its kernel walks several (b, h)s and spills more at the 128-register cap), and the pieces'
-// sums, their scan and the extra walk's start about 15 chunk times. Taken where it gains 10%: one wave and a
-// small second (B x H a little over the SMs) with long sequences.
+// The balanced cut against the uniform one (chunk_segments' choice and its cost, with its local pass), in the
+// fused forward's chunk times, from the first measurement (bench/notes/fal-hopper.md, session 19, an H200): a
+// balanced block's chunk costs about 1.3 of the uniform walk's (its kernel walks several (b, h)s and spills more
+// at the 128-register cap), the pieces' sums, their scan and the extra walk's start about 15 chunk times. Taken
+// where it gains 5%: B x H a little over the SMs (one wave and a small second), not at B x H under the SMs.
 int64_t balanced_blocks(const ChunkShape& s, int sms) {
   if (s.nC <= 0 || s.BH <= 0 || sms <= 0) return 0;
   const int64_t total = s.BH * s.nC, piece = (total + sms - 1) / sms, blocks = (total + piece - 1) / piece;
   const double balanced = 1.3 * double(piece) + 15.0;
-  const int64_t G = chunk_segments(s, sms, true), per = (s.nC + G - 1) / G;
-  const double uniform = double((s.BH * G + sms - 1) / sms) * (double(per) + (G > 1 ? 0.3 : 0.0));
-  return balanced < 0.9 * uniform ? blocks : 0;
+  const int64_t G = chunk_segments(s, sms, true);
+  const double uniform = segments_cost(s, sms, true, (s.nC + G - 1) / G) / 14.0;
+  return balanced < 0.95 * uniform ? blocks : 0;
 }
 
 // One block per SM (the state fills shared memory): the time goes as the waves of blocks times the tokens a
