@@ -241,7 +241,7 @@ int64_t causal_segment_tokens(int64_t N, int64_t G) {
 // chunk for a wave of three blocks per SM (D / 64 x E / 64 blocks per (b, h)), its reverse local pass 5.5 us. A
 // cut adds the local passes over all segments but one (forward: the fused one; backward: one before each
 // state pass), a start-up of about a third of a chunk to every walk, and the boundary states' traffic (each
-// written, scanned and read: four crossings at 2.5 TB/s). It must gain 10%.
+// written, scanned and read: four crossings at 2.5 TB/s). The cost of segments of `per` chunks, in microseconds.
 static double segments_cost(const ChunkShape& s, int sms, bool fused, int64_t per) {
   const int64_t tiles = s.D / 64 * ((s.E + 63) / 64);
   const double boundary_us = 4.0 * double(s.P * s.E * 4) / 2.5e6;
@@ -258,6 +258,7 @@ static double segments_cost(const ChunkShape& s, int sms, bool fused, int64_t pe
   return cut + 2.0 * waves(s.BH * G * tiles, 3) * steps * 6.0;
 }
 
+// A cut must gain 10%.
 int64_t chunk_segments(const ChunkShape& s, int sms, bool fused) {
   if (s.nC <= 1 || s.BH <= 0 || sms <= 0) return 1;
   auto cost = [&](int64_t per) { return segments_cost(s, sms, fused, per); };

@@ -151,13 +151,9 @@ __device__ __forceinline__ Walk walk_of(const Args& a, int64_t x, bool reverse) 
   w.last = final && end ? end + w.bh * PE : nullptr;
   return w;
 }
-// The fused forward's k-th walk of block x (bh < 0: none): its one walk of walk_of, or under the balanced cut
-// (a.piece > 0) the part of its items in the k-th (b, h) they touch (only the first can start inside one).
+// The balanced cut's (a.piece > 0) k-th walk of block x in the fused forward (bh < 0: none): the part of the
+// block's items in the k-th (b, h) they touch (only the first can start inside one).
 __device__ __forceinline__ Walk forward_walk(const Args& a, int64_t x, int k) {
-  if (a.piece == 0) {
-    if (k == 0) return walk_of(a, x, false);
-    return Walk{-1, 0, 0, nullptr, nullptr};
-  }
   const size_t PE = size_t(a.P) * a.E;
   const int64_t f0 = x * a.piece, f1 = min(f0 + a.piece, a.list_end), bh = f0 / a.nC + k;
   if (bh * a.nC >= f1) return Walk{-1, 0, 0, nullptr, nullptr};
