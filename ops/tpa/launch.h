@@ -25,6 +25,9 @@ struct DecodeArgs {
   // at once, 0 the last-block combine, -1 what LINTAPE_TPA_DECODE_CLUSTER says (unset: 16, faster than 8
   // at every measured shape on an H100, bench/notes/tpa-decode.md).
   int cluster = -1;
+  // Tensor-core kernel, cluster schedule: a block of 4 warps (two 16-row chunks a warp a tile) or 8 (one chunk a
+  // warp, so each tile's chain is half as long; one block an SM); 0: what LINTAPE_TPA_DECODE_WARPS says (unset: 4).
+  int warps = 0;
 };
 
 // out (B, 1, H, E) contiguous, in the factors' dtype. The tensor-core kernel is one launch (with a split
