@@ -99,6 +99,10 @@ TEST_CASE("cuda tpa decode schedules: the seeds' shape, twice, within 5e-3 of f6
   // A block is 4 or 8 warps: anything else is an error that names the setting.
   const DecodeShape s{2, 64, 32, 16, 1, 1, 128, 128};
   const FactorInputs f = decode_inputs(s, DType::BF16, 3, gpu());
-  CHECK_THROWS_WITH(run(f, {64, 64}, 16, 0, 6), doctest::Contains("4 or 8 warps"));
+  tpa_cuda::DecodeArgs a{f.gpu[0], f.gpu[1], f.gpu[2], f.gpu[3], f.gpu[4], f.gpu[5], {64, 64}};
+  a.scale = 1.0 / std::sqrt(double(s.D));
+  a.warps = 6;
+  Tensor out = empty({s.B, 1, s.H, s.E}, DType::BF16, gpu());
+  CHECK_THROWS_WITH(tpa_cuda::decode(a, out), doctest::Contains("4 or 8 warps"));
 #endif
 }
