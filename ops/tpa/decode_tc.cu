@@ -199,6 +199,12 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   cluster = std::min(cluster, g.splits);
   g.cluster = cluster;
   g.gather = request > kMaxCluster;
+  {  // TRIAL
+    const char* v = std::getenv("LINTAPE_TPA_DECODE_TRIAL");
+    const int t = v ? std::atoi(v) : 0;
+    g.trial_lean_copy = t & 1;
+    g.trial_skip_rescale = t & 2;
+  }
   if (cluster) g.splits = (g.splits + cluster - 1) / cluster * cluster;
   const int slots = cluster ? g.splits / cluster : g.splits;  // partial results a sequence
   Tensor length_storage, part_acc, part_stat;
