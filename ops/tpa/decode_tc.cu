@@ -2,10 +2,11 @@
 // row's (ak, bk, av, bv) once, never building k or v. The kernel is in ops/tpa/decode_tc_kernel.cuh; this file
 // picks its tiles, splits and clusters, and launches it.
 //
-// A block (4 warps) takes one sequence b and one split of its cache, in tiles streamed into shared memory
-// by cp.async (2 to 4 stages, one barrier per tile). Warp w owns 16 heads (head group w % HG) and one or
-// two 16-row chunks of each tile (row group w / HG; two where that still fits two blocks an SM, so that
-// the chunks' chains interleave), so a tile has 16 * chunks * 4 / HG rows. Per chunk and warp, all in
+// A block (4 warps, or 8 for short caches of small batches: warps_request) takes one sequence b and one split
+// of its cache, in tiles streamed into shared memory by cp.async (2 to 4 stages, one barrier per tile). Warp w
+// owns 16 heads (head group w % HG) and one or two 16-row chunks of each tile (row group w / HG; with 4 warps two
+// where that still fits two blocks an SM, so that the chunks' chains interleave; with 8 warps one), so a tile has
+// 16 * chunks * warps / HG rows. Per chunk and warp, all in
 // registers (mma m16n8k16, f32 accumulation):
 //   C   = bk[rows, rk] bq^T                    (16 rows x 16 ranks of q; R_q padded to 16)
 //   S^T = aq C^T scaled by ak[rows, heads, rk], summed over rk   (16 heads x 16 rows); C's accumulators
@@ -199,12 +200,6 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   cluster = std::min(cluster, g.splits);
   g.cluster = cluster;
   g.gather = request > kMaxCluster;
-  {  // TRIAL
-    const char* v = std::getenv("LINTAPE_TPA_DECODE_TRIAL");
-    const int t = v ? std::atoi(v) : 0;
-    g.trial_lean_copy = t & 1;
-    g.trial_skip_rescale = t & 2;
-  }
   if (cluster) g.splits = (g.splits + cluster - 1) / cluster * cluster;
   const int slots = cluster ? g.splits / cluster : g.splits;  // partial results a sequence
   Tensor length_storage, part_acc, part_stat;
@@ -245,7 +240,13 @@ void launch_for_shape(const DecodeArgs& a, const Geo& g, Tensor& out) {
   else wide ? launch<T, W, 4, 16, CH>(a, g, out) : launch<T, W, 4, 8, CH>(a, g, out);
 }
 
-// The warps a block asked for: DecodeArgs::warps, else LINTAPE_TPA_DECODE_WARPS, else 4.
+// The warps a block asked for: DecodeArgs::warps, else LINTAPE_TPA_DECODE_WARPS, else the shape's: 8 for a batch
+// of at most kWideBatch sequences of at most kWideRows cache rows, else 4. A block of 8 warps halves each warp's share
+// of a tile, so a short cache's chain of one or two tiles a block is shorter (H200, B 8: 0.2-1.0 us less at M 1-4096);
+// it runs one block an SM, so long caches and large batches, where two blocks of 4 warps an SM overlap their tiles,
+// keep 4 (B 8 M 8192: 34.1 against 32.0 us; B 32: 0.3 us faster at M <= 128 and 384, slower at M 256 and from 512,
+// by 88 us at 32768). bench/notes/tpa-decode.md.
+constexpr int64_t kWideBatch = 8, kWideRows = 4096;
 int warps_request(const DecodeArgs& a) {
   static const int env = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_WARPS");
@@ -254,11 +255,12 @@ int warps_request(const DecodeArgs& a) {
   const int w = a.warps > 0 ? a.warps : env;
   LT_CHECK(w == 0 || w == kNarrowWarps || w == kWideWarps,
            "[tpa_decode] a block has 4 or 8 warps (DecodeArgs::warps, LINTAPE_TPA_DECODE_WARPS); got ", w);
-  return w == 0 ? kNarrowWarps : w;
+  if (w) return w;
+  return a.aq.size(0) <= kWideBatch && a.ak.size(1) <= kWideRows ? kWideWarps : kNarrowWarps;
 }
 
-// Blocks of 8 warps, one 16-row chunk a warp, where asked for and the cluster schedule applies; else 4 warps,
-// two chunks a warp (their chains interleave) where that keeps two blocks an SM, else one.
+// Blocks of 8 warps, one 16-row chunk a warp, where warps_request says so and the cluster schedule applies; else 4
+// warps, two chunks a warp (their chains interleave) where that keeps two blocks an SM, else one.
 Geo pick_geo(const DecodeArgs& a) {
   if (warps_request(a) == kWideWarps && cluster_request(a) >= 1 &&
       reinterpret_cast<uintptr_t>(a.bq.data()) % 16 == 0) {
