@@ -17,11 +17,13 @@ __device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
   return raw + (Align - smem_addr(raw) % Align) % Align;
 }
 
-// 16 bytes global -> shared, bypassing L1; zero-filled when !valid (src is then not read).
+// 16 bytes global -> shared, bypassing L1; zero-filled when !valid (src is then not read). The first form takes the
+// destination as a shared-space address (smem_addr), for loops that step it instead of converting a pointer a copy.
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src, bool valid = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid = true) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  cp_async16_at(smem_addr(dst), src, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most Pending of this thread's committed groups are in flight.

@@ -1,7 +1,6 @@
 // TPA fused CUDA decode, the tensor-core kernel's schedules side by side: the last-block combine (cluster 0),
 // clusters of up to 8 (the portable size) and one cluster a sequence of up to 16 blocks where the splits fit
-// (DecodeArgs::cluster 16), with blocks of 4 and of 8 warps (DecodeArgs::warps), each on a poisoned output
-// against the f64 CPU reference.
+// (DecodeArgs::cluster 16), each on a poisoned output against the f64 CPU reference.
 #include <cmath>
 #include <vector>
 #include "helpers.h"
@@ -22,13 +21,11 @@ std::vector<int64_t> mixed(const DecodeShape& s) {
   return lengths;
 }
 
-Tensor run(const FactorInputs& f, const std::vector<int64_t>& lengths, int cluster, int64_t split_rows,
-           int warps = 0) {
+Tensor run(const FactorInputs& f, const std::vector<int64_t>& lengths, int cluster, int64_t split_rows) {
   tpa_cuda::DecodeArgs a{f.gpu[0], f.gpu[1], f.gpu[2], f.gpu[3], f.gpu[4], f.gpu[5], lengths};
   a.scale = 1.0 / std::sqrt(double(f.gpu[1].size(3)));
   a.cluster = cluster;
   a.split_rows = split_rows;
-  a.warps = warps;
   REQUIRE(tpa_cuda::decode_uses_tensor_cores(a));
   Tensor out = empty({f.gpu[0].size(0), 1, f.gpu[0].size(2), f.gpu[5].size(3)}, f.gpu[0].dtype(), gpu());
   poison_(out);
@@ -46,8 +43,7 @@ TEST_CASE("cuda tpa decode schedules: one cluster a sequence against the others"
   // the bench's short caches), M = 1, M not a multiple of the 64-row tile (or the 32-row one of H = 64),
   // ranks 1 and 16 for q, D and E 64 and 128, ranks 2 for k and v (one 16-row chunk a warp: the last-block
   // schedule under every cluster value, with its gathering combine under 16); split_rows 64 gives several
-  // clusters a sequence, combined by the last block (clusters of 16 with cluster 16). Blocks of 8 warps (one chunk
-  // a warp) under clusters 8 and 16; cluster 0 keeps 4 warps.
+  // clusters a sequence, combined by the last block (clusters of 16 with cluster 16).
   const DecodeShape shapes[] = {{8, 2048, 32, 16, 1, 1, 128, 128}, {8, 1000, 32, 1, 1, 1, 64, 64},
                            {3, 1, 32, 16, 1, 1, 128, 128},    {2, 1999, 32, 16, 2, 2, 128, 128},
                            {5, 777, 16, 16, 1, 1, 64, 128},   {4, 1201, 64, 16, 1, 1, 128, 128},
@@ -58,19 +54,17 @@ TEST_CASE("cuda tpa decode schedules: one cluster a sequence against the others"
       const std::vector<int64_t> lengths = mixed(s);
       const Tensor ref = cpu_decode(f, lengths);
       for (int cluster : {0, 8, 16})
-        for (int64_t split_rows : {int64_t(0), int64_t(64)})
-          for (int warps : {4, 8}) {
-            CAPTURE(s.B);
-            CAPTURE(s.M);
-            CAPTURE(s.H);
-            CAPTURE(s.Rq);
-            CAPTURE(s.D);
-            CAPTURE(dtype_name(dt));
-            CAPTURE(cluster);
-            CAPTURE(split_rows);
-            CAPTURE(warps);
-            CHECK_CLOSE_TENSOR(run(f, lengths, cluster, split_rows, warps), ref, dt);
-          }
+        for (int64_t split_rows : {int64_t(0), int64_t(64)}) {
+          CAPTURE(s.B);
+          CAPTURE(s.M);
+          CAPTURE(s.H);
+          CAPTURE(s.Rq);
+          CAPTURE(s.D);
+          CAPTURE(dtype_name(dt));
+          CAPTURE(cluster);
+          CAPTURE(split_rows);
+          CHECK_CLOSE_TENSOR(run(f, lengths, cluster, split_rows), ref, dt);
+        }
     }
 #endif
 }
@@ -86,23 +80,13 @@ TEST_CASE("cuda tpa decode schedules: the seeds' shape, twice, within 5e-3 of f6
     const FactorInputs f = decode_inputs(s, DType::BF16, uint64_t(M), gpu());
     const std::vector<int64_t> lengths = mixed(s);
     const Tensor ref = cpu_decode(f, lengths);
-    for (int cluster : {0, 8, 16})
-      for (int warps : {4, 8}) {
-        CAPTURE(M);
-        CAPTURE(cluster);
-        CAPTURE(warps);
-        const Tensor out = run(f, lengths, cluster, 0, warps);
-        CHECK(rel_error(out, ref) <= 5e-3);
-        CHECK(rel_error(run(f, lengths, cluster, 0, warps), out) == 0.0);
-      }
+    for (int cluster : {0, 8, 16}) {
+      CAPTURE(M);
+      CAPTURE(cluster);
+      const Tensor out = run(f, lengths, cluster, 0);
+      CHECK(rel_error(out, ref) <= 5e-3);
+      CHECK(rel_error(run(f, lengths, cluster, 0), out) == 0.0);
+    }
   }
-  // A block is 4 or 8 warps: anything else is an error that names the setting.
-  const DecodeShape s{2, 64, 32, 16, 1, 1, 128, 128};
-  const FactorInputs f = decode_inputs(s, DType::BF16, 3, gpu());
-  tpa_cuda::DecodeArgs a{f.gpu[0], f.gpu[1], f.gpu[2], f.gpu[3], f.gpu[4], f.gpu[5], {64, 64}};
-  a.scale = 1.0 / std::sqrt(double(s.D));
-  a.warps = 6;
-  Tensor out = empty({s.B, 1, s.H, s.E}, DType::BF16, gpu());
-  CHECK_THROWS_WITH(tpa_cuda::decode(a, out), doctest::Contains("4 or 8 warps"));
 #endif
 }

@@ -2,11 +2,10 @@
 // row's (ak, bk, av, bv) once, never building k or v. The kernel is in ops/tpa/decode_tc_kernel.cuh; this file
 // picks its tiles, splits and clusters, and launches it.
 //
-// A block (4 warps, or 8 for short caches of small batches: warps_request) takes one sequence b and one split
-// of its cache, in tiles streamed into shared memory by cp.async (2 to 4 stages, one barrier per tile). Warp w
-// owns 16 heads (head group w % HG) and one or two 16-row chunks of each tile (row group w / HG; with 4 warps two
-// where that still fits two blocks an SM, so that the chunks' chains interleave; with 8 warps one), so a tile has
-// 16 * chunks * warps / HG rows. Per chunk and warp, all in
+// A block (4 warps) takes one sequence b and one split of its cache, in tiles streamed into shared memory
+// by cp.async (2 to 4 stages, one barrier per tile). Warp w owns 16 heads (head group w % HG) and one or
+// two 16-row chunks of each tile (row group w / HG; two where that still fits two blocks an SM, so that
+// the chunks' chains interleave), so a tile has 16 * chunks * 4 / HG rows. Per chunk and warp, all in
 // registers (mma m16n8k16, f32 accumulation):
 //   C   = bk[rows, rk] bq^T                    (16 rows x 16 ranks of q; R_q padded to 16)
 //   S^T = aq C^T scaled by ak[rows, heads, rk], summed over rk   (16 heads x 16 rows); C's accumulators
@@ -82,17 +81,17 @@ int cluster_request(const DecodeArgs& a) {
   return std::min(a.cluster >= 0 ? a.cluster : env, kMaxWhole);
 }
 
-// A launch of clusters of `cluster` blocks of `threads` with `smem` bytes of dynamic shared memory, for the
+// A launch of clusters of `cluster` blocks of kThreads with `smem` bytes of dynamic shared memory, for the
 // occupancy query and the launch alike (the attribute lives beside the configuration that points at it).
 struct ClusterLaunch {
   cudaLaunchAttribute attr{};
   cudaLaunchConfig_t cfg{};
-  ClusterLaunch(dim3 grid, int threads, int cluster, int smem, cudaStream_t st) {
+  ClusterLaunch(dim3 grid, int cluster, int smem, cudaStream_t st) {
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = unsigned(cluster);
     attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(unsigned(threads));
+    cfg.blockDim = dim3(kThreads);
     cfg.dynamicSmemBytes = size_t(smem);
     cfg.stream = st;
     cfg.attrs = &attr;
@@ -105,9 +104,9 @@ struct ClusterLaunch {
 // The kernel's limits, worked out once per device and shared-memory size: its dynamic shared memory
 // allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0; 0 when
 // not one cluster of that size fits).
-template <class T, int W, int HG, int NT, int CH, bool CL>
+template <class T, int HG, int NT, int CH, bool CL>
 int64_t prepare(int device, const Geo& g, int cluster) {
-  auto kernel = decode_tc<T, W, HG, NT, CH, CL>;
+  auto kernel = decode_tc<T, HG, NT, CH, CL>;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
   static bool non_portable[kMaxDevices] = {};
   static int seen_total[kMaxDevices][kMaxWhole + 1] = {};
@@ -123,10 +122,10 @@ int64_t prepare(int device, const Geo& g, int cluster) {
   if (seen_total[device][cluster] != g.total) {
     if (cluster == 0) {
       int blocks = 0;
-      LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * W, size_t(g.total)));
+      LT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, size_t(g.total)));
       resident[device][cluster] = int64_t(std::max(1, blocks)) * sm_count(device);
     } else {
-      const ClusterLaunch c(dim3(unsigned(cluster)), 32 * W, cluster, g.total, nullptr);
+      const ClusterLaunch c(dim3(unsigned(cluster)), cluster, g.total, nullptr);
       int clusters = 0;
       LT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &c.cfg));
       resident[device][cluster] = int64_t(clusters) * cluster;
@@ -136,22 +135,17 @@ int64_t prepare(int device, const Geo& g, int cluster) {
   return resident[device][cluster];
 }
 
-// W, CH: a block's warps and a warp's chunks a tile. Blocks of 8 warps (one chunk a warp) run the cluster
-// schedule only (pick_geo asks for them only where it applies).
-template <class T, int W, int HG, int NT, int CH>
+template <class T, int HG, int NT, int CH>
 void launch(const DecodeArgs& a, Geo g, Tensor& out) {
-  constexpr bool kClustered = CH == 2 || W == kWideWarps;
-  constexpr int kThreads = 32 * W;
   const Device dev = a.aq.device();
   const int device = dev.index;
-  // The cluster schedule where it was asked for and applies (two chunks a warp, or 8 warps; bq 16-byte aligned).
+  // The cluster schedule where it was asked for and applies (two chunks a warp, bq 16-byte aligned).
   const int request = cluster_request(a), cluster_cap = std::min(request, kMaxCluster);
   int cluster = cluster_cap;
-  if (!kClustered || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
-  LT_CHECK(cluster || W == kNarrowWarps, "[tpa_decode] blocks of 8 warps run the cluster schedule only");
-  auto kernel = decode_tc<T, kNarrowWarps, HG, NT, CH, false>;
-  auto clustered = decode_tc<T, W, HG, NT, CH, kClustered>;
-  auto resident_with = [&](int c) { return prepare<T, W, HG, NT, CH, kClustered>(device, g, c); };
+  if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
+  auto kernel = decode_tc<T, HG, NT, CH, false>;
+  auto clustered = decode_tc<T, HG, NT, CH, CH == 2>;
+  auto resident_with = [&](int c) { return prepare<T, HG, NT, CH, CH == 2>(device, g, c); };
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
   int64_t resident = 0;
   if (cluster) {
@@ -168,7 +162,7 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
     cluster = best;
     resident = std::max<int64_t>(blocks[best], 1) * B;
   } else {
-    resident = prepare<T, kNarrowWarps, HG, NT, CH, false>(device, g, 0);
+    resident = prepare<T, HG, NT, CH, false>(device, g, 0);
   }
   int64_t rows = a.split_rows;
   if (rows > 0) {
@@ -220,55 +214,30 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   T* o = static_cast<T*>(out.data());
   const dim3 grid(unsigned(g.splits), unsigned(B));
   if (!cluster) {
-    kernel<<<grid, 32 * kNarrowWarps, size_t(g.total), stream(device)>>>(f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa,
+    kernel<<<grid, kThreads, size_t(g.total), stream(device)>>>(f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa,
                                                                 ps, counters, g);
     LT_CUDA_CHECK_LAUNCH();
     return;
   }
-  const ClusterLaunch c(grid, kThreads, cluster, g.total, stream(device));
+  const ClusterLaunch c(grid, cluster, g.total, stream(device));
   LT_CUDA_CHECK(cudaLaunchKernelEx(&c.cfg, clustered, f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa, ps,
                                    counters, g));
   LT_CUDA_CHECK_LAUNCH();
 }
 
-template <class T, int W, int CH>
+template <class T, int CH>
 void launch_for_shape(const DecodeArgs& a, const Geo& g, Tensor& out) {
   const int hg = head_groups(g.H);
   const bool wide = g.E == 128;
-  if (hg == 1) wide ? launch<T, W, 1, 16, CH>(a, g, out) : launch<T, W, 1, 8, CH>(a, g, out);
-  else if (hg == 2) wide ? launch<T, W, 2, 16, CH>(a, g, out) : launch<T, W, 2, 8, CH>(a, g, out);
-  else wide ? launch<T, W, 4, 16, CH>(a, g, out) : launch<T, W, 4, 8, CH>(a, g, out);
+  if (hg == 1) wide ? launch<T, 1, 16, CH>(a, g, out) : launch<T, 1, 8, CH>(a, g, out);
+  else if (hg == 2) wide ? launch<T, 2, 16, CH>(a, g, out) : launch<T, 2, 8, CH>(a, g, out);
+  else wide ? launch<T, 4, 16, CH>(a, g, out) : launch<T, 4, 8, CH>(a, g, out);
 }
 
-// The warps a block asked for: DecodeArgs::warps, else LINTAPE_TPA_DECODE_WARPS, else the shape's: 8 for a batch
-// of at most kWideBatch sequences of at most kWideRows cache rows, else 4. A block of 8 warps halves each warp's share
-// of a tile, so a short cache's chain of one or two tiles a block is shorter (H200, B 8: 0.2-1.0 us less at M 1-4096);
-// it runs one block an SM, so long caches and large batches, where two blocks of 4 warps an SM overlap their tiles,
-// keep 4 (B 8 M 8192: 34.1 against 32.0 us; B 32: 0.3 us faster at M <= 128 and 384, slower at M 256 and from 512,
-// by 88 us at 32768). bench/notes/tpa-decode.md.
-constexpr int64_t kWideBatch = 8, kWideRows = 4096;
-int warps_request(const DecodeArgs& a) {
-  static const int env = [] {
-    const char* v = std::getenv("LINTAPE_TPA_DECODE_WARPS");
-    return v ? std::atoi(v) : 0;
-  }();
-  const int w = a.warps > 0 ? a.warps : env;
-  LT_CHECK(w == 0 || w == kNarrowWarps || w == kWideWarps,
-           "[tpa_decode] a block has 4 or 8 warps (DecodeArgs::warps, LINTAPE_TPA_DECODE_WARPS); got ", w);
-  if (w) return w;
-  return a.aq.size(0) <= kWideBatch && a.ak.size(1) <= kWideRows ? kWideWarps : kNarrowWarps;
-}
-
-// Blocks of 8 warps, one 16-row chunk a warp, where warps_request says so and the cluster schedule applies; else 4
-// warps, two chunks a warp (their chains interleave) where that keeps two blocks an SM, else one.
+// Two 16-row chunks a warp (their chains interleave) where that keeps two blocks an SM, else one.
 Geo pick_geo(const DecodeArgs& a) {
-  if (warps_request(a) == kWideWarps && cluster_request(a) >= 1 &&
-      reinterpret_cast<uintptr_t>(a.bq.data()) % 16 == 0) {
-    const Geo wide = make_geo(a, 1, kWideWarps);
-    if (wide.total <= kMaxSharedBytes) return wide;
-  }
-  const Geo two = make_geo(a, 2, kNarrowWarps);
-  return two.total <= kTwoBlocksBytes ? two : make_geo(a, 1, kNarrowWarps);
+  const Geo two = make_geo(a, 2);
+  return two.total <= kTwoBlocksBytes ? two : make_geo(a, 1);
 }
 
 }  // namespace
@@ -289,14 +258,10 @@ bool decode_uses_tensor_cores(const DecodeArgs& a) {
 void decode_tensor_cores(const DecodeArgs& a, Tensor& out) {
   const Geo g = pick_geo(a);
   const int ch = g.chunks;
-  const bool bf16 = a.aq.dtype() == DType::BF16;
-  if (g.warps == kWideWarps)
-    bf16 ? launch_for_shape<__nv_bfloat16, kWideWarps, 1>(a, g, out) : launch_for_shape<__half, kWideWarps, 1>(a, g, out);
-  else if (bf16)
-    ch == 2 ? launch_for_shape<__nv_bfloat16, kNarrowWarps, 2>(a, g, out)
-            : launch_for_shape<__nv_bfloat16, kNarrowWarps, 1>(a, g, out);
+  if (a.aq.dtype() == DType::BF16)
+    ch == 2 ? launch_for_shape<__nv_bfloat16, 2>(a, g, out) : launch_for_shape<__nv_bfloat16, 1>(a, g, out);
   else
-    ch == 2 ? launch_for_shape<__half, kNarrowWarps, 2>(a, g, out) : launch_for_shape<__half, kNarrowWarps, 1>(a, g, out);
+    ch == 2 ? launch_for_shape<__half, 2>(a, g, out) : launch_for_shape<__half, 1>(a, g, out);
 }
 
 }  // namespace lintape::tpa_cuda

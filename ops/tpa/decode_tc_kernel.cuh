@@ -11,8 +11,8 @@
 namespace lintape::tpa_cuda::decode_tc_kernel {
 using namespace lintape::cuda;
 using namespace lintape::cuda_device;
-// A block is 4 warps, or 8 (LINTAPE_TPA_DECODE_WARPS=8 or DecodeArgs::warps): the kernel's W.
-constexpr int kNarrowWarps = 4, kWideWarps = 8;
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWarps = kThreads / 32;
 constexpr int kPad = 8;  // 16-bit elements of padding per shared row: conflict-free ldmatrix
 constexpr int kMaxSplits = 64;
 constexpr int kMaxCluster = 8;  // the portable cluster size
@@ -25,7 +25,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 struct Geo {
   int H, Rq, Rk, Rv, D, E;
-  int warps;                       // a block's warps (the kernel's W)
   int chunks, rows;                // 16-row chunks a warp takes of each tile; rows a tile
   int stages, splits, split_rows;  // split_rows: cache rows a split
   int cluster;                     // blocks a cluster (cluster schedule; splits is a multiple of it), else 0
@@ -41,12 +40,11 @@ struct Geo {
 
 int head_groups(int64_t H) { return H <= 16 ? 1 : H <= 32 ? 2 : 4; }
 
-Geo make_geo(const DecodeArgs& a, int ch, int warps) {
+Geo make_geo(const DecodeArgs& a, int ch) {
   Geo g{};
   fill_decode_dims(g, a);
-  g.warps = warps;
   g.chunks = ch;
-  g.rows = 16 * (warps / head_groups(g.H)) * ch;
+  g.rows = 16 * (kWarps / head_groups(g.H)) * ch;
   g.q_mix = float(a.scale) * kLog2e / float(g.Rq * g.Rk);
   g.inv_rv = 1.f / float(g.Rv);
   g.bq_stride = g.bk_stride = g.D + kPad;
@@ -58,7 +56,7 @@ Geo make_geo(const DecodeArgs& a, int ch, int warps) {
   g.st_av = g.st_bk + g.rows * g.Rk * g.bk_stride * e2;
   g.st_bv = g.st_av + g.rows * g.H * g.Rv * e2;
   g.stage = g.st_bv + g.rows * g.Rv * g.bv_stride * e2;
-  const int merge = warps * 16 * (g.o_stride + 2) * 4;  // each warp's acc, max and sum
+  const int merge = kWarps * 16 * (g.o_stride + 2) * 4;  // each warp's acc, max and sum
   const int combine = 2 * kMaxSplits * g.H * 4;
   g.res = merge;                                 // after the row groups' values, which the merge reads
   const int result = merge + (g.H * g.E + 2 * g.H) * 4;
@@ -66,10 +64,9 @@ Geo make_geo(const DecodeArgs& a, int ch, int warps) {
     return std::max({stages * g.stage + 16 * g.bq_stride * e2, merge, combine, result});
   };
   // The deepest pipeline that keeps two blocks per SM (two stages only with two chunks a warp, whose tiles
-  // are twice as long), else the deepest that fits. Blocks of 8 warps run one an SM: the deepest that fits.
+  // are twice as long), else the deepest that fits.
   for (int st : {4, 3, 2})
-    if (!g.stages && warps == kNarrowWarps && (st >= 3 || ch == 2) && total_for(st) <= kTwoBlocksBytes)
-      g.stages = st;
+    if (!g.stages && (st >= 3 || ch == 2) && total_for(st) <= kTwoBlocksBytes) g.stages = st;
   for (int st : {4, 3, 2})
     if (!g.stages && total_for(st) <= kMaxSharedBytes) g.stages = st;
   if (!g.stages) g.stages = 2;  // too large: decode_uses_tensor_cores declines it
@@ -87,14 +84,13 @@ struct CopyPlan {
   bool fast;
 };
 
-template <int NThr>
 __device__ __forceinline__ CopyPlan copy_plan(int width, int dst_stride, int rows) {
   CopyPlan p{width, dst_stride, rows, width / 8, 0, 0, 0, false};
-  p.fast = NThr % p.chunks == 0;
+  p.fast = kThreads % p.chunks == 0;
   if (p.fast) {
     p.ch = int(threadIdx.x) % p.chunks;
     p.first = int(threadIdx.x) / p.chunks;
-    p.step = NThr / p.chunks;
+    p.step = kThreads / p.chunks;
   }
   return p;
 }
@@ -102,9 +98,9 @@ __device__ __forceinline__ CopyPlan copy_plan(int width, int dst_stride, int row
 // cp.async of a tile's rows; rows at or past `valid_rows` are zero-filled. The loops stay rolled: unrolled, they
 // made the kernel 7800 instructions instead of 5700, most of which a block runs once (instruction-cache misses). With
 // a fixed column a thread, the addresses step by a row's stride instead of being worked out a row (a 64-bit multiply
-// and a branch a copy: half of a tile's instructions went to its copies; stepped, a tile took 0.3-0.8 us less at
-// B 8, M 128-1024 on an H200).
-template <int NThr, class T>
+// and a branch a copy: 40% of a tile's instructions went to its copies; stepped, B 8 M 128-1024 took 0.6-0.8 us less
+// and M 32768 6% less on an H200).
+template <class T>
 __device__ __forceinline__ void copy_rows(unsigned char* dst, const T* src, const CopyPlan& p, int valid_rows) {
   if (p.fast) {
     uint32_t d = smem_addr(dst) + uint32_t((p.first * p.dst_stride + p.ch * 8) * int(sizeof(T)));
@@ -114,13 +110,12 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const T* src, cons
 #pragma unroll 1
     for (int row = p.first; row < p.rows; row += p.step, d += d_step, s += s_step) {
       const bool ok = row < valid_rows;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(ok ? s : src), "r"(ok ? 16 : 0)
-                   : "memory");
+      cp_async16_at(d, ok ? s : src, ok);
     }
     return;
   }
 #pragma unroll 1
-  for (int i = threadIdx.x; i < p.rows * p.chunks; i += NThr) {
+  for (int i = threadIdx.x; i < p.rows * p.chunks; i += kThreads) {
     const int row = i / p.chunks, ch = i - row * p.chunks;
     const bool ok = row < valid_rows;
     cp_async16(dst + (row * p.dst_stride + ch * 8) * int(sizeof(T)), ok ? src + int64_t(row) * p.width + ch * 8 : src,
@@ -147,16 +142,15 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
   lo = pack2<T>(x - to_acc(h[0]), y - to_acc(h[1]));
 }
 
-// W warps a block. At 4, registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory
-// keeps two resident, and they ran 2-4% faster than at the uncapped 204. At 8, one block an SM.
-template <class T, int W, int HG, int NT, int CH, bool CL>
-__global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
+// Registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory keeps two resident,
+// and they ran 2-4% faster than at the uncapped 204.
+template <class T, int HG, int NT, int CH, bool CL>
+__global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
                                                          const T* __restrict__ av, const T* __restrict__ bv,
                                                          const DecodeLengths lengths, T* __restrict__ out,
                                                          float* __restrict__ part_acc, float* __restrict__ part_stat,
                                                          int* __restrict__ counters, const Geo g) {
-  constexpr int kWarps = W, kThreads = 32 * W;
   constexpr int RG = kWarps / HG;  // row groups
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int is_last;
@@ -175,17 +169,15 @@ __global__ void __launch_bounds__(32 * W, W == kWideWarps ? 1 : CH == 1 ? 3 : 2)
   const T* avb = av + int64_t(b) * g.av_b;
   const T* bvb = bv + int64_t(b) * g.bv_b;
 
-  const CopyPlan plan_ak = copy_plan<kThreads>(H * Rk, H * Rk, R),
-                 plan_bk = copy_plan<kThreads>(D, g.bk_stride, R * Rk),
-                 plan_av = copy_plan<kThreads>(H * Rv, H * Rv, R),
-                 plan_bv = copy_plan<kThreads>(E, g.bv_stride, R * Rv);
+  const CopyPlan plan_ak = copy_plan(H * Rk, H * Rk, R), plan_bk = copy_plan(D, g.bk_stride, R * Rk),
+                 plan_av = copy_plan(H * Rv, H * Rv, R), plan_bv = copy_plan(E, g.bv_stride, R * Rv);
   auto load_tile = [&](int t, int stage) {
     unsigned char* st = smem + stage * g.stage;
     const int r0 = row0 + t * R, valid = min(R, row1 - r0);
-    copy_rows<kThreads>(st + g.st_ak, akb + int64_t(r0) * H * Rk, plan_ak, valid);
-    copy_rows<kThreads>(st + g.st_bk, bkb + int64_t(r0) * Rk * D, plan_bk, valid * Rk);
-    copy_rows<kThreads>(st + g.st_av, avb + int64_t(r0) * H * Rv, plan_av, valid);
-    copy_rows<kThreads>(st + g.st_bv, bvb + int64_t(r0) * Rv * E, plan_bv, valid * Rv);
+    copy_rows(st + g.st_ak, akb + int64_t(r0) * H * Rk, plan_ak, valid);
+    copy_rows(st + g.st_bk, bkb + int64_t(r0) * Rk * D, plan_bk, valid * Rk);
+    copy_rows(st + g.st_av, avb + int64_t(r0) * H * Rv, plan_av, valid);
+    copy_rows(st + g.st_bv, bvb + int64_t(r0) * Rv * E, plan_bv, valid * Rv);
   };
   if constexpr (CL) {  // bq (rows past R_q zero-filled) at the head of the first tile's group
     const int chunks = D / 8;
