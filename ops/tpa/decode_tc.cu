@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 #include "core/cuda.h"
 #include "ops/tpa/decode_tc_kernel.cuh"
@@ -104,9 +105,9 @@ struct ClusterLaunch {
 // The kernel's limits, worked out once per device and shared-memory size: its dynamic shared memory
 // allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0; 0 when
 // not one cluster of that size fits).
-template <class T, int HG, int NT, int CH, bool CL>
+template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false>
 int64_t prepare(int device, const Geo& g, int cluster) {
-  auto kernel = decode_tc<T, HG, NT, CH, CL>;
+  auto kernel = decode_tc<T, HG, NT, CH, CL, SEEDS>;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
   static bool non_portable[kMaxDevices] = {};
   static int seen_total[kMaxDevices][kMaxWhole + 1] = {};
@@ -135,7 +136,8 @@ int64_t prepare(int device, const Geo& g, int cluster) {
   return resident[device][cluster];
 }
 
-template <class T, int HG, int NT, int CH>
+// SEEDS: the clustered kernel with the seeds' dims as constants (launch_for_shape checks them).
+template <class T, int HG, int NT, int CH, bool SEEDS = false>
 void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const Device dev = a.aq.device();
   const int device = dev.index;
@@ -144,8 +146,8 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   int cluster = cluster_cap;
   if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
   auto kernel = decode_tc<T, HG, NT, CH, false>;
-  auto clustered = decode_tc<T, HG, NT, CH, CH == 2>;
-  auto resident_with = [&](int c) { return prepare<T, HG, NT, CH, CH == 2>(device, g, c); };
+  auto clustered = decode_tc<T, HG, NT, CH, CH == 2, SEEDS>;
+  auto resident_with = [&](int c) { return prepare<T, HG, NT, CH, CH == 2, SEEDS>(device, g, c); };
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
   int64_t resident = 0;
   if (cluster) {
@@ -225,10 +227,22 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   LT_CUDA_CHECK_LAUNCH();
 }
 
+// The seeds' shape (H 32, R_k = R_v 1, D = E 128) with bq 16-byte aligned, where the cluster schedule runs.
+bool seeds_shape(const DecodeArgs& a, const Geo& g) {
+  static const bool off = [] {  // TRIAL
+    const char* v = std::getenv("LINTAPE_TPA_DECODE_SEEDS");
+    return v && std::string(v) == "0";
+  }();
+  return !off && g.H == 32 && g.Rk == 1 && g.Rv == 1 && g.D == 128 && g.E == 128 && cluster_request(a) >= 1 &&
+         reinterpret_cast<uintptr_t>(a.bq.data()) % 16 == 0;
+}
+
 template <class T, int CH>
 void launch_for_shape(const DecodeArgs& a, const Geo& g, Tensor& out) {
   const int hg = head_groups(g.H);
   const bool wide = g.E == 128;
+  if constexpr (CH == 2)
+    if (seeds_shape(a, g)) return launch<T, 2, 16, 2, true>(a, g, out);
   if (hg == 1) wide ? launch<T, 1, 16, CH>(a, g, out) : launch<T, 1, 8, CH>(a, g, out);
   else if (hg == 2) wide ? launch<T, 2, 16, CH>(a, g, out) : launch<T, 2, 8, CH>(a, g, out);
   else wide ? launch<T, 4, 16, CH>(a, g, out) : launch<T, 4, 8, CH>(a, g, out);

@@ -4,6 +4,7 @@
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
+#include "core/cuda_acts.cuh"
 #include "core/cuda_mma.cuh"
 #include "core/cuda_types.cuh"
 #include "ops/tpa/decode.cuh"
@@ -143,8 +144,9 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
 }
 
 // Registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory keeps two resident,
-// and they ran 2-4% faster than at the uncapped 204.
-template <class T, int HG, int NT, int CH, bool CL>
+// and they ran 2-4% faster than at the uncapped 204. SEEDS: the seeds' shape's dims as constants (H 32, R_k = R_v 1,
+// D 128; E is NT's), so the rank and dimension loops unroll and the index arithmetic folds.
+template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false>
 __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
                                                          const T* __restrict__ av, const T* __restrict__ bv,
@@ -158,7 +160,10 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   const int hg = warp % HG, rg = warp / HG;  // this warp's heads; its rows: chunks rg + c RG of 16
   const int gr = lane / 4, gc = 2 * (lane % 4);
   const int b = blockIdx.y, split = blockIdx.x;
-  const int H = g.H, Rq = g.Rq, Rk = g.Rk, Rv = g.Rv, D = g.D, E = g.E, R = g.rows;
+  const int H = SEEDS ? 32 : g.H, Rq = g.Rq, Rk = SEEDS ? 1 : g.Rk, Rv = SEEDS ? 1 : g.Rv, D = SEEDS ? 128 : g.D,
+            E = g.E, R = g.rows;
+  const int bq_stride = SEEDS ? 128 + kPad : g.bq_stride, bk_stride = SEEDS ? 128 + kPad : g.bk_stride,
+            bv_stride = SEEDS ? 128 + kPad : g.bv_stride;
   const int len = lengths.get(b);
   const int row0 = split * g.split_rows, row1 = min(len, row0 + g.split_rows);
   const int tiles = row1 > row0 ? (row1 - row0 + R - 1) / R : 0;
@@ -169,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   const T* avb = av + int64_t(b) * g.av_b;
   const T* bvb = bv + int64_t(b) * g.bv_b;
 
-  const CopyPlan plan_ak = copy_plan(H * Rk, H * Rk, R), plan_bk = copy_plan(D, g.bk_stride, R * Rk),
-                 plan_av = copy_plan(H * Rv, H * Rv, R), plan_bv = copy_plan(E, g.bv_stride, R * Rv);
+  const CopyPlan plan_ak = copy_plan(H * Rk, H * Rk, R), plan_bk = copy_plan(D, bk_stride, R * Rk),
+                 plan_av = copy_plan(H * Rv, H * Rv, R), plan_bv = copy_plan(E, bv_stride, R * Rv);
   auto load_tile = [&](int t, int stage) {
     unsigned char* st = smem + stage * g.stage;
     const int r0 = row0 + t * R, valid = min(R, row1 - r0);
@@ -183,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     const int chunks = D / 8;
     for (int i = tid; i < 16 * chunks; i += kThreads) {
       const int r = i / chunks, c = i - r * chunks;
-      cp_async16(bq_s + r * g.bq_stride + c * 8, r < Rq ? bq + (int64_t(b) * Rq + r) * D + c * 8 : bq, r < Rq);
+      cp_async16(bq_s + r * bq_stride + c * 8, r < Rq ? bq + (int64_t(b) * Rq + r) * D + c * 8 : bq, r < Rq);
     }
   }
 #pragma unroll 1
@@ -195,8 +200,8 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   // bq with rows past R_q zeroed; aq of this warp's 16 heads as an A operand (heads x ranks), zero past
   // H and R_q.
   if constexpr (!CL)
-    for (int i = tid; i < 16 * g.bq_stride; i += kThreads) {
-      const int r = i / g.bq_stride, d = i - r * g.bq_stride;
+    for (int i = tid; i < 16 * bq_stride; i += kThreads) {
+      const int r = i / bq_stride, d = i - r * bq_stride;
       bq_s[i] = r < Rq && d < D ? bq[(int64_t(b) * Rq + r) * D + d] : from_acc<T>(0.f);
     }
   const int h0 = hg * 16 + gr, h1 = h0 + 8;
@@ -242,15 +247,15 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     float s[CH][2][4] = {};
     for (int rk = 0; rk < Rk; ++rk) {
       float c[CH][2][4] = {};
-      const T* brow = bq_s + ((lane / 16) * 8 + lane % 8) * g.bq_stride + ((lane / 8) % 2) * 8;
-      const T* arow = bk_s + (((rg * 16 + lane % 16) * Rk + rk) * g.bk_stride + (lane / 16) * 8);
+      const T* brow = bq_s + ((lane / 16) * 8 + lane % 8) * bq_stride + ((lane / 8) % 2) * 8;
+      const T* arow = bk_s + (((rg * 16 + lane % 16) * Rk + rk) * bk_stride + (lane / 16) * 8);
       for (int k0 = 0; k0 < D; k0 += 16) {
         uint32_t bb[4];
         ldmatrix_x4(bb, brow + k0);
 #pragma unroll
         for (int ch = 0; ch < CH; ++ch) {  // the chunks' chains interleave
           uint32_t a[4];
-          ldmatrix_x4(a, arow + ch * RG * 16 * Rk * g.bk_stride + k0);
+          ldmatrix_x4(a, arow + ch * RG * 16 * Rk * bk_stride + k0);
           mma16816<T>(c[ch][0], a, bb[0], bb[1]);
           mma16816<T>(c[ch][1], a, bb[2], bb[3]);
         }
@@ -292,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
       const float m_new = fmaxf(m_run[i], mx[i]);
-      alpha[i] = m_new == -INFINITY ? 1.f : exp2f(m_run[i] - m_new);
+      alpha[i] = m_new == -INFINITY ? 1.f : (SEEDS ? exp2_ftz(m_run[i] - m_new) : exp2f(m_run[i] - m_new));
       m_run[i] = m_new;
       l_run[i] *= alpha[i];
     }
@@ -302,7 +307,8 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = s[ch][j][e] == -INFINITY ? 0.f : exp2f(s[ch][j][e] - m_run[e / 2]);
+          const float x = s[ch][j][e] - m_run[e / 2];
+          const float p = s[ch][j][e] == -INFINITY ? 0.f : (SEEDS ? exp2_ftz(x) : exp2f(x));
           l_run[e / 2] += p;
           s[ch][j][e] = p;
         }
@@ -323,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
         };
         const uint32_t wa[4] = {pack2<T>(w(0, 0, hc0), w(0, 1, hc0)), pack2<T>(w(0, 2, hc1), w(0, 3, hc1)),
                                 pack2<T>(w(1, 0, hc0), w(1, 1, hc0)), pack2<T>(w(1, 2, hc1), w(1, 3, hc1))};
-        const T* vrow = bv_s + ((((rg + ch * RG) * 16 + lane % 8 + ((lane / 8) % 2) * 8) * Rv + rv) * g.bv_stride +
+        const T* vrow = bv_s + ((((rg + ch * RG) * 16 + lane % 8 + ((lane / 8) % 2) * 8) * Rv + rv) * bv_stride +
                                 (lane / 16) * 8);
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
