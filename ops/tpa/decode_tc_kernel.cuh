@@ -145,7 +145,8 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
 
 // Registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory keeps two resident,
 // and they ran 2-4% faster than at the uncapped 204. SEEDS: the seeds' shape's dims as constants (H 32, R_k = R_v 1,
-// D 128; E is NT's), so the rank and dimension loops unroll and the index arithmetic folds.
+// D 128; E is NT's), so the rank and dimension loops unroll and the index arithmetic folds, and the tile loop's
+// exponentials skip exp2f's fix-up for subnormal results (exp2_ftz: those weights become 0).
 template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false>
 __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
