@@ -22,6 +22,13 @@ __device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
 __device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src, bool valid = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
+// 16 bytes from src + SrcOffset to dst + DstOffset, both offsets folded into the instruction (unrolled copies of
+// fixed shape: no address arithmetic a copy).
+template <int DstOffset, int SrcOffset>
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(dst), "l"(src), "n"(DstOffset), "n"(SrcOffset)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid = true) {
   cp_async16_at(smem_addr(dst), src, valid);
 }

@@ -560,19 +560,20 @@ std::vector<int64_t> spread_lengths(const DecodeShape& s) {
 
 TEST_CASE("cuda tpa decode cluster schedule matches the CPU reference" * LT_CUDA_CASE) {
   LT_REQUIRE_CUDA();
-  // Clusters of up to 1, 2 and 8 blocks, and 0: the last-block schedule (LINTAPE_TPA_DECODE_CLUSTER=0).
+  // Clusters of up to 1, 2, 8 and 16 blocks, and 0: the last-block schedule (LINTAPE_TPA_DECODE_CLUSTER=0).
   // M = 1, M not a multiple of any tile (the 64-row tiles of H <= 32, the 32-row ones of H = 64), ranks 1
   // and 16 for q, up to 4 for k and v, D 64 and 128, E 64 and 128, a batch past the inline lengths (300);
-  // split_rows 0 (the launcher's choice: one cluster a sequence, e.g. B = 5, M = 1000, or several, e.g.
-  // B = 2, M = 4097) and 32 (many splits: several clusters a sequence, combined by the last cluster; with 0, by
-  // the last block).
-  const DecodeShape shapes[] = {{3, 1, 32, 16, 1, 1, 128, 128},   {5, 1000, 32, 1, 1, 1, 128, 128},
-                                {4, 777, 16, 16, 4, 4, 64, 64},   {2, 4097, 64, 16, 1, 1, 128, 128},
-                                {8, 2048, 32, 16, 1, 1, 128, 128}, {300, 40, 8, 2, 1, 1, 64, 64},
-                                {3, 301, 12, 6, 2, 2, 64, 128}};
+  // split_rows 0 (the launcher's choice: one cluster a sequence, e.g. B = 5, M = 1000; one of 8 at four tiles a
+  // split in place of two or one of 16, B = 8, M = 2048; one of 16 in place of four of 8, B = 8, M = 4096; or
+  // several, e.g. B = 2, M = 4097) and 32 (many splits: several clusters a sequence, combined by the last cluster;
+  // with 0, by the last block).
+  const DecodeShape shapes[] = {{3, 1, 32, 16, 1, 1, 128, 128},    {5, 1000, 32, 1, 1, 1, 128, 128},
+                                {4, 777, 16, 16, 4, 4, 64, 64},    {2, 4097, 64, 16, 1, 1, 128, 128},
+                                {8, 2048, 32, 16, 1, 1, 128, 128}, {8, 4096, 32, 16, 1, 1, 128, 128},
+                                {300, 40, 8, 2, 1, 1, 64, 64},     {3, 301, 12, 6, 2, 2, 64, 128}};
   for (const DecodeShape& s : shapes)
     for (DType dt : {DType::BF16, DType::F16})
-      for (int cluster : {0, 1, 2, 8})
+      for (int cluster : {0, 1, 2, 8, 16})
         for (int64_t split_rows : {int64_t(0), int64_t(32)}) {
           CAPTURE(s.B);
           CAPTURE(s.M);

@@ -73,7 +73,8 @@ TEST_CASE("cuda tpa decode schedules: the seeds' shape, twice, within 5e-3 of f6
   LT_REQUIRE_CUDA();
 #if LINTAPE_WITH_CUDA
   // B = 8, H = 32, R_q = 16, D = E = 128 (the bench's table) at a short cache, where cluster 16 takes one
-  // cluster a sequence, and a long one, where it takes the clusters of 8 and the last block: the error against
+  // cluster of 8 a sequence (four tiles a split), and a long one, where it takes the clusters of 8 and the last
+  // cluster's combine: the error against
   // f64 and the same bits on a second call (no state left behind).
   for (int64_t M : {int64_t(2048), int64_t(8192)}) {
     const DecodeShape s{8, M, 32, 16, 1, 1, 128, 128};

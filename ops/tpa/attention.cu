@@ -162,13 +162,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd(const Params<T> p) 
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m[rb][rr], mx * sl2);
         const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = fast_exp2(m[rb][rr] - base);
+        const float alpha = exp2_ftz(m[rb][rr] - base);
         m[rb][rr] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
-          s[rb][t][2 * rr] = fast_exp2(fmaf(s[rb][t][2 * rr], sl2, -base));
-          s[rb][t][2 * rr + 1] = fast_exp2(fmaf(s[rb][t][2 * rr + 1], sl2, -base));
+          s[rb][t][2 * rr] = exp2_ftz(fmaf(s[rb][t][2 * rr], sl2, -base));
+          s[rb][t][2 * rr + 1] = exp2_ftz(fmaf(s[rb][t][2 * rr + 1], sl2, -base));
           sum += s[rb][t][2 * rr] + s[rb][t][2 * rr + 1];
         }
         l[rb][rr] = l[rb][rr] * alpha + sum;

@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd(const Params<T> p) 
         const float2 delta = *reinterpret_cast<const float2*>(delta_s + c0 + t * 8 + c);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pv = fast_exp2(st[t][e]);
+          const float pv = exp2_ftz(st[t][e]);
           st[t][e] = pv;
           dpt[t][e] = pv * (dpt[t][e] - (e & 1 ? delta.y : delta.x));
         }

@@ -287,8 +287,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     uint32_t pa[kSmall / 16][4], da[kSmall / 16][4];
 #pragma unroll
     for (int t = 0; t < kSmall / 8; ++t) {
-      pa[t / 2][2 * (t % 2)] = pack2<T>(fast_exp2(st[4 * t]), fast_exp2(st[4 * t + 1]));
-      pa[t / 2][2 * (t % 2) + 1] = pack2<T>(fast_exp2(st[4 * t + 2]), fast_exp2(st[4 * t + 3]));
+      pa[t / 2][2 * (t % 2)] = pack2<T>(exp2_ftz(st[4 * t]), exp2_ftz(st[4 * t + 1]));
+      pa[t / 2][2 * (t % 2) + 1] = pack2<T>(exp2_ftz(st[4 * t + 2]), exp2_ftz(st[4 * t + 3]));
     }
     issue_rows_t<T, HD>(dpt, vw, dos);  // dP^T = V dO^T
     wgmma_commit();

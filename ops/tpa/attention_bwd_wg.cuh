@@ -232,8 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) backward(const Params<T> p) {
 #pragma unroll
     for (int t = 0; t < kSmall / 8; ++t) {
       // The A fragments of the 16 queries 16 (t / 2)..: t % 2 picks the 8 columns, u = 2 (t % 2) + rows.
-      pa[t / 2][2 * (t % 2)] = pack2<T>(fast_exp2(st[4 * t]), fast_exp2(st[4 * t + 1]));
-      pa[t / 2][2 * (t % 2) + 1] = pack2<T>(fast_exp2(st[4 * t + 2]), fast_exp2(st[4 * t + 3]));
+      pa[t / 2][2 * (t % 2)] = pack2<T>(exp2_ftz(st[4 * t]), exp2_ftz(st[4 * t + 1]));
+      pa[t / 2][2 * (t % 2) + 1] = pack2<T>(exp2_ftz(st[4 * t + 2]), exp2_ftz(st[4 * t + 3]));
     }
     wgmma_fence_operand(dv);
     wgmma_fence();

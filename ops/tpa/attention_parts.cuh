@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <type_traits>
 #include "core/cuda.h"
+#include "core/cuda_acts.cuh"
 #include "core/cuda_types.cuh"
 #include "core/cuda_wgmma.cuh"
 #include "ops/tpa/launch.h"
@@ -101,13 +102,6 @@ template <>
 __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<__half2*>(&v));
 }
-// 2^x in one instruction (flushes subnormal results to zero; 2^-inf = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // dst[i, :] = inv_r sum_r a[i a_stride + r] b[i b_stride + r HD + :] for i < valid, 0 for the other rows up
 // to ROWS. Each thread owns PER 16-byte chunks and issues the loads of G of them together, rank by rank, or
 // with RU > 1 unrolled RU ranks deep (G < PER saves registers; more loads in flight shorten the chain of load

@@ -50,15 +50,15 @@ __device__ __forceinline__ void softmax_scores(const Params<T>& p, float (&s)[kW
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[rr], mx * sl2);
     const float base = m_new == -INFINITY ? 0.f : m_new;
-    alpha[rr] = fast_exp2(m[rr] - base);
+    alpha[rr] = exp2_ftz(m[rr] - base);
     m[rr] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int t = 0; t < kWgKeys / 8; ++t) {
       float& s0 = s[4 * t + 2 * rr];
       float& s1 = s[4 * t + 2 * rr + 1];
-      s0 = fast_exp2(fmaf(s0, sl2, -base));
-      s1 = fast_exp2(fmaf(s1, sl2, -base));
+      s0 = exp2_ftz(fmaf(s0, sl2, -base));
+      s1 = exp2_ftz(fmaf(s1, sl2, -base));
       sum += s0 + s1;
     }
     l[rr] = l[rr] * alpha[rr] + sum;

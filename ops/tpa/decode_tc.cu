@@ -136,7 +136,8 @@ int64_t prepare(int device, const Geo& g, int cluster) {
   return resident[device][cluster];
 }
 
-// SEEDS: the clustered kernel with the seeds' dims as constants (launch_for_shape checks them).
+// SEEDS: the clustered kernel with the seeds' dims as constants (launch_for_shape picks it at those dims; without
+// the cluster schedule the general non-cluster kernel runs).
 template <class T, int HG, int NT, int CH, bool SEEDS = false>
 void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const Device dev = a.aq.device();
@@ -184,10 +185,25 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
         B * tiles <= sm_count(device) &&
         resident_with(int(tiles)) / tiles >= B)
       s = int(tiles);
-    rows = ((M + s - 1) / s + g.rows - 1) / g.rows * g.rows;
     // Past the portable size (request 9..16): one cluster a sequence whenever the splits fit one and a
     // cluster for every sequence stays resident, so that no last block combines partial results.
     if (cluster && request > kMaxCluster && s > cluster && s <= request && resident_with(s) / s >= B) cluster = s;
+    // Several clusters a sequence pay the last cluster's combine (partials through global memory, a counter, two
+    // more cluster barriers), and a cluster past the portable 8 is placed two blocks an SM on fewer SMs. Where a
+    // cluster of 8, 4, 2 or 1 blocks (else of up to `request`, in place of several) covers the sequence in at most four
+    // tiles a split with every sequence's cluster resident, it runs instead (H200, the seeds' shape: B 8 M 2048 16.0 ->
+    // 15.5 us with one cluster of 8 for one of 16, M 4096 23.5 -> 21.5 with one of 16 for four of 8; B 32 M 1024
+    // 22.0 -> 19.9 with one of 4 for two). Past four tiles a split the blocks' chains cost more than the combine
+    // (B 8 M 8192: 42 against 29 us).
+    if (cluster && (s > cluster || cluster > kMaxCluster)) {
+      auto fits = [&](int c) { return c <= tiles && (tiles + c - 1) / c <= 4 && resident_with(c) / c >= B; };
+      int pick = 0;
+      for (int c = kMaxCluster; c >= 1 && !pick; c /= 2)
+        if (c <= request && fits(c)) pick = c;
+      if (!pick && s > cluster && request >= kMaxWhole && fits(kMaxWhole)) pick = kMaxWhole;
+      if (pick) s = cluster = pick;
+    }
+    rows = ((M + s - 1) / s + g.rows - 1) / g.rows * g.rows;
   }
   g.split_rows = int(rows);
   g.splits = int((M + rows - 1) / rows);
@@ -227,16 +243,15 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   LT_CUDA_CHECK_LAUNCH();
 }
 
-// The seeds' shape (H 32, R_k = R_v 1, D = E 128) with bq 16-byte aligned, where the cluster schedule runs: the kernel
-// with those dims as constants (179 registers against 232; H200, B 8: M 128 9.4 us against 11.9, M 32768 61 against
-// 70; B 32 M 32768 86% of copy against 74%). LINTAPE_TPA_DECODE_SEEDS=0 runs the general kernel there, to compare.
-bool seeds_shape(const DecodeArgs& a, const Geo& g) {
+// The seeds' shape (H 32, R_k = R_v 1, D = E 128): where the cluster schedule runs (launch decides), the kernel with
+// those dims as constants (179 registers against 232; H200, B 8: M 128 9.4 us against 11.9, M 32768 61 against 70;
+// B 32 M 32768 86% of copy against 74%). LINTAPE_TPA_DECODE_SEEDS=0 runs the general kernel there, to compare.
+bool seeds_shape(const Geo& g) {
   static const bool off = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_SEEDS");
     return v && std::string(v) == "0";
   }();
-  return !off && g.H == 32 && g.Rk == 1 && g.Rv == 1 && g.D == 128 && g.E == 128 && cluster_request(a) >= 1 &&
-         reinterpret_cast<uintptr_t>(a.bq.data()) % 16 == 0;
+  return !off && g.H == 32 && g.Rk == 1 && g.Rv == 1 && g.D == 128 && g.E == 128;
 }
 
 template <class T, int CH>
@@ -244,7 +259,7 @@ void launch_for_shape(const DecodeArgs& a, const Geo& g, Tensor& out) {
   const int hg = head_groups(g.H);
   const bool wide = g.E == 128;
   if constexpr (CH == 2)
-    if (seeds_shape(a, g)) return launch<T, 2, 16, 2, true>(a, g, out);
+    if (seeds_shape(g)) return launch<T, 2, 16, 2, true>(a, g, out);
   if (hg == 1) wide ? launch<T, 1, 16, CH>(a, g, out) : launch<T, 1, 8, CH>(a, g, out);
   else if (hg == 2) wide ? launch<T, 2, 16, CH>(a, g, out) : launch<T, 2, 8, CH>(a, g, out);
   else wide ? launch<T, 4, 16, CH>(a, g, out) : launch<T, 4, 8, CH>(a, g, out);

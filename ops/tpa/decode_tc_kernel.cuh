@@ -4,6 +4,7 @@
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include "core/cuda_acts.cuh"
 #include "core/cuda_mma.cuh"
 #include "core/cuda_types.cuh"
@@ -124,6 +125,33 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const T* src, cons
   }
 }
 
+template <class T, int WIDTH, int DST_STRIDE, int... I>
+__device__ __forceinline__ void copy_full_rows(uint32_t d, const T* s, std::integer_sequence<int, I...>) {
+  constexpr int STEP = kThreads / (WIDTH / 8), E = int(sizeof(T));
+  (cp_async16_at<I * STEP * DST_STRIDE * E, I * STEP * WIDTH * E>(d, s), ...);
+}
+
+// copy_rows for a shape known at compile time (the seeds' instance): a tile with all its rows valid takes ROWS /
+// (kThreads / (WIDTH / 8)) copies a thread with their offsets in the instructions; the last, partial tile of a
+// split the loop with the zero-fill.
+template <class T, int ROWS, int WIDTH, int DST_STRIDE>
+__device__ __forceinline__ void copy_rows_fixed(unsigned char* dst, const T* src, int valid_rows) {
+  constexpr int CHUNKS = WIDTH / 8, STEP = kThreads / CHUNKS, E = int(sizeof(T));
+  static_assert(kThreads % CHUNKS == 0 && ROWS % STEP == 0, "whole rows a step, whole steps a tile");
+  const int ch = int(threadIdx.x) % CHUNKS, first = int(threadIdx.x) / CHUNKS;
+  const uint32_t d = smem_addr(dst) + uint32_t((first * DST_STRIDE + ch * 8) * E);
+  const T* s = src + first * WIDTH + ch * 8;
+  if (valid_rows >= ROWS) {
+    copy_full_rows<T, WIDTH, DST_STRIDE>(d, s, std::make_integer_sequence<int, ROWS / STEP>{});
+    return;
+  }
+#pragma unroll 1
+  for (int i = 0; i < ROWS / STEP; ++i) {
+    const bool ok = first + i * STEP < valid_rows;
+    cp_async16_at(d + uint32_t(i * STEP * DST_STRIDE * E), ok ? s + i * STEP * WIDTH : src, ok);
+  }
+}
+
 // cp.async.wait_group with a count known at run time (0 .. 3).
 __device__ __forceinline__ void cp_async_wait_upto(int pending) {
   switch (pending) {
@@ -145,8 +173,9 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
 
 // Registers capped as for three blocks an SM (168 at HG = 2, no spills): shared memory keeps two resident,
 // and they ran 2-4% faster than at the uncapped 204. SEEDS: the seeds' shape's dims as constants (H 32, R_k = R_v 1,
-// D 128; E is NT's), so the rank and dimension loops unroll and the index arithmetic folds, and the tile loop's
-// exponentials skip exp2f's fix-up for subnormal results (exp2_ftz: those weights become 0).
+// D 128; E is NT's), so the rank and dimension loops unroll and the index arithmetic folds, a whole tile's copies
+// carry their offsets in their instructions (copy_rows_fixed), and the tile loop's exponentials skip exp2f's fix-up
+// for subnormal results (exp2_ftz: those weights become 0).
 template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false>
 __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
@@ -163,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   const int b = blockIdx.y, split = blockIdx.x;
   const int H = SEEDS ? 32 : g.H, Rq = g.Rq, Rk = SEEDS ? 1 : g.Rk, Rv = SEEDS ? 1 : g.Rv, D = SEEDS ? 128 : g.D,
             E = g.E, R = g.rows;
-  const int bq_stride = SEEDS ? 128 + kPad : g.bq_stride, bk_stride = SEEDS ? 128 + kPad : g.bk_stride,
-            bv_stride = SEEDS ? 128 + kPad : g.bv_stride;
+  const int bq_stride = SEEDS ? D + kPad : g.bq_stride, bk_stride = SEEDS ? D + kPad : g.bk_stride,
+            bv_stride = SEEDS ? E + kPad : g.bv_stride;
   const int len = lengths.get(b);
   const int row0 = split * g.split_rows, row1 = min(len, row0 + g.split_rows);
   const int tiles = row1 > row0 ? (row1 - row0 + R - 1) / R : 0;
@@ -180,6 +209,14 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   auto load_tile = [&](int t, int stage) {
     unsigned char* st = smem + stage * g.stage;
     const int r0 = row0 + t * R, valid = min(R, row1 - r0);
+    if constexpr (SEEDS) {  // rows of H R_k = H R_v = 32 (ak, av), D = 128 (bk) and E (bv)
+      constexpr int kRows = 16 * (kWarps / HG) * CH, kD = 128, kE = NT * 8;  // g.rows, D, E
+      copy_rows_fixed<T, kRows, 32, 32>(st + g.st_ak, akb + int64_t(r0) * 32, valid);
+      copy_rows_fixed<T, kRows, kD, kD + kPad>(st + g.st_bk, bkb + int64_t(r0) * kD, valid);
+      copy_rows_fixed<T, kRows, 32, 32>(st + g.st_av, avb + int64_t(r0) * 32, valid);
+      copy_rows_fixed<T, kRows, kE, kE + kPad>(st + g.st_bv, bvb + int64_t(r0) * kE, valid);
+      return;
+    }
     copy_rows(st + g.st_ak, akb + int64_t(r0) * H * Rk, plan_ak, valid);
     copy_rows(st + g.st_bk, bkb + int64_t(r0) * Rk * D, plan_bk, valid * Rk);
     copy_rows(st + g.st_av, avb + int64_t(r0) * H * Rv, plan_av, valid);
