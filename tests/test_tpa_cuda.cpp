@@ -564,7 +564,7 @@ TEST_CASE("cuda tpa decode cluster schedule matches the CPU reference" * LT_CUDA
   // M = 1, M not a multiple of any tile (the 64-row tiles of H <= 32, the 32-row ones of H = 64), ranks 1
   // and 16 for q, up to 4 for k and v, D 64 and 128, E 64 and 128, a batch past the inline lengths (300);
   // split_rows 0 (the launcher's choice: one cluster a sequence, e.g. B = 5, M = 1000; one of 8 at four tiles a
-  // split in place of two or one of 16, B = 8, M = 2048; one of 16 in place of four of 8, B = 8, M = 4096; or
+  // split in place of two of 8 or one of 16, B = 8, M = 2048; one of 16 in place of four of 8, B = 8, M = 4096; or
   // several, e.g. B = 2, M = 4097) and 32 (many splits: several clusters a sequence, combined by the last cluster;
   // with 0, by the last block).
   const DecodeShape shapes[] = {{3, 1, 32, 16, 1, 1, 128, 128},    {5, 1000, 32, 1, 1, 1, 128, 128},
