@@ -21,11 +21,13 @@ std::vector<int64_t> mixed(const DecodeShape& s) {
   return lengths;
 }
 
-Tensor run(const FactorInputs& f, const std::vector<int64_t>& lengths, int cluster, int64_t split_rows) {
+Tensor run(const FactorInputs& f, const std::vector<int64_t>& lengths, int cluster, int64_t split_rows,
+           int head_slices = 1) {
   tpa_cuda::DecodeArgs a{f.gpu[0], f.gpu[1], f.gpu[2], f.gpu[3], f.gpu[4], f.gpu[5], lengths};
   a.scale = 1.0 / std::sqrt(double(f.gpu[1].size(3)));
   a.cluster = cluster;
   a.split_rows = split_rows;
+  a.head_slices = head_slices;
   REQUIRE(tpa_cuda::decode_uses_tensor_cores(a));
   Tensor out = empty({f.gpu[0].size(0), 1, f.gpu[0].size(2), f.gpu[5].size(3)}, f.gpu[0].dtype(), gpu());
   poison_(out);
@@ -89,5 +91,36 @@ TEST_CASE("cuda tpa decode schedules: the seeds' shape, twice, within 5e-3 of f6
       CHECK(rel_error(run(f, lengths, cluster, 0), out) == 0.0);
     }
   }
+#endif
+}
+
+TEST_CASE("cuda tpa decode schedules: two head slices of 16 at H 32" * LT_CUDA_CASE) {
+  LT_REQUIRE_CUDA();
+#if LINTAPE_WITH_CUDA
+  // Each sequence's 32 heads as two slices of 16 with blocks of their own (128-row tiles): M = 1, M not a multiple
+  // of the tile, one cluster a slice (split_rows 0 at B 8, M <= 4096), several clusters a slice combined by the
+  // last cluster (split_rows 128, B 1 at M 8192), clusters of 1, 2, 8 and 16; against f64, against the whole heads'
+  // schedule, and the same bits on a second call.
+  const DecodeShape shapes[] = {{8, 2048, 32, 16, 1, 1, 128, 128}, {3, 1, 32, 16, 1, 1, 128, 128},
+                                {8, 4096, 32, 16, 1, 1, 128, 128}, {5, 1000, 32, 16, 1, 1, 128, 128},
+                                {1, 8192, 32, 16, 1, 1, 128, 128}, {8, 333, 32, 16, 1, 1, 128, 128}};
+  for (const DecodeShape& s : shapes)
+    for (DType dt : {DType::BF16, DType::F16}) {
+      const FactorInputs f = decode_inputs(s, dt, uint64_t(s.M * 5 + s.B), gpu());
+      const std::vector<int64_t> lengths = mixed(s);
+      const Tensor ref = cpu_decode(f, lengths);
+      for (int cluster : {1, 2, 8, 16})
+        for (int64_t split_rows : {int64_t(0), int64_t(128)}) {
+          CAPTURE(s.B);
+          CAPTURE(s.M);
+          CAPTURE(dtype_name(dt));
+          CAPTURE(cluster);
+          CAPTURE(split_rows);
+          const Tensor out = run(f, lengths, cluster, split_rows, 2);
+          CHECK_CLOSE_TENSOR(out, ref, dt);
+          CHECK_CLOSE_TENSOR(out, run(f, lengths, cluster, split_rows, 1), dt);
+          CHECK(rel_error(run(f, lengths, cluster, split_rows, 2), out) == 0.0);
+        }
+    }
 #endif
 }

@@ -105,9 +105,9 @@ struct ClusterLaunch {
 // The kernel's limits, worked out once per device and shared-memory size: its dynamic shared memory
 // allowed, and the blocks resident at once (with clusters of `cluster` blocks when cluster > 0; 0 when
 // not one cluster of that size fits).
-template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false>
+template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false, int HS = 1>
 int64_t prepare(int device, const Geo& g, int cluster) {
-  auto kernel = decode_tc<T, HG, NT, CH, CL, SEEDS>;
+  auto kernel = decode_tc<T, HG, NT, CH, CL, SEEDS, HS>;
   static int allowed[kMaxDevices] = {};  // raised only when a call needs more, not on every launch
   static bool non_portable[kMaxDevices] = {};
   static int seen_total[kMaxDevices][kMaxWhole + 1] = {};
@@ -138,7 +138,9 @@ int64_t prepare(int device, const Geo& g, int cluster) {
 
 // SEEDS: the clustered kernel with the seeds' dims as constants (launch_for_shape picks it at those dims; without
 // the cluster schedule the general non-cluster kernel runs).
-template <class T, int HG, int NT, int CH, bool SEEDS = false>
+// HS: the heads in HS slices, a grid's z (the seeds' instance only): each sequence's slices are treated as
+// sequences of their own (B HS of them) for the splits and clusters.
+template <class T, int HG, int NT, int CH, bool SEEDS = false, int HS = 1>
 void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const Device dev = a.aq.device();
   const int device = dev.index;
@@ -146,10 +148,11 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const int request = cluster_request(a), cluster_cap = std::min(request, kMaxCluster);
   int cluster = cluster_cap;
   if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
+  LT_CHECK(HS == 1 || cluster, "[tpa_decode] head slices need the cluster schedule");
   auto kernel = decode_tc<T, HG, NT, CH, false>;
-  auto clustered = decode_tc<T, HG, NT, CH, CH == 2, SEEDS>;
-  auto resident_with = [&](int c) { return prepare<T, HG, NT, CH, CH == 2, SEEDS>(device, g, c); };
-  const int64_t B = a.aq.size(0), M = a.ak.size(1);
+  auto clustered = decode_tc<T, HG, NT, CH, CH == 2, SEEDS, HS>;
+  auto resident_with = [&](int c) { return prepare<T, HG, NT, CH, CH == 2, SEEDS, HS>(device, g, c); };
+  const int64_t B = a.aq.size(0) * HS, M = a.ak.size(1);  // B: sequences times head slices
   int64_t resident = 0;
   if (cluster) {
     // Each size up to the one asked for runs some blocks at once with every cluster of the grid resident (past
@@ -230,7 +233,7 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const Tensor* factors[6] = {&a.aq, &a.bq, &a.ak, &a.bk, &a.av, &a.bv};
   for (int i = 0; i < 6; ++i) f[i] = static_cast<const T*>(factors[i]->data());
   T* o = static_cast<T*>(out.data());
-  const dim3 grid(unsigned(g.splits), unsigned(B));
+  const dim3 grid(unsigned(g.splits), unsigned(B / HS), unsigned(HS));
   if (!cluster) {
     kernel<<<grid, kThreads, size_t(g.total), stream(device)>>>(f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa,
                                                                 ps, counters, g);
@@ -255,12 +258,32 @@ bool seeds_shape(const Geo& g) {
   return !off && g.H == 32 && g.Rk == 1 && g.Rv == 1 && g.D == 128 && g.E == 128;
 }
 
+// The head slices a call runs (DecodeArgs::head_slices): two only for the seeds' instance under the cluster schedule
+// (launch's conditions for it), where asked for, or by the launcher's rule: a batch small enough that both slices'
+// clusters of 8 fit one block an SM, at a cache that leaves each block at most four tiles of 128 rows.
+int head_slices_for(const DecodeArgs& a, const Geo& g) {
+  static const int env = [] {
+    const char* v = std::getenv("LINTAPE_TPA_DECODE_HEADS");
+    return v ? std::atoi(v) : -1;
+  }();
+  const int asked = a.head_slices >= 0 ? a.head_slices : env;
+  if (asked == 1 || g.chunks != 2 || !seeds_shape(g) || cluster_request(a) < 1 ||
+      reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0)
+    return 1;
+  if (asked == 2) return 2;
+  const int64_t B = a.aq.size(0), M = a.ak.size(1);
+  return B * 2 * kMaxCluster <= sm_count(a.aq.device().index) && M <= 4 * 128 * kMaxCluster ? 2 : 1;
+}
+
 template <class T, int CH>
 void launch_for_shape(const DecodeArgs& a, const Geo& g, Tensor& out) {
   const int hg = head_groups(g.H);
   const bool wide = g.E == 128;
   if constexpr (CH == 2)
-    if (seeds_shape(g)) return launch<T, 2, 16, 2, true>(a, g, out);
+    if (seeds_shape(g)) {
+      if (head_slices_for(a, g) == 2) return launch<T, 1, 16, 2, true, 2>(a, make_geo(a, 2, 2), out);
+      return launch<T, 2, 16, 2, true>(a, g, out);
+    }
   if (hg == 1) wide ? launch<T, 1, 16, CH>(a, g, out) : launch<T, 1, 8, CH>(a, g, out);
   else if (hg == 2) wide ? launch<T, 2, 16, CH>(a, g, out) : launch<T, 2, 8, CH>(a, g, out);
   else wide ? launch<T, 4, 16, CH>(a, g, out) : launch<T, 4, 8, CH>(a, g, out);

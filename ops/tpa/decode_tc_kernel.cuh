@@ -42,9 +42,11 @@ struct Geo {
 
 int head_groups(int64_t H) { return H <= 16 ? 1 : H <= 32 ? 2 : 4; }
 
-Geo make_geo(const DecodeArgs& a, int ch) {
+// heads: the slices of the heads a sequence's blocks are split into (each block's H is the slice's).
+Geo make_geo(const DecodeArgs& a, int ch, int heads = 1) {
   Geo g{};
   fill_decode_dims(g, a);
+  g.H /= heads;
   g.chunks = ch;
   g.rows = 16 * (kWarps / head_groups(g.H)) * ch;
   g.q_mix = float(a.scale) * kLog2e / float(g.Rq * g.Rk);
@@ -125,30 +127,31 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const T* src, cons
   }
 }
 
-template <class T, int WIDTH, int DST_STRIDE, int... I>
+template <class T, int WIDTH, int DST_STRIDE, int SRC_STRIDE, int... I>
 __device__ __forceinline__ void copy_full_rows(uint32_t d, const T* s, std::integer_sequence<int, I...>) {
   constexpr int STEP = kThreads / (WIDTH / 8), E = int(sizeof(T));
-  (cp_async16_at<I * STEP * DST_STRIDE * E, I * STEP * WIDTH * E>(d, s), ...);
+  (cp_async16_at<I * STEP * DST_STRIDE * E, I * STEP * SRC_STRIDE * E>(d, s), ...);
 }
 
 // copy_rows for a shape known at compile time (the seeds' instance): a tile with all its rows valid takes ROWS /
 // (kThreads / (WIDTH / 8)) copies a thread with their offsets in the instructions; the last, partial tile of a
-// split the loop with the zero-fill.
-template <class T, int ROWS, int WIDTH, int DST_STRIDE>
+// split the loop with the zero-fill. Rows of WIDTH elements, SRC_STRIDE apart in global memory (a head slice's
+// columns of ak or av).
+template <class T, int ROWS, int WIDTH, int DST_STRIDE, int SRC_STRIDE = WIDTH>
 __device__ __forceinline__ void copy_rows_fixed(unsigned char* dst, const T* src, int valid_rows) {
   constexpr int CHUNKS = WIDTH / 8, STEP = kThreads / CHUNKS, E = int(sizeof(T));
   static_assert(kThreads % CHUNKS == 0 && ROWS % STEP == 0, "whole rows a step, whole steps a tile");
   const int ch = int(threadIdx.x) % CHUNKS, first = int(threadIdx.x) / CHUNKS;
   const uint32_t d = smem_addr(dst) + uint32_t((first * DST_STRIDE + ch * 8) * E);
-  const T* s = src + first * WIDTH + ch * 8;
+  const T* s = src + first * SRC_STRIDE + ch * 8;
   if (valid_rows >= ROWS) {
-    copy_full_rows<T, WIDTH, DST_STRIDE>(d, s, std::make_integer_sequence<int, ROWS / STEP>{});
+    copy_full_rows<T, WIDTH, DST_STRIDE, SRC_STRIDE>(d, s, std::make_integer_sequence<int, ROWS / STEP>{});
     return;
   }
 #pragma unroll 1
   for (int i = 0; i < ROWS / STEP; ++i) {
     const bool ok = first + i * STEP < valid_rows;
-    cp_async16_at(d + uint32_t(i * STEP * DST_STRIDE * E), ok ? s + i * STEP * WIDTH : src, ok);
+    cp_async16_at(d + uint32_t(i * STEP * DST_STRIDE * E), ok ? s + i * STEP * SRC_STRIDE : src, ok);
   }
 }
 
@@ -176,7 +179,7 @@ __device__ __forceinline__ void split_pair(float x, float y, uint32_t& hi, uint3
 // D 128; E is NT's), so the rank and dimension loops unroll and the index arithmetic folds, a whole tile's copies
 // carry their offsets in their instructions (copy_rows_fixed), and the tile loop's exponentials skip exp2f's fix-up
 // for subnormal results (exp2_ftz: those weights become 0).
-template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false>
+template <class T, int HG, int NT, int CH, bool CL, bool SEEDS = false, int HS = 1>
 __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* __restrict__ aq, const T* __restrict__ bq,
                                                          const T* __restrict__ ak, const T* __restrict__ bk,
                                                          const T* __restrict__ av, const T* __restrict__ bv,
@@ -189,8 +192,11 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int hg = warp % HG, rg = warp / HG;  // this warp's heads; its rows: chunks rg + c RG of 16
   const int gr = lane / 4, gc = 2 * (lane % 4);
-  const int b = blockIdx.y, split = blockIdx.x;
-  const int H = SEEDS ? 32 : g.H, Rq = g.Rq, Rk = SEEDS ? 1 : g.Rk, Rv = SEEDS ? 1 : g.Rv, D = SEEDS ? 128 : g.D,
+  static_assert(HS == 1 || (SEEDS && CL), "head slices: the seeds' instance under the cluster schedule");
+  // b: the sequence; bs: its slice of heads (blockIdx.z of HS), the index of everything kept per head (aq, the
+  // output, the partial results and the counters: a slice's heads are contiguous there).
+  const int b = blockIdx.y, split = blockIdx.x, bs = b * HS + int(blockIdx.z);
+  const int H = SEEDS ? 32 / HS : g.H, Rq = g.Rq, Rk = SEEDS ? 1 : g.Rk, Rv = SEEDS ? 1 : g.Rv, D = SEEDS ? 128 : g.D,
             E = g.E, R = g.rows;
   const int bq_stride = SEEDS ? D + kPad : g.bq_stride, bk_stride = SEEDS ? D + kPad : g.bk_stride,
             bv_stride = SEEDS ? E + kPad : g.bv_stride;
@@ -199,9 +205,9 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   const int tiles = row1 > row0 ? (row1 - row0 + R - 1) / R : 0;
 
   T* bq_s = reinterpret_cast<T*>(smem + g.bq);
-  const T* akb = ak + int64_t(b) * g.ak_b;
+  const T* akb = ak + int64_t(b) * g.ak_b + int(blockIdx.z) * H * Rk;
   const T* bkb = bk + int64_t(b) * g.bk_b;
-  const T* avb = av + int64_t(b) * g.av_b;
+  const T* avb = av + int64_t(b) * g.av_b + int(blockIdx.z) * H * Rv;
   const T* bvb = bv + int64_t(b) * g.bv_b;
 
   const CopyPlan plan_ak = copy_plan(H * Rk, H * Rk, R), plan_bk = copy_plan(D, bk_stride, R * Rk),
@@ -209,11 +215,11 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   auto load_tile = [&](int t, int stage) {
     unsigned char* st = smem + stage * g.stage;
     const int r0 = row0 + t * R, valid = min(R, row1 - r0);
-    if constexpr (SEEDS) {  // rows of H R_k = H R_v = 32 (ak, av), D = 128 (bk) and E (bv)
-      constexpr int kRows = 16 * (kWarps / HG) * CH, kD = 128, kE = NT * 8;  // g.rows, D, E
-      copy_rows_fixed<T, kRows, 32, 32>(st + g.st_ak, akb + int64_t(r0) * 32, valid);
+    if constexpr (SEEDS) {  // rows of 32 (ak, av; a slice's 32 / HS of them), D = 128 (bk) and E (bv)
+      constexpr int kRows = 16 * (kWarps / HG) * CH, kD = 128, kE = NT * 8, kA = 32 / HS;  // g.rows, D, E, H
+      copy_rows_fixed<T, kRows, kA, kA, 32>(st + g.st_ak, akb + int64_t(r0) * 32, valid);
       copy_rows_fixed<T, kRows, kD, kD + kPad>(st + g.st_bk, bkb + int64_t(r0) * kD, valid);
-      copy_rows_fixed<T, kRows, 32, 32>(st + g.st_av, avb + int64_t(r0) * 32, valid);
+      copy_rows_fixed<T, kRows, kA, kA, 32>(st + g.st_av, avb + int64_t(r0) * 32, valid);
       copy_rows_fixed<T, kRows, kE, kE + kPad>(st + g.st_bv, bvb + int64_t(r0) * kE, valid);
       return;
     }
@@ -247,10 +253,10 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   // go out together; a load under its condition waits for the one before it.
   auto aq_at = [&](int h, int r) {
     if constexpr (CL) {
-      const float v = to_acc(aq[(int64_t(b) * H + min(h, H - 1)) * Rq + min(r, Rq - 1)]);
+      const float v = to_acc(aq[(int64_t(bs) * H + min(h, H - 1)) * Rq + min(r, Rq - 1)]);
       return h < H && r < Rq ? v : 0.f;
     }
-    return h < H && r < Rq ? to_acc(aq[(int64_t(b) * H + h) * Rq + r]) : 0.f;
+    return h < H && r < Rq ? to_acc(aq[(int64_t(bs) * H + h) * Rq + r]) : 0.f;
   };
   const uint32_t qa[4] = {pack2<T>(aq_at(h0, gc), aq_at(h0, gc + 1)), pack2<T>(aq_at(h1, gc), aq_at(h1, gc + 1)),
                           pack2<T>(aq_at(h0, gc + 8), aq_at(h0, gc + 9)),
@@ -431,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
       o = make_float4(o.x * k, o.y * k, o.z * k, o.w * k);
       if (alone) {  // the arithmetic of the combine below with one rank (weight 1): the same bits
         const float n = 1.f / l;
-        *reinterpret_cast<uint2*>(out + (int64_t(b) * H + h) * E + e) =
+        *reinterpret_cast<uint2*>(out + (int64_t(bs) * H + h) * E + e) =
             make_uint2(pack2<T>(o.x * n, o.y * n), pack2<T>(o.z * n, o.w * n));
         continue;
       }
@@ -448,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     cluster.sync();
     const int C = g.cluster, rank = int(cluster.block_rank()), quads = H * EQ, per = (quads + C - 1) / C;
     const bool whole = g.splits == C;  // one cluster a sequence: the output
-    const int64_t cslot = int64_t(b) * (g.splits / C) + split / C;
+    const int64_t cslot = int64_t(bs) * (g.splits / C) + split / C;
     // Block c's result, mapped once a rank: its max and sum follow its H x E values.
     auto remote = [&](int c) { return cluster.map_shared_rank(res_o, c); };
     for (int q = rank * per + tid; q < min(quads, (rank + 1) * per); q += kThreads) {
@@ -494,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
       }
       if (whole) {
         const float k = 1.f / l;
-        *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i) =
+        *reinterpret_cast<uint2*>(out + int64_t(bs) * H * E + i) =
             make_uint2(pack2<T>(o.x * k, o.y * k), pack2<T>(o.z * k, o.w * k));
       } else {
         *reinterpret_cast<float4*>(part_acc + cslot * H * E + i) = o;
@@ -514,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     __threadfence();
     cluster.sync();  // also: no block leaves while another reads its shared memory
     if (rank == 0 && tid == 0) {
-      const int last = atomicAdd(counters + b, 1) == g.splits / C - 1;
+      const int last = atomicAdd(counters + bs, 1) == g.splits / C - 1;
       for (int c = 0; c < C; ++c) *cluster.map_shared_rank(&is_last, c) = last;
     }
     cluster.sync();
@@ -523,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     q_begin = min(quads, rank * per);
     q_end = min(quads, q_begin + per);
   } else {
-    const int64_t slot = int64_t(b) * g.splits + split;
+    const int64_t slot = int64_t(bs) * g.splits + split;
     for (int i = tid; i < H * E; i += kThreads) {
       const int h = i / E, e = i - h * E, r = h % 16, w0 = h / 16;  // warps w0, w0 + HG, ... hold head h
       float m = -INFINITY;
@@ -538,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
         l += f * ml_s[w * 32 + 16 + r];
       }
       if (g.splits == 1) {
-        out[(int64_t(b) * H + h) * E + e] = from_acc<T>(o * g.inv_rv / l);
+        out[(int64_t(bs) * H + h) * E + e] = from_acc<T>(o * g.inv_rv / l);
       } else {
         part_acc[(slot * H + h) * E + e] = o * g.inv_rv;
         if (e == 0) {
@@ -550,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     if (g.splits == 1) return;
     __threadfence();
     __syncthreads();
-    if (tid == 0) is_last = atomicAdd(counters + b, 1) == g.splits - 1;
+    if (tid == 0) is_last = atomicAdd(counters + bs, 1) == g.splits - 1;
     __syncthreads();
     if (!is_last) return;
     __threadfence();
@@ -561,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   const int S = CL ? g.splits / g.cluster : g.splits;
   float* wm = reinterpret_cast<float*>(smem);
   float* wl = wm + S * H;
-  const float* stat = part_stat + int64_t(b) * S * H * 2;
+  const float* stat = part_stat + int64_t(bs) * S * H * 2;
   for (int j = tid; j < S * H; j += kThreads) {
     wm[j] = __ldcg(stat + 2 * j);
     wl[j] = __ldcg(stat + 2 * j + 1);
@@ -582,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
   }
   __syncthreads();
   const int quads = H * E / 4;
-  const float4* pa = reinterpret_cast<const float4*>(part_acc + int64_t(b) * S * H * E);
+  const float4* pa = reinterpret_cast<const float4*>(part_acc + int64_t(bs) * S * H * E);
   if (g.gather) {
     // Two quads a thread and kGather slots at a time, loaded unconditionally (past S at slot S - 1, weighing
     // 0): one L2 round trip for 2 kGather values, where the loop below, with fewer slots than its unroll of
@@ -611,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
 #pragma unroll
       for (int u = 0; u < 2; ++u)
         if (u == 0 || i0 + kThreads < q_end)
-          *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + iq[u] * 4) =
+          *reinterpret_cast<uint2*>(out + int64_t(bs) * H * E + iq[u] * 4) =
               make_uint2(pack2<T>(o[u].x, o[u].y), pack2<T>(o[u].z, o[u].w));
     }
   } else {
@@ -627,11 +633,11 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
         o.z += w * v.z;
         o.w += w * v.w;
       }
-      *reinterpret_cast<uint2*>(out + int64_t(b) * H * E + i * 4) =
+      *reinterpret_cast<uint2*>(out + int64_t(bs) * H * E + i * 4) =
           make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
     }
   }
-  if (tid == 0 && q_begin == 0) counters[b] = 0;  // ready for the next call
+  if (tid == 0 && q_begin == 0) counters[bs] = 0;  // ready for the next call
 }
 
 }  // namespace lintape::tpa_cuda::decode_tc_kernel

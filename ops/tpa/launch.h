@@ -25,6 +25,11 @@ struct DecodeArgs {
   // at once, 0 the last-block combine, -1 what LINTAPE_TPA_DECODE_CLUSTER says (unset: 16, faster than 8
   // at every measured shape on an H100, bench/notes/tpa-decode.md).
   int cluster = -1;
+  // Tensor-core kernel at the seeds' shape (H 32, R_k = R_v 1, D = E 128) under the cluster schedule: 2 splits each
+  // sequence's heads into two slices of 16, each with blocks of its own (twice the blocks, each with half the
+  // products, for short caches at small batches); 1 keeps the heads together; -1 lets the launcher choose
+  // (LINTAPE_TPA_DECODE_HEADS=1 or 2 overrides it). Elsewhere the heads stay together.
+  int head_slices = -1;
 };
 
 // out (B, 1, H, E) contiguous, in the factors' dtype. The tensor-core kernel is one launch (with a split
