@@ -28,6 +28,7 @@
 // portable 8 (9..16), one cluster a sequence wherever the splits fit one and every sequence's cluster stays
 // resident. docs/ops/tpa.md says more.
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -201,7 +202,8 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
     if (cluster && (s > cluster || cluster > kMaxCluster)) {
       auto fits = [&](int c) { return c <= tiles && (tiles + c - 1) / c <= 4 && resident_with(c) / c >= B; };
       int pick = 0;
-      for (int c = kMaxCluster; c >= 1 && !pick; c /= 2)
+      // Head slices: any size (a cluster of 8 a slice at one block an SM does not fit 16 slices on an H200).
+      for (int c = kMaxCluster; c >= 1 && !pick; c = HS > 1 ? c - 1 : c / 2)
         if (c <= request && fits(c)) pick = c;
       if (!pick && s > cluster && request >= kMaxWhole && fits(kMaxWhole)) pick = kMaxWhole;
       if (pick) s = cluster = pick;
@@ -234,6 +236,11 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   for (int i = 0; i < 6; ++i) f[i] = static_cast<const T*>(factors[i]->data());
   T* o = static_cast<T*>(out.data());
   const dim3 grid(unsigned(g.splits), unsigned(B / HS), unsigned(HS));
+  static long long trace_key = -1;
+  if (std::getenv("LINTAPE_TPA_DECODE_TRACE") && trace_key != (long long)(B * 1000000 + M))  // TEMPORARY
+    trace_key = (long long)(B * 1000000 + M),
+    std::fprintf(stderr, "decode trace B %lld M %lld HS %d cluster %d splits %d rows %d tile %d stages %d smem %d\n",
+                 (long long)(B / HS), (long long)M, HS, cluster, g.splits, g.split_rows, g.rows, g.stages, g.total);
   if (!cluster) {
     kernel<<<grid, kThreads, size_t(g.total), stream(device)>>>(f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa,
                                                                 ps, counters, g);
