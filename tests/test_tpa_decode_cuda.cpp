@@ -22,7 +22,7 @@ std::vector<int64_t> mixed(const DecodeShape& s) {
 }
 
 Tensor run(const FactorInputs& f, const std::vector<int64_t>& lengths, int cluster, int64_t split_rows,
-           int head_slices = 1) {
+           int head_slices = -1) {
   tpa_cuda::DecodeArgs a{f.gpu[0], f.gpu[1], f.gpu[2], f.gpu[3], f.gpu[4], f.gpu[5], lengths};
   a.scale = 1.0 / std::sqrt(double(f.gpu[1].size(3)));
   a.cluster = cluster;

@@ -26,9 +26,10 @@
 // through distributed shared memory. One cluster a sequence writes the output; with several, each writes a partial
 // and the sequence's last cluster to finish combines those, each of its blocks a slice of the output. Above the
 // portable 8 (9..16), one cluster a sequence wherever the splits fit one and every sequence's cluster stays
-// resident. docs/ops/tpa.md says more.
+// resident. At the seeds' shape, short caches at small batches split each sequence's heads into two slices of 16
+// (a grid's z; head_slices_for): each slice's blocks are a sequence of their own, with 128-row tiles (four row groups
+// of 16 heads), so twice the blocks share the cache with half the products each. docs/ops/tpa.md says more.
 #include <algorithm>
-#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -236,11 +237,6 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   for (int i = 0; i < 6; ++i) f[i] = static_cast<const T*>(factors[i]->data());
   T* o = static_cast<T*>(out.data());
   const dim3 grid(unsigned(g.splits), unsigned(B / HS), unsigned(HS));
-  static long long trace_key = -1;
-  if (std::getenv("LINTAPE_TPA_DECODE_TRACE") && trace_key != (long long)(B * 1000000 + M))  // TEMPORARY
-    trace_key = (long long)(B * 1000000 + M),
-    std::fprintf(stderr, "decode trace B %lld M %lld HS %d cluster %d splits %d rows %d tile %d stages %d smem %d\n",
-                 (long long)(B / HS), (long long)M, HS, cluster, g.splits, g.split_rows, g.rows, g.stages, g.total);
   if (!cluster) {
     kernel<<<grid, kThreads, size_t(g.total), stream(device)>>>(f[0], f[1], f[2], f[3], f[4], f[5], lengths, o, pa,
                                                                 ps, counters, g);
@@ -266,8 +262,12 @@ bool seeds_shape(const Geo& g) {
 }
 
 // The head slices a call runs (DecodeArgs::head_slices): two only for the seeds' instance under the cluster schedule
-// (launch's conditions for it), where asked for, or by the launcher's rule: a batch small enough that both slices'
-// clusters of 8 fit one block an SM, at a cache that leaves each block at most four tiles of 128 rows.
+// (launch's conditions for it), where asked for, or by the launcher's rule: past one 64-row tile (below it a block is
+// its prologue and epilogue, which the slices do not shorten), where one block a 128-row tile of each slice fits the
+// SMs. A slice's block reads the tile's bk and bv rows whole for half the heads, so where blocks hold several tiles
+// the slices lose (H200, B 8 M 2048: 14.7 us against 14.1-14.4; B 32 M 1024 19.7 against 19.4); at one or two tiles a
+// block they win (B 8: M 128 7.3-7.4 against 8.7, M 384 9.7-9.9 against 10.8-10.9, M 1024 11.1-11.2 against 11.3-11.4;
+// B 32 M 256 9.8 against 11.8-11.9).
 int head_slices_for(const DecodeArgs& a, const Geo& g) {
   static const int env = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_HEADS");
@@ -279,7 +279,8 @@ int head_slices_for(const DecodeArgs& a, const Geo& g) {
     return 1;
   if (asked == 2) return 2;
   const int64_t B = a.aq.size(0), M = a.ak.size(1);
-  return B * 2 * kMaxCluster <= sm_count(a.aq.device().index) && M <= 4 * 128 * kMaxCluster ? 2 : 1;
+  const int64_t tile = make_geo(a, 2, 2).rows;  // 128: four row groups of two 16-row chunks
+  return M > 64 && B * 2 * ((M + tile - 1) / tile) <= sm_count(a.aq.device().index) ? 2 : 1;
 }
 
 template <class T, int CH>
