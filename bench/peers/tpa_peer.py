@@ -103,6 +103,9 @@ def main():
             rows.append({"op": "tpa_attention", "batch": B, "head": H, "n": n, "fwd_ms": fwd, "bwd_ms": both - fwd,
                          "fwd_mib": mem_f, "fwd_bwd_mib": mem_b})
 
+    # One compiled graph per decode shape: past dynamo's default limit of 8 the later shapes would run eagerly.
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, 64)
     compiled = torch.compile(naive_decode, dynamic=False)
     ms = [256, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     if args.decode_ms:

@@ -4,7 +4,6 @@
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <utility>
 #include "core/cuda_acts.cuh"
 #include "core/cuda_mma.cuh"
@@ -70,9 +69,8 @@ Geo make_geo(const DecodeArgs& a, int ch, int heads = 1) {
   };
   // The deepest pipeline that keeps two blocks per SM (two stages only with two chunks a warp, whose tiles
   // are twice as long), else the deepest that fits.
-  static const bool deep = std::getenv("LINTAPE_TPA_DECODE_DEEP") != nullptr;  // TEMPORARY: measurement only
   for (int st : {4, 3, 2})
-    if (!deep && !g.stages && (st >= 3 || ch == 2) && total_for(st) <= kTwoBlocksBytes) g.stages = st;
+    if (!g.stages && (st >= 3 || ch == 2) && total_for(st) <= kTwoBlocksBytes) g.stages = st;
   for (int st : {4, 3, 2})
     if (!g.stages && total_for(st) <= kMaxSharedBytes) g.stages = st;
   if (!g.stages) g.stages = 2;  // too large: decode_uses_tensor_cores declines it
