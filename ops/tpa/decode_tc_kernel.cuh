@@ -525,9 +525,6 @@ __global__ void __launch_bounds__(kThreads, CH == 1 ? 3 : 2) decode_tc(const T* 
     }
     cluster.sync();
     if (!is_last) return;
-    // The cluster barrier's wait lets a warp's threads leave it apart; the combine's __syncthreads below wants each
-    // warp whole (synccheck: "divergent thread(s) in warp" there, with clusters of 16 and several a sequence).
-    __syncwarp();
     __threadfence();
     q_begin = min(quads, rank * per);
     q_end = min(quads, q_begin + per);
