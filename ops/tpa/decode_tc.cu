@@ -27,7 +27,7 @@
 // and the sequence's last cluster to finish combines those, each of its blocks a slice of the output. Above the
 // portable 8 (9..16), one cluster a sequence wherever the splits fit one and every sequence's cluster stays
 // resident. At the seeds' shape, short caches at small batches split each sequence's heads into two slices of 16
-// (a grid's z; head_slices_for): each slice's blocks are a sequence of their own, with 128-row tiles (four row groups
+// (a grid's z; runs_head_slices): each slice's blocks are a sequence of their own, with 128-row tiles (four row groups
 // of 16 heads), so twice the blocks share the cache with half the products each. docs/ops/tpa.md says more.
 #include <algorithm>
 #include <cstdlib>
@@ -82,6 +82,11 @@ int cluster_request(const DecodeArgs& a) {
     return v ? std::atoi(v) : kMaxWhole;
   }();
   return std::min(a.cluster >= 0 ? a.cluster : env, kMaxWhole);
+}
+
+// Whether the cluster schedule runs: asked for (cluster_request >= 1), two chunks a warp, bq 16-byte aligned.
+bool cluster_schedule_runs(const DecodeArgs& a, int chunks) {
+  return chunks == 2 && cluster_request(a) >= 1 && reinterpret_cast<uintptr_t>(a.bq.data()) % 16 == 0;
 }
 
 // A launch of clusters of `cluster` blocks of kThreads with `smem` bytes of dynamic shared memory, for the
@@ -148,8 +153,7 @@ void launch(const DecodeArgs& a, Geo g, Tensor& out) {
   const int device = dev.index;
   // The cluster schedule where it was asked for and applies (two chunks a warp, bq 16-byte aligned).
   const int request = cluster_request(a), cluster_cap = std::min(request, kMaxCluster);
-  int cluster = cluster_cap;
-  if (CH != 2 || cluster < 1 || reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0) cluster = 0;
+  int cluster = cluster_schedule_runs(a, CH) ? cluster_cap : 0;
   LT_CHECK(HS == 1 || cluster, "[tpa_decode] head slices need the cluster schedule");
   auto kernel = decode_tc<T, HG, NT, CH, false>;
   auto clustered = decode_tc<T, HG, NT, CH, CH == 2, SEEDS, HS>;
@@ -261,26 +265,24 @@ bool seeds_shape(const Geo& g) {
   return !off && g.H == 32 && g.Rk == 1 && g.Rv == 1 && g.D == 128 && g.E == 128;
 }
 
-// The head slices a call runs (DecodeArgs::head_slices): two only for the seeds' instance under the cluster schedule
-// (launch's conditions for it), where asked for, or by the launcher's rule: past one 64-row tile (below it a block is
+// Whether a call runs two head slices (DecodeArgs::head_slices): only the seeds' instance under the cluster schedule,
+// where asked for, or by the launcher's rule: past one 64-row tile (below it a block is
 // its prologue and epilogue, which the slices do not shorten), where one block a 128-row tile of each slice fits the
 // SMs. A slice's block reads the tile's bk and bv rows whole for half the heads, so where blocks hold several tiles
 // the slices lose (H200, B 8 M 2048: 14.7 us against 14.1-14.4; B 32 M 1024 19.7 against 19.4); at one or two tiles a
 // block they win (B 8: M 128 7.3-7.4 against 8.7, M 384 9.7-9.9 against 10.8-10.9, M 1024 11.1-11.2 against 11.3-11.4;
 // B 32 M 256 9.8 against 11.8-11.9).
-int head_slices_for(const DecodeArgs& a, const Geo& g) {
+// `sliced`: the geometry of a slice's blocks (128-row tiles: four row groups of two 16-row chunks).
+bool runs_head_slices(const DecodeArgs& a, const Geo& g, const Geo& sliced) {
   static const int env = [] {
     const char* v = std::getenv("LINTAPE_TPA_DECODE_HEADS");
     return v ? std::atoi(v) : -1;
   }();
   const int asked = a.head_slices >= 0 ? a.head_slices : env;
-  if (asked == 1 || g.chunks != 2 || !seeds_shape(g) || cluster_request(a) < 1 ||
-      reinterpret_cast<uintptr_t>(a.bq.data()) % 16 != 0)
-    return 1;
-  if (asked == 2) return 2;
-  const int64_t B = a.aq.size(0), M = a.ak.size(1);
-  const int64_t tile = make_geo(a, 2, 2).rows;  // 128: four row groups of two 16-row chunks
-  return M > 64 && B * 2 * ((M + tile - 1) / tile) <= sm_count(a.aq.device().index) ? 2 : 1;
+  if (asked == 1 || !seeds_shape(g) || !cluster_schedule_runs(a, g.chunks)) return false;
+  if (asked == 2) return true;
+  const int64_t B = a.aq.size(0), M = a.ak.size(1), tile = sliced.rows;
+  return M > 64 && B * 2 * ((M + tile - 1) / tile) <= sm_count(a.aq.device().index);
 }
 
 template <class T, int CH>
@@ -289,7 +291,8 @@ void launch_for_shape(const DecodeArgs& a, const Geo& g, Tensor& out) {
   const bool wide = g.E == 128;
   if constexpr (CH == 2)
     if (seeds_shape(g)) {
-      if (head_slices_for(a, g) == 2) return launch<T, 1, 16, 2, true, 2>(a, make_geo(a, 2, 2), out);
+      const Geo sliced = make_geo(a, 2, 2);
+      if (runs_head_slices(a, g, sliced)) return launch<T, 1, 16, 2, true, 2>(a, sliced, out);
       return launch<T, 2, 16, 2, true>(a, g, out);
     }
   if (hg == 1) wide ? launch<T, 1, 16, CH>(a, g, out) : launch<T, 1, 8, CH>(a, g, out);
