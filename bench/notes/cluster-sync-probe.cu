@@ -13,14 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe-check.h"
 
 constexpr int kThreads = 128, kSmem = 110 * 1024, kTiles = 4;
 

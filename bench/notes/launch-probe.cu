@@ -10,14 +10,7 @@
 #include <functional>
 #include <vector>
 
-#define CHECK(x)                                                                           \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
+#include "probe-check.h"
 
 struct Lengths {  // the decode's inline per-sequence lengths: 1 KB of parameters
   const long long* device;
